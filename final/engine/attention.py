@@ -1,0 +1,147 @@
+"""Attention for one forward pass: write K/V into the row cache, attend, and fold in cartridge prefixes.
+
+A row with a cartridge attends to two segments: the cartridge's K/V (positions 0..p-1, shared by every row that
+uses it) and its own tokens (positions p..). Each segment is attended separately and the results are merged
+exactly with their log-sum-exp, so the cartridge is read once per step for a whole group of rows and never
+copied per row. Rows without a cartridge take PyTorch's fused SDPA directly.
+
+Layouts: q [B,T,H,D] and k/v [B,T,Hkv,D] as the model produces them; grouped-query attention is computed
+as [B,Hkv,G*T,D] so K/V are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from final.engine.kv_cache import KVCache, PrefixKV
+
+_QUERY_CHUNK = 256  # bounds the fp32 score matrix of long prompts in the merged path
+
+
+def group_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B,T,H,D] -> [B,Hkv,G,T,D] (query head h uses kv head h // G, as HF's repeat_kv)."""
+    B, T, H, D = q.shape
+    return q.view(B, T, num_kv_heads, H // num_kv_heads, D).permute(0, 2, 3, 1, 4)
+
+
+def ungroup_o(o: torch.Tensor) -> torch.Tensor:
+    """[B,Hkv,G,T,D] -> [B,T,H,D]."""
+    B, Hkv, G, T, D = o.shape
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D)
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores.
+
+    q [..., M, D], k/v [..., N, D], mask broadcastable to [..., M, N] (True = attend). Returns o [..., M, D]
+    in q's dtype and lse [..., M] in fp32 (-inf where a query sees nothing in this segment).
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    p = torch.nan_to_num(p, nan=0.0)
+    return torch.matmul(p.to(v.dtype), v), lse
+
+
+def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Combine two attention results over disjoint key sets into attention over their union."""
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
+
+
+def attend_prefix(qg: torch.Tensor, prefix: PrefixKV, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' grouped queries [n,Hkv,G,T,D] against one shared prefix [Hkv,p,D]: one matmul for all rows."""
+    n, Hkv, G, T, D = qg.shape
+    flat = qg.permute(1, 0, 2, 3, 4).reshape(Hkv, n * G * T, D)
+    o, lse = attend_lse(flat, prefix.k[layer], prefix.v[layer], scale)
+    o = o.view(Hkv, n, G, T, D).permute(1, 0, 2, 3, 4)
+    return o, lse.view(Hkv, n, G, T).permute(1, 0, 2, 3)
+
+
+def causal_lse(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention with lse, chunked over queries. qg [n,Hkv,G,T,D], k/v [n,Hkv,T,D]."""
+    n, Hkv, G, T, D = qg.shape
+    outs, lses = [], []
+    idx = torch.arange(T, device=qg.device)
+    for t0 in range(0, T, _QUERY_CHUNK):
+        t1 = min(T, t0 + _QUERY_CHUNK)
+        mask = idx[None, :t1] <= idx[t0:t1, None]  # [c, t1]
+        qc = qg[:, :, :, t0:t1].reshape(n, Hkv, G * (t1 - t0), D)
+        o, lse = attend_lse(qc, k[:, :, :t1], v[:, :, :t1], scale, mask.repeat(G, 1))
+        outs.append(o.view(n, Hkv, G, t1 - t0, D))
+        lses.append(lse.view(n, Hkv, G, t1 - t0))
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+@dataclass
+class PrefillPlan:
+    """New rows, right-padded to a common length T, all sharing the same prefix (or none)."""
+
+    cache: KVCache
+    slots: list[int]
+    prefix: PrefixKV | None
+    scale: float
+    capture: bool = False  # keep each layer's K/V (used to build cartridges from text)
+
+    def __post_init__(self) -> None:
+        self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = q.shape[1]
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n,Hkv,T,D]
+        if self.capture:
+            self.captured.append((kt.detach().clone(), vt.detach().clone()))
+        for row, slot in enumerate(self.slots):
+            self.cache.k[layer][slot, :, :T] = kt[row]
+            self.cache.v[layer][slot, :, :T] = vt[row]
+        if self.prefix is None:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+            return o.transpose(1, 2)
+        qg = group_q(q, k.shape[2])
+        o_own, lse_own = causal_lse(qg, kt, vt, self.scale)
+        o_pre, lse_pre = attend_prefix(qg, self.prefix, layer, self.scale)
+        return ungroup_o(merge(o_own, lse_own, o_pre, lse_pre))
+
+
+@dataclass
+class DecodePlan:
+    """One new token for each running row; row i is slot i and has `lengths[i]` tokens cached already."""
+
+    cache: KVCache
+    lengths: torch.Tensor  # [B] long
+    groups: list[tuple[torch.Tensor, PrefixKV]]  # (row indices, shared prefix) for rows with cartridges
+    scale: float
+
+    def __post_init__(self) -> None:
+        B = self.lengths.shape[0]
+        self.rows = torch.arange(B, device=self.lengths.device)
+        self.span = int(self.lengths.max()) + 1
+        self.mask = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B = q.shape[0]
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        ck[self.rows, :, self.lengths] = k[:, 0]
+        cv[self.rows, :, self.lengths] = v[:, 0]
+        keys, values = ck[:B, :, : self.span], cv[:B, :, : self.span]
+        if not self.groups:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask[:, None, None, :],
+                                               scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2)
+        qg = group_q(q, k.shape[2])  # [B,Hkv,G,1,D]
+        Hkv, G, D = qg.shape[1], qg.shape[2], qg.shape[4]
+        o, lse = attend_lse(qg.reshape(B, Hkv, G, D), keys, values, self.scale, self.mask[:, None, None, :])
+        o, lse = o.unsqueeze(3), lse.unsqueeze(3)
+        for rows, prefix in self.groups:
+            o_pre, lse_pre = attend_prefix(qg[rows], prefix, layer, self.scale)
+            o[rows] = merge(o[rows], lse[rows], o_pre, lse_pre)
+        return ungroup_o(o)

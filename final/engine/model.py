@@ -1,0 +1,197 @@
+"""A Llama-family decoder in plain PyTorch (Llama, Mistral, Qwen2, Qwen3), loaded from a HF folder.
+
+Weights come from transformers' own loader (so sharding, tying and dtype handling are HF's), then move into
+fused q|k|v and gate|up matrices. Attention is delegated to an `AttentionPlan` (final/engine/attention.py)
+that owns the KV cache writes and any cartridge prefix, so this file is only the math of one forward pass.
+Numerics follow HF exactly (RMSNorm in fp32, RoPE tables from HF's own inv_freq and attention scaling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from final.errors import ModelError
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token across layers, per byte of dtype (multiply by element size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelSpec":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED:
+            raise ModelError(
+                f"the embedded engine supports model types {sorted(SUPPORTED)}, got {model_type!r}; "
+                "use rollout.name: sglang on a CUDA machine for other architectures"
+            )
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral"):
+            raise ModelError(f"sliding-window attention ({model_type}) is not supported by the embedded engine")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            qkv_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+class AttentionPlan(Protocol):
+    """What a forward pass needs from the cache side: write this layer's K/V, return attention output."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B,T,H,D], k/v [B,T,Hkv,D] (post-RoPE) -> [B,T,H,D]."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF: normalise in fp32, cast back, then scale (the order matters for bf16 parity).
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class Layer:
+    split: tuple[int, int, int]
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class CausalLM:
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor,
+                 layers: list[Layer], cos: torch.Tensor, sin: torch.Tensor):
+        self.spec = spec
+        self.embed, self.lm_head, self.norm = embed, lm_head, norm
+        self.layers = layers
+        self.cos, self.sin = cos, sin
+        self.dtype = embed.dtype
+        self.device = embed.device
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.lm_head, self.norm]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # ---- loading -------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> "CausalLM":
+        from transformers import AutoModelForCausalLM
+
+        device = torch.device(device)
+        with torch.device("cpu"):
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        spec = ModelSpec.from_hf_config(hf.config)
+
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.detach().to(device).contiguous()
+
+        base = hf.model
+        embed = t(base.embed_tokens.weight)
+        tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
+        lm_head = embed if tied else t(hf.lm_head.weight)
+        layers = []
+        q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        for theirs in base.layers:
+            att, mlp = theirs.self_attn, theirs.mlp
+            layers.append(Layer(
+                split=(q_out, kv_out, kv_out),
+                wqkv=t(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                bqkv=t(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])) if spec.qkv_bias else None,
+                wo=t(att.o_proj.weight),
+                w_gate_up=t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                w_down=t(mlp.down_proj.weight),
+                in_norm=t(theirs.input_layernorm.weight),
+                post_norm=t(theirs.post_attention_layernorm.weight),
+                q_norm=t(att.q_norm.weight) if spec.qk_norm else None,
+                k_norm=t(att.k_norm.weight) if spec.qk_norm else None,
+            ))
+        # Use HF's own inv_freq and attention scaling so every rope type (default, llama3, yarn...) matches.
+        rotary = base.rotary_emb
+        inv_freq = rotary.inv_freq.float().cpu()
+        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        cos = (emb.cos() * scale).to(dtype).to(device)
+        sin = (emb.sin() * scale).to(dtype).to(device)
+        return cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin)
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """ids, positions [B,T] -> final-norm hidden states [B,T,hidden]."""
+        spec = self.spec
+        B, T = ids.shape
+        x = F.embedding(ids, self.embed)
+        cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
+        sin = self.sin[positions].unsqueeze(2)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.in_norm, spec.rms_norm_eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            q, k, v = qkv.split(layer.split, dim=-1)
+            q = q.view(B, T, spec.num_heads, spec.head_dim)
+            k = k.view(B, T, spec.num_kv_heads, spec.head_dim)
+            v = v.view(B, T, spec.num_kv_heads, spec.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = plan.attend(i, q, k, v)
+            x = x + F.linear(o.reshape(B, T, -1), layer.wo)
+            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        return rms_norm(x, self.norm, spec.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N,hidden] -> fp32 logits [N,vocab] (computed in model dtype like HF, then upcast)."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,73 @@
+"""Batched next-token choice with SGLang 0.5.2's semantics.
+
+Greedy rows take the argmax. Sampled rows use softmax(logits / temperature) filtered by top-k, top-p and min-p
+exactly as SGLang's torch fallback (`top_k_top_p_min_p_sampling_from_probs_torch`), then draw with the row's own
+torch.Generator, so a request with a seed gets the same tokens whatever else is in the batch. Logprobs are
+SGLang's: log of the temperature-scaled probabilities before filtering (plain log_softmax for greedy rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from final.engine.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Presence/frequency penalties over output tokens, repetition penalty over prompt+output (in place)."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.has_penalties:
+            continue
+        if seq.output_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(seq.output_ids), minlength=logits.shape[1]).to(logits)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), device=logits.device)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """min_new_tokens: stop tokens cannot be chosen before the minimum is reached (in place)."""
+    for row, seq in enumerate(seqs):
+        if len(seq.output_ids) < seq.params.min_new_tokens and seq.stop_ids:
+            logits[row, list(seq.stop_ids)] = float("-inf")
+
+
+def _filtered_draw(probs: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    if p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0.0:
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+    probs_sort, probs_idx = probs.sort(descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    if p.top_k != -1:
+        probs_sort[p.top_k:] = 0.0
+    probs_sort[(probs_sum - probs_sort) > p.top_p] = 0.0
+    if p.min_p > 0:
+        probs_sort[probs_sort < probs_sort[0] * p.min_p] = 0.0
+    return int(probs_idx[torch.multinomial(probs_sort, 1, generator=seq.generator)])
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
+    """logits [B,V] fp32 (modified in place) -> one token per row, and logprobs if any row asked for them."""
+    apply_penalties(logits, seqs)
+    block_early_stop(logits, seqs)
+    want_logprobs = any(s.return_logprob for s in seqs)
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    else:
+        temps = torch.tensor([1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)],
+                             dtype=logits.dtype, device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        tokens = probs.argmax(dim=-1)
+        for row, seq in enumerate(seqs):
+            if not greedy[row]:
+                tokens[row] = _filtered_draw(probs[row], seq)
+        logprobs = torch.log(probs).clamp(min=torch.finfo(probs.dtype).min) if want_logprobs else None
+    token_list = tokens.tolist()
+    if logprobs is None:
+        return token_list, None
+    return token_list, logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()

@@ -1,0 +1,96 @@
+"""Sequence: one request's whole state, from admission to its SGLang-shaped output dict."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from final.engine.kv_cache import PrefixKV
+from final.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_new_tokens clipped to the context window
+    stop_ids: frozenset[int]
+    prefix: PrefixKV | None
+    generator: torch.Generator | None
+    on_done: Callable[["Sequence"], None]
+    on_error: Callable[[BaseException], None]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    status: Status = Status.WAITING
+    slot: int = -1
+    finish_reason: dict | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix.length if self.prefix is not None else 0
+
+    @property
+    def cartridges(self) -> tuple[str, ...]:
+        return self.prefix.ids if self.prefix is not None else ()
+
+    @property
+    def cached_len(self) -> int:
+        """Own tokens whose K/V are in the row cache (the newest output token is not yet)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def append(self, token: int, logprob: float | None,
+               stop_texts: Callable[[list[int], list[str]], str | None] | None) -> None:
+        """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.max_new_tokens}
+        elif token in self.stop_ids:
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif stop_texts is not None and self.params.stop:
+            matched = stop_texts(self.output_ids, self.params.stop)
+            if matched:
+                self.finish_reason = {"type": "stop", "matched": matched}
+
+    def abort(self, message: str) -> None:
+        self.finish_reason = {"type": "abort", "message": message}
+
+    def to_output(self) -> dict:
+        """The dict SGLang 0.5.2's Engine.async_generate returns with skip_tokenizer_init."""
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids) + self.prefix_len,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.prefix_len,
+            "e2e_latency": time.perf_counter() - self.created,
+        }
+        if self.return_logprob:
+            start = self.logprob_start_len if self.logprob_start_len >= 0 else len(self.prompt_ids) - 1
+            values = self.input_logprobs if self.input_logprobs is not None else [None]
+            meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(values, self.prompt_ids[start:])]
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(self.output_logprobs, self.output_ids)]
+        return {"output_ids": list(self.output_ids), "meta_info": meta}

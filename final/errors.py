@@ -1,0 +1,68 @@
+"""Typed errors. Every error names its cause (a config key path, a file and field, a request field)
+so a user can fix the input without reading a traceback; the engine keeps serving afterwards."""
+
+from __future__ import annotations
+
+
+class FinalError(Exception):
+    """Base class for every error this package raises on purpose."""
+
+
+class ConfigError(FinalError, ValueError):
+    """A config file or dict is wrong. `key` is the dotted path of the offending key."""
+
+    def __init__(self, message: str, key: str | None = None, path: str | None = None):
+        self.key = key
+        self.path = path
+        where = []
+        if path:
+            where.append(str(path))
+        if key:
+            where.append(f"key '{key}'")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+class ToolConfigError(ConfigError):
+    """tools.yaml (or multi_turn settings) is wrong."""
+
+
+class ModelError(FinalError, ValueError):
+    """The model cannot be resolved or loaded (missing path, unsupported architecture, missing package)."""
+
+
+class BackendUnavailableError(FinalError, RuntimeError):
+    """The chosen rollout backend cannot run here (no CUDA, missing extra). The message says how to fix it."""
+
+
+class PromptError(FinalError, ValueError):
+    """A prompt is malformed (empty, bad message, too long). `index` is the prompt's position in the batch."""
+
+    def __init__(self, message: str, index: int | None = None):
+        self.index = index
+        super().__init__(f"prompt {index}: {message}" if index is not None else message)
+
+
+class SamplingError(FinalError, ValueError):
+    """A sampling parameter is out of range. `field` names it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(f"sampling parameter '{field}': {message}" if field else message)
+
+
+class CartridgeError(FinalError, ValueError):
+    """A cartridge file, manifest or request is wrong. `file` and `field` name the cause."""
+
+    def __init__(self, message: str, file: str | None = None, field: str | None = None):
+        self.file = file
+        self.field = field
+        where = []
+        if file:
+            where.append(f"cartridge {file}")
+        if field:
+            where.append(f"field '{field}'")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
+class EngineError(FinalError, RuntimeError):
+    """The engine cannot serve a request (shut down, internal failure)."""
