@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import re
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,16 +137,20 @@ def _read_pt(path: Path, head: bytes) -> dict:
     try:
         # Only tensors, containers and ParameterList may be rebuilt: anything naming another global is refused
         # before it runs, so a malicious pickle never executes.
-        with torch.serialization.safe_globals([nn.ParameterList]):
+        with torch.serialization.safe_globals([nn.ParameterList]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        m = re.search(r"GLOBAL ([\w.]+)", text)
         if m:
             raise CartridgeError(f"refused to unpickle {m.group(1)}: cartridge files may contain only tensors "
                                  "(this file would run code when loaded)", file=name, field="pickle") from None
-        raise CartridgeError(f"not a cartridge file (.pt or .safetensors): {text.splitlines()[-1][:200]}",
-                             file=name, field="file") from None
+        if head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+            detail = text.split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+            raise CartridgeError(f"refused: the pickle holds more than tensors ({detail})", file=name,
+                                 field="pickle") from None
+        raise CartridgeError("not a cartridge file (.pt or .safetensors)", file=name, field="file") from None
     except (RuntimeError, EOFError, ValueError, OSError, struct.error, KeyError, IndexError) as exc:
         raise CartridgeError(f"not a readable cartridge file (truncated, corrupt or not .pt/.safetensors): "
                              f"{type(exc).__name__}: {str(exc)[:200]}", file=name, field="file") from None

@@ -367,7 +367,7 @@ def _per_item(value: Any, n: int, name: str) -> list:
 
 
 def _per_cartridge(cartridges: Any, n: int) -> list[tuple[str, ...]]:
-    if cartridges is None:
+    if cartridges is None or (isinstance(cartridges, (list, tuple)) and not cartridges):
         return [()] * n
     if isinstance(cartridges, str):
         return [(cartridges,)] * n
