@@ -56,6 +56,12 @@ def test_safetensors_and_raw_mode(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["questions"] == 1 and report["max_logit_diff"] >= 0
+    # convert back to the cartridges repo's .pt layout, keeping the manifest's identity
+    r = cli("convert", str(out), str(tmp_path / "planet.pt"), "--save-dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    r = cli("inspect", str(tmp_path / "planet.pt"), "--json")
+    info = json.loads(r.stdout)
+    assert info["dtype"] == "float32" and info["manifest"]["cartridge_id"] == "planet" and info["checksum"] == "ok"
 
 
 def test_bad_files_exit_with_a_typed_message(tmp_path):

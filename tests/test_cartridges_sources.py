@@ -95,6 +95,25 @@ def test_s3_download_cache_and_force_redownload(s3, engine, tmp_path):
     other.unload(uri)
 
 
+def test_s3_without_manifest_and_offline_cache_hit(s3, engine, tmp_path, monkeypatch):
+    _upload(s3, tmp_path, "plain.pt", random_cart(seed=9), manifest=False)
+    uri = "s3://carts/plain.pt"
+    got = fetch("s3", uri, cache_dir=tmp_path / "cache")
+    assert got.manifest is None and torch.equal(load_cartridge(got.path).keys[1], random_cart(seed=9).keys[1])
+    # S3 unreachable (nothing listens on this port): the cached copy serves, a forced re-download fails typed.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{dead}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert fetch("s3", uri, cache_dir=tmp_path / "cache").path == got.path
+    with pytest.raises(CartridgeError) as e:
+        fetch("s3", uri, cache_dir=tmp_path / "cache", force_redownload=True)
+    assert e.value.field == "source"
+
+
 def test_s3_checksum_is_verified(s3, engine, tmp_path):
     path = _upload(s3, tmp_path, "bad.pt", random_cart(seed=3), manifest=False)
     m = CartridgeManifest.describe(random_cart(seed=4), save_cartridge(random_cart(seed=4), tmp_path / "x.pt"),

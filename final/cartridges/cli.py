@@ -3,6 +3,7 @@
   build   --text FILE --out PATH     prefill the text, save its KV as a cartridge (+ manifest beside it)
   inspect PATH                       print the cartridge's shape, dtype, tokens and manifest; check the checksum
   verify  PATH --text FILE           compare cartridge + question with text + question: max logit diff, agreement
+  convert IN OUT                     rewrite a cartridge as .pt or .safetensors (by OUT's suffix), with a manifest
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, help="exit 1 if the max logit diff exceeds this or an answer differs")
     model_args(v)
     v.set_defaults(cartridge_func=_verify)
+
+    c = sub.add_parser("convert", help="rewrite a cartridge as .pt or .safetensors (chosen by the output suffix)")
+    c.add_argument("path", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--save-dtype", help="dtype of the written tensors (default: unchanged)")
+    c.set_defaults(cartridge_func=_convert)
     parser.set_defaults(func=run)
     return parser
 
@@ -161,8 +168,31 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"{c.max_logit_diff:.3e}  agreement {c.agreement:.3f}  {'same' if c.same_answer else 'DIFF'}  {q}")
         print(f"max logit diff: {report.max_logit_diff:.3e}")
         print(f"token agreement: {report.token_agreement:.4f} ({report.same_answers}/{len(report.checks)} same answer)")
-    if args.tolerance is not None and (report.max_logit_diff > args.tolerance or report.same_answers < len(report.checks)):
-        return 1
+    if args.tolerance is None:
+        return 0
+    return int(report.max_logit_diff > args.tolerance or report.same_answers < len(report.checks))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from final.cartridges.format import load_cartridge, save_cartridge
+    from final.cartridges.manifest import CartridgeManifest, read_manifest, verify_checksum
+    from final.engine.engine import resolve_dtype
+
+    mpath = _manifest_of(args.path)
+    old = read_manifest(mpath) if mpath else None
+    if old is not None:
+        verify_checksum(args.path, old)
+    cart = load_cartridge(args.path, allow_nonfinite=True)
+    if args.save_dtype:
+        cart = cart.to(resolve_dtype(args.save_dtype, torch.device("cpu")))
+    out = save_cartridge(cart, args.out)
+    new = CartridgeManifest.describe(cart, out, cartridge_id=old.cartridge_id if old else out.stem,
+                                     model_id=old.model_id if old else "",
+                                     source_document=old.source_document if old else None,
+                                     labels=old.labels if old else None)
+    print(f"wrote {out} and {new.write(out)}")
     return 0
 
 

@@ -73,12 +73,15 @@ def _local(path: str) -> Fetched:
 
 
 def _cached(root: Path, source: str, cid: str, filename: str, force: bool,
-            download: Callable[[Path], None]) -> Path:
-    """Download once into root/source/safe(id)/safe(filename), atomically (temp file + rename)."""
+            download: Callable[[Path], None]) -> tuple[Path, bool]:
+    """Download once into root/source/safe(id)/safe(filename), atomically (temp file + rename).
+
+    Returns the file and whether it was downloaded now (False: a cache hit, no network used).
+    """
     folder = root / source / safe_name(cid)
     target = folder / re.sub(r"[^A-Za-z0-9._-]+", "_", Path(filename).name).lstrip(".")
     if target.is_file() and not force:
-        return target
+        return target, False
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".download-", dir=folder)
     os.close(fd)
@@ -88,7 +91,7 @@ def _cached(root: Path, source: str, cid: str, filename: str, force: bool,
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+    return target, True
 
 
 # ---- S3 ------------------------------------------------------------------------------------------------
@@ -109,8 +112,21 @@ def _s3(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
     def get(k: str) -> Callable[[Path], None]:
         return lambda tmp: client.download_file(bucket, k, str(tmp))
 
+    where = f"{bucket}/{key}"
     try:
-        file = _cached(root, "s3", f"{bucket}/{key}", key, force, get(key))
+        file, fresh = _cached(root, "s3", where, key, force, get(key))
+        manifest = file.with_name(file.name + MANIFEST_SUFFIX)
+        if fresh:  # the manifest travels with the file: refresh it (or learn it is gone) on every download
+            manifest.unlink(missing_ok=True)
+            try:
+                _cached(root, "s3", where, manifest.name, True, get(key + MANIFEST_SUFFIX))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code", "") not in ("404", "NoSuchKey"):
+                    file.unlink()  # never leave a cached file whose manifest we could not check
+                    raise
+            except BaseException:
+                file.unlink()
+                raise
     except NoCredentialsError:
         raise CartridgeError("no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)",
                              file=cid, field="source") from None
@@ -120,15 +136,7 @@ def _s3(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
         raise CartridgeError(f"s3://{bucket}/{key} {what}: {exc}", file=cid, field="id") from None
     except BotoCoreError as exc:
         raise CartridgeError(f"S3 download failed: {exc}", file=cid, field="source") from None
-    manifest = None
-    try:
-        manifest = _cached(root, "s3", f"{bucket}/{key}", Path(key).name + MANIFEST_SUFFIX, force,
-                           get(key + MANIFEST_SUFFIX))
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code", "") not in ("404", "NoSuchKey"):
-            raise CartridgeError(f"cannot read the manifest beside s3://{bucket}/{key}: {exc}", file=cid,
-                                 field="manifest") from None
-    return Fetched(file, manifest)
+    return Fetched(file, manifest if manifest.is_file() else None)
 
 
 # ---- Hugging Face ----------------------------------------------------------------------------------------
@@ -194,5 +202,5 @@ def _wandb(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
             files[name].download(root=d, replace=True)
             os.replace(Path(d) / name, tmp)
 
-    file = _cached(root, "wandb", cid, name, force, download)
+    file, _ = _cached(root, "wandb", cid, name, force, download)
     return Fetched(file, None)
