@@ -185,7 +185,7 @@ def test_unknown_id_in_a_request(service, served):
     with pytest.raises(CartridgeError) as e:
         with service.using(["good", "nope"]):
             pass
-    assert (e.value.file, e.value.field) == ("nope", "cartridges")
+    assert (e.value.file, e.value.field) == ("nope", "cartridges[1]")  # names the request's entry
     assert service.store.get("good").refcount == 0  # all or nothing
     with pytest.raises(CartridgeError) as e:
         engine.generate([1, 2, 3], {"max_new_tokens": 2}, cartridges=("nope",))

@@ -112,7 +112,7 @@ def test_tokasaurus_specs_and_reload_while_in_use(env, tmp_path):
     want = greedy(engine, a_ids + q, 8)
 
     async def request():
-        with service.using([ids]):
+        with service.using([({"id": path, "source": "local"},)]):  # one row, its cartridges as specs
             out = await engine.async_generate(input_ids=q, sampling_params={"max_new_tokens": 8, "temperature": 0.0},
                                               cartridges=ids)
             return out["output_ids"], service.store.get(path).refcount

@@ -42,7 +42,7 @@ class CartridgeService:
         self.cache_dir = cache_dir
         self.allow_nonfinite = allow_nonfinite
         self.store = CartridgeStore(budget_bytes, on_evict=self._evicted)
-        self._load_lock = threading.Lock()
+        self._load_lock = threading.RLock()  # using() holds it across ensure + acquire
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
@@ -126,10 +126,15 @@ class CartridgeService:
         return tuple(ids)
 
     @contextlib.contextmanager
-    def using(self, ids: Iterable[str] | Iterable[Iterable[str]]) -> Iterator[tuple[str, ...]]:
-        """Hold a reference on every id (flat, or one tuple per row) for the duration of a request."""
-        flat = [c for item in ids for c in ((item,) if isinstance(item, str) else tuple(item or ()))]
-        held = self.store.acquire(flat)
+    def using(self, items: Iterable[Any]) -> Iterator[tuple[str, ...]]:
+        """Hold a reference on every cartridge of a request for its duration.
+
+        `items`: ids, Tokasaurus specs ({id, source, ...}, loaded on demand), or one tuple of those per row.
+        Loading and taking the references happen under one lock, so no other load can evict them in between.
+        """
+        flat = [c for item in items for c in ((item,) if isinstance(item, (str, Mapping)) else tuple(item or ()))]
+        with self._load_lock:
+            held = self.store.acquire(self.ensure(flat))
         try:
             yield held
         finally:
