@@ -195,6 +195,7 @@ def test_huggingface_offline_cache(tmp_path):
                                               "sub/named.safetensors": named})
     specs = [{"id": "org/doc", "source": "huggingface"},  # default file name, manifest checked
              {"id": "org/doc", "source": "huggingface", "path": "sub/named.safetensors"},
+             {"id": "org/doc/sub/named.safetensors", "source": "huggingface"},  # the file named in the id
              {"id": "org/missing", "source": "huggingface"},
              {"id": "../../etc", "source": "huggingface"}]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
@@ -205,6 +206,8 @@ def test_huggingface_offline_cache(tmp_path):
     total = cart.keys[0].sum().item()
     assert out["org/doc"][:2] == ["ok", "org/doc"] and out["org/doc"][2] == pytest.approx(total)
     assert out["sub/named.safetensors"][:2] == ["ok", "org/doc"]
+    assert out["org/doc/sub/named.safetensors"][:2] == ["ok", "org/doc/sub/named.safetensors"]
+    assert out["org/doc/sub/named.safetensors"][2] == pytest.approx(total)
     assert out["org/missing"][:2] == ["error", "id"] and "offline" in out["org/missing"][2]
     assert out["../../etc"][:2] == ["error", "id"]
 

@@ -50,8 +50,9 @@ class CartridgeService:
         """Load a cartridge (or find it resident) and return its id.
 
         `local`: the file is `path`, or `id` when no path is given (Tokasaurus passes the path as the id).
-        `huggingface`: `id` is the repo, `path` the file in it. `s3`: `id` (or `path`) is s3://bucket/key.
-        `wandb`: `id` is entity/project/run_id, `path` the run file (default: the latest cache-step*.pt).
+        `huggingface`: `id` is the repo ("org/name", files cartridge.pt|.safetensors or cache_last.pt) or
+        "org/name/file/in/repo.pt"; `path` names the file instead. `s3`: `id` (or `path`) is s3://bucket/key.
+        `wandb`: `id` is entity/project/run_id[/file]; default file: the latest cache-step*.pt of the run.
         """
         cid = id or path
         if not isinstance(cid, str) or not cid:

@@ -145,12 +145,15 @@ def _huggingface(cid: str, path: str | None, root: Path, force: bool) -> Fetched
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.errors import RepositoryNotFoundError
 
+    repo, parts = cid, cid.split("/")
+    if len(parts) > 2 and path is None:  # "org/name/file/in/repo.pt": repo ids have exactly one slash
+        repo, path = "/".join(parts[:2]), "/".join(parts[2:])
     cache = root / "huggingface"  # huggingface_hub's own cache layout (models--org--name/...)
     unreachable = []
 
     def download(filename: str) -> Path | None:
         try:
-            return Path(hub.hf_hub_download(cid, filename, cache_dir=str(cache), force_download=force))
+            return Path(hub.hf_hub_download(repo, filename, cache_dir=str(cache), force_download=force))
         except LocalEntryNotFoundError:  # offline (or hub unreachable) and not cached
             unreachable.append(filename)
             return None
@@ -186,8 +189,12 @@ def latest_wandb_cache_file(names: list[str]) -> str | None:
 
 def _wandb(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
     wandb = _import("wandb", "wandb", cid)
+    parts = cid.split("/")
+    run_path = cid
+    if len(parts) > 3 and path is None:  # "entity/project/run_id/file.pt"
+        run_path, path = "/".join(parts[:3]), "/".join(parts[3:])
     try:
-        run = wandb.Api().run(cid)
+        run = wandb.Api().run(run_path)
         files = {f.name: f for f in run.files()}
     except Exception as exc:  # wandb raises its own CommError/ValueError family
         raise CartridgeError(f"cannot open the W&B run: {type(exc).__name__}: {exc}", file=cid,
