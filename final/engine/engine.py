@@ -196,6 +196,10 @@ class EmbeddedEngine:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})", index)
         prefix = self.prefixes.get(cartridges)
         context = len(ids) + (prefix.length if prefix else 0)
+        if context >= self.max_model_len and prefix is not None and len(ids) < self.max_model_len:
+            raise CartridgeError(f"prompt {index}: {context} tokens (cartridge {prefix.length} + prompt {len(ids)}) do "
+                                 f"not fit the context window of {self.max_model_len} (max_model_len)",
+                                 file=",".join(prefix.ids), field="max_model_len")
         if context >= self.max_model_len:
             raise PromptError(f"{context} tokens (prompt {len(ids)} + cartridge {context - len(ids)}) do not fit the "
                               f"context window of {self.max_model_len} (max_model_len)", index)
@@ -363,7 +367,7 @@ def _per_item(value: Any, n: int, name: str) -> list:
 
 
 def _per_cartridge(cartridges: Any, n: int) -> list[tuple[str, ...]]:
-    if cartridges is None:
+    if cartridges is None or (isinstance(cartridges, (list, tuple)) and not cartridges):
         return [()] * n
     if isinstance(cartridges, str):
         return [(cartridges,)] * n
