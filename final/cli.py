@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from final.errors import FinalError
 
 # Feature modules that add subcommands: each has register(subparsers).
-SUBCOMMAND_MODULES: list[str] = []
+SUBCOMMAND_MODULES: list[str] = ["final.cartridges.cli"]
 
 
 def _quiet() -> None:
@@ -45,6 +45,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     overrides = {"model_path": args.model} if args.model else {}
     with InferenceEngine(args.config, **overrides) as engine:
+        for cid in args.cartridge or []:  # a cartridge file given by path is loaded under that path as its id
+            if os.path.isfile(cid):
+                engine.load_cartridge(path=cid)
         out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=args.cartridge or None,
                               progress=False, **sampling_from_args(args))
     if args.json:
@@ -66,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="override model_path")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text (no chat template)")
-    gen.add_argument("--cartridge", action="append", help="cartridge id (repeat to compose)")
+    gen.add_argument("--cartridge", action="append", help="cartridge id or .pt/.safetensors file (repeat to compose)")
     gen.add_argument("--json", action="store_true", help="print JSON with metadata")
     gen.set_defaults(func=_cmd_generate)
     import importlib

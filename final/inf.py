@@ -10,6 +10,7 @@ normalize -> tokenize into a DataProto -> rollout.generate_sequences (on the rol
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError, SamplingError
-from final.models import model_eos_token_ids, resolve_model_path
+from final.models import cache_dir, model_eos_token_ids, resolve_model_path
 from final.prompts import build_dataproto, decode_outputs, normalize_prompts, tokenize
 from final.rollout import build_rollout
 from final.rollout.thread import RolloutThread
@@ -63,6 +64,7 @@ class InferenceEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        self.cartridges = self._cartridge_service()
         _live.add(self)
 
     # ---- public API ----------------------------------------------------------------------------------
@@ -86,6 +88,16 @@ class InferenceEngine:
         """Awaitable generate(); safe inside a running event loop (a Jupyter cell, a server)."""
         job = self._prepare(prompts, cartridge, tools_kwargs, raw, progress, sampling)
         return self._finish(job, await self._thread.arun(self._run, job))
+
+    def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
+                       force_redownload: bool = False, pin: bool = False) -> str:
+        """Load a cartridge (file checked against its manifest and the model) and return its id."""
+        return self._require_cartridges().load(id=id, source=source, path=path,
+                                               force_redownload=force_redownload, pin=pin)
+
+    def unload_cartridge(self, cartridge_id: str) -> bool:
+        """Forget a cartridge; requests already running with it finish normally."""
+        return self._require_cartridges().unload(cartridge_id)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -112,9 +124,10 @@ class InferenceEngine:
         kwargs, meta, n, stop_ids = self._sampling_kwargs(sampling)
         logprobs = meta.pop("_logprobs")
         items = normalize_prompts(prompts, raw=raw)
-        ids = tokenize(items, self.tokenizer, self.rollout_config.prompt_length)
-        non_tensor: dict[str, list] = {}
         carts = self._cartridges_per_prompt(cartridge, len(items))
+        ids = tokenize(items, self.tokenizer, self.rollout_config.prompt_length,
+                       after_cartridge=[bool(c) for c in carts] if carts else None)
+        non_tensor: dict[str, list] = {}
         if carts is not None:
             non_tensor["cartridges"] = carts
         if tools_kwargs is not None:
@@ -127,7 +140,8 @@ class InferenceEngine:
                                meta_info=meta, non_tensor=non_tensor)
         show = self.config.progress if progress is None else progress
         return {"data": data, "kwargs": kwargs, "n": n, "stop_ids": stop_ids, "rows": len(ids),
-                "progress": bool(show) and len(ids) >= PROGRESS_MIN_ROWS, "logprobs": logprobs}
+                "progress": bool(show) and len(ids) >= PROGRESS_MIN_ROWS, "logprobs": logprobs,
+                "cartridge_ids": sorted({c for row in carts or [] for c in row})}
 
     def _run(self, job: dict):
         bar = None
@@ -136,8 +150,10 @@ class InferenceEngine:
 
             bar = tqdm(total=job["rows"], desc="generate", unit="seq")
             self.rollout.on_request_done = bar.update
+        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] else contextlib.nullcontext()
         try:
-            return self.rollout.generate_sequences(job["data"], **job["kwargs"])
+            with held:  # the store cannot evict a cartridge while this call uses it
+                return self.rollout.generate_sequences(job["data"], **job["kwargs"])
         finally:
             if bar is not None:
                 self.rollout.on_request_done = None
@@ -213,8 +229,25 @@ class InferenceEngine:
         return rows
 
     def _known_cartridges(self) -> list[str] | None:
-        engine = self.engine
-        return engine.cartridge_ids() if engine is not None else None
+        return self.cartridges.ids() if self.cartridges is not None else None
+
+    def _cartridge_service(self):
+        """Cartridges need a backend that can hold KV: the embedded engine or the SGLang injector."""
+        target = getattr(self.rollout, "cartridge_backend", None) or self.engine
+        if target is None:
+            return None
+        from final.cartridges.service import CartridgeService
+
+        service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges")
+        for spec in self.config.cartridges:
+            service.load(**spec)
+        return service
+
+    def _require_cartridges(self):
+        if self.cartridges is None:
+            raise CartridgeError(f"the {self.backend} backend serves no cartridges from this process "
+                                 "(use the local or sglang backend)", field="backend")
+        return self.cartridges
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list:

@@ -84,11 +84,21 @@ def _check_message(message: dict, index: int, j: int) -> dict:
     return dict(message)
 
 
-def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int) -> list[list[int]]:
-    """Token ids per prompt (chat template with generation prompt for conversations)."""
+def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
+             after_cartridge: Sequence[bool] | None = None) -> list[list[int]]:
+    """Token ids per prompt (chat template with generation prompt for conversations).
+
+    A prompt that follows a cartridge continues the cartridge's token stream: no BOS, and in chat form the
+    conversation after the document's system turn (final.cartridges.build.continuation_ids).
+    """
     out = []
     for i, p in enumerate(prompts):
-        if p.ids is not None:
+        if after_cartridge is not None and after_cartridge[i] and p.ids is None:
+            from final.cartridges.build import continuation_ids
+
+            chat = p.messages is not None
+            ids = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
+        elif p.ids is not None:
             ids = p.ids
             if max(ids) >= len(tokenizer):
                 raise PromptError(f"token id {max(ids)} is outside the vocabulary of {len(tokenizer)}", i)
