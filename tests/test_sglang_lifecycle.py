@@ -3,6 +3,7 @@ side by side, exit without shutdown, the spawn guard, and a scheduler that dies 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -83,11 +84,15 @@ def test_a_scheduler_killed_while_serving_becomes_an_engine_error():
     with SGLangRollout(sg_cfg, model_cfg) as rollout:
         greedy(rollout, model_cfg)
         pid = rollout.sglang_engine.processes[0].pid
-        os.kill(pid, signal.SIGKILL)
+
+        async def killed_while_awaiting():
+            os.kill(pid, signal.SIGKILL)  # the request goes to a dead scheduler: without the watch, a hang
+            return await rollout.agenerate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False}))
+
         with pytest.raises(EngineError, match=f"process {pid} exited while serving"):
-            for _ in range(100):  # the watch notices within a poll interval
-                greedy(rollout, model_cfg)
-                time.sleep(0.1)
+            asyncio.run(killed_while_awaiting())
+        with pytest.raises(EngineError, match="exited while serving"):  # refused up front from now on
+            greedy(rollout, model_cfg)
 
 
 def test_a_scheduler_failing_at_start_becomes_an_engine_error_not_a_dead_process():

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import concurrent.futures.thread  # noqa: F401 - registers its exit hook before SGLang disables threading's
+import concurrent.futures.thread  # noqa: F401 - its exit hook, before SGLang disables threading._register_atexit
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -79,6 +80,14 @@ def require_sglang(device: str = "cuda") -> None:
         raise BackendUnavailableError(
             f"rollout.name: sglang needs {' and '.join(missing)}. On a CUDA 12 machine: {INSTALL} (SGLang 0.5.2 "
             f"and torch 2.8, as veRL 0.6.0 pins them). Without a GPU use rollout.name: local or auto.")
+
+
+def preflight(engine_config: Any) -> None:
+    """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
+    requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
+    sglang_kwargs = (engine_config.rollout.get("engine_kwargs") or {}).get("sglang") or {}
+    require_sglang(sglang_kwargs.get("device") or "cuda")
+    survive_sigquit()
 
 
 def choose_attention_backend(requested: str | None, capability: tuple[int, int] | None,
@@ -240,13 +249,12 @@ class SGLangRollout:
         atexit.unregister(self.shutdown)
         engine = self._rollout.engine if self._rollout is not None else None
         idle = self._thread_idle()
-        if engine is not None and idle and self._dead is None:
-            try:
+        try:
+            if engine is not None and idle:
                 self._thread.submit(engine.cancel_tasks).result(timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down regardless
-                logger.exception("stopping the SGLang tokenizer manager's loop failed")
-        if engine is not None:
-            engine.shutdown()
+        finally:
+            if engine is not None:
+                engine.shutdown()
         if idle:
             self._thread.close()
         self._watch.stop()
@@ -309,23 +317,29 @@ class SGLangRollout:
             return get()
         except concurrent.futures.TimeoutError:
             raise
-        except Exception as exc:
-            if self._dead:  # whatever broke inside SGLang, the cause is the dead process
-                raise EngineError(self._dead) from exc
+        except BaseException as exc:  # CancelledError included: a death notice cancels what was waiting
+            if self._dead and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise EngineError(self._dead) from exc  # whatever broke inside SGLang, the cause is the death
             raise
 
     def _on_death(self, pid: int) -> None:
-        phase = "while starting" if self._rollout is None else "while serving"
-        self._dead = (f"SGLang's process {pid} exited {phase} (see its log above); this engine is unusable, "
-                      f"create a new one. If the log shows this error in a re-imported script, create the engine "
-                      f"under `if __name__ == \"__main__\":`.")
+        if self._rollout is None:
+            self._dead = (f"SGLang's process {pid} exited while starting (see its log above). If the log shows "
+                          f"this error in a re-imported script, create the engine under "
+                          f"`if __name__ == \"__main__\":`.")
+        else:
+            self._dead = f"SGLang's process {pid} exited while serving (see its log above); create a new engine."
         logger.error(self._dead)
         release_start(self._thread_ident)
-        loop = self._thread.loop
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(loop.stop)  # a waiting run_until_complete returns (with an error)
+        with contextlib.suppress(RuntimeError):  # the loop may close under us during shutdown
+            self._thread.loop.call_soon_threadsafe(_cancel_all, self._thread.loop)  # a waiting call ends
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> SGLangRollout:
-    """final.rollout registry factory (InferenceEngine calls survive_sigquit() on its main thread first)."""
+    """final.rollout registry factory (InferenceEngine runs preflight() on the caller's thread first)."""
     return SGLangRollout(rollout_config, model_config)

@@ -70,7 +70,7 @@ class SGLangCartridges:
         tensors = {f"k.{i}": k for i, k in enumerate(ks)} | {f"v.{i}": v for i, v in enumerate(vs)}
         save_file(tensors, path)
         try:
-            self._rpc("final_cartridge_load", cartridge_id, cartridge_id=cartridge_id, path=path, reserved=reserved)
+            self._rpc(cartridge_id, "final_cartridge_load", cartridge_id=cartridge_id, path=path, reserved=reserved)
         except CartridgeError:
             self._free.insert(0, reserved)
             raise
@@ -83,7 +83,7 @@ class SGLangCartridges:
     def unload_cartridge(self, cartridge_id: str) -> bool:
         if cartridge_id not in self._loaded:
             return False
-        self._rpc("final_cartridge_unload", cartridge_id, cartridge_id=cartridge_id)
+        self._rpc(cartridge_id, "final_cartridge_unload", cartridge_id=cartridge_id)
         reserved, _ = self._loaded.pop(cartridge_id)
         self._retired.append(reserved)
         self._composed = {ids for ids in self._composed if cartridge_id not in ids}
@@ -101,7 +101,7 @@ class SGLangCartridges:
         if len(set(cartridge_ids)) != len(cartridge_ids):
             raise PromptError(f"cartridges {list(cartridge_ids)} repeat an id", index)
         if cartridge_ids not in self._composed:
-            self._rpc("final_cartridge_compose", cartridge_ids[0], cartridge_ids=list(cartridge_ids))
+            self._rpc(cartridge_ids[0], "final_cartridge_compose", cartridge_ids=list(cartridge_ids))
             self._composed.add(cartridge_ids)
         return [t for c in cartridge_ids for t in [self._loaded[c][0]] * self._loaded[c][1]]
 
@@ -144,8 +144,8 @@ class SGLangCartridges:
             out.append(t.detach().to("cpu").transpose(0, 1).contiguous())  # the pool's layout: [T, Hkv, D]
         return out
 
-    def _rpc(self, method: str, cartridge_id: str, **params) -> None:
+    def _rpc(self, name: str, method: str, **params) -> None:
         try:
             self._engine.collective_rpc(method, **params)
         except AssertionError as exc:  # collective_rpc asserts the scheduler's success flag
-            raise CartridgeError(f"the SGLang scheduler refused it: {exc}", file=cartridge_id) from exc
+            raise CartridgeError(f"the SGLang scheduler refused it: {exc}", file=name) from exc

@@ -73,7 +73,7 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
         ids = [p + list(r) for p, r in zip(prefixes, rows)]
         # Input logprobs must start after R (else the scheduler recomputes R instead of hitting the cache).
         starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(rows)
-        starts = [s if s is None or s < 0 else s + len(p) for s, p in zip(starts, prefixes)]
+        starts = [-1 if s is None or s < 0 else s + len(p) for s, p in zip(starts, prefixes)]  # -1: SGLang's default
         out = await self._generate({**call, "input_ids": ids[0] if single else ids,
                                     "logprob_start_len": starts[0] if single else starts})
         outs = out if isinstance(out, list) else [out]
