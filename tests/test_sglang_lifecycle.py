@@ -95,6 +95,21 @@ def test_a_scheduler_killed_while_serving_becomes_an_engine_error():
             greedy(rollout, model_cfg)
 
 
+def test_a_scheduler_killed_during_a_cartridge_rpc_becomes_an_engine_error():
+    from final.errors import EngineError
+    from final.rollout.sglang import SGLangRollout
+
+    sg_cfg, _, model_cfg = configs()
+    kv = [torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16)]
+    with SGLangRollout(sg_cfg, model_cfg) as rollout:
+        assert rollout.load_cartridge("a", kv, kv) == 4
+        proc = rollout.sglang_engine.processes[0]
+        proc.kill()
+        proc.wait()  # reaped: no zombie left for the watch to see; the RPC's own check notices
+        with pytest.raises(EngineError, match="scheduler|exited while serving"):
+            rollout.load_cartridge("b", kv, kv)
+
+
 def test_a_scheduler_failing_at_start_becomes_an_engine_error_not_a_dead_process():
     from final.errors import EngineError
     from final.rollout.sglang import SGLangRollout

@@ -56,7 +56,7 @@ OWNED_SERVER_ARGS = {
     "skip_tokenizer_init": "rollout.skip_tokenizer_init", "max_running_requests": "rollout.max_num_seqs",
     "mm_attention_backend": "rollout.engine_kwargs.sglang.attention_backend",
 }
-POLL_S = 0.5  # how often a waiting caller and the process watch look at the engine's health
+POLL_S = 0.5  # how often the process watch looks at the engine's processes
 
 _group_users = 0  # live engines; the process group goes with the last one
 _group_lock = threading.Lock()
@@ -220,12 +220,8 @@ class SGLangRollout:
         """Awaitable generate_sequences: the caller's event loop keeps running meanwhile."""
         check_sampling_kwargs(kwargs)
         fut = asyncio.wrap_future(self._submit(lambda: self._rollout.generate_sequences(prompts, **kwargs)))
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=POLL_S)
-            if done:
-                return self._result(fut.result)
-            if self._dead:
-                raise EngineError(self._dead)
+        await asyncio.wait({fut})
+        return self._result(fut.result)
 
     # ---- cartridges (EmbeddedEngine's interface) --------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
@@ -304,19 +300,13 @@ class SGLangRollout:
         return self._thread.submit(fn)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        fut = self._submit(fn)
-        while True:
-            try:
-                return self._result(lambda: fut.result(timeout=POLL_S))
-            except concurrent.futures.TimeoutError:
-                if self._dead:
-                    raise EngineError(self._dead) from None
+        """Run fn on the owner thread. Every place SGLang can wait there ends when its scheduler dies (the
+        death notice cancels the loop's tasks, closes the start pipe; cartridge RPCs poll), so this returns."""
+        return self._result(self._submit(fn).result)
 
     def _result(self, get: Callable[[], T]) -> T:
         try:
             return get()
-        except concurrent.futures.TimeoutError:
-            raise
         except BaseException as exc:  # CancelledError included: a death notice cancels what was waiting
             if self._dead and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise EngineError(self._dead) from exc  # whatever broke inside SGLang, the cause is the death

@@ -24,7 +24,10 @@ from typing import Sequence
 
 import torch
 
-from final.errors import CartridgeError, PromptError
+from final.errors import CartridgeError, EngineError, PromptError
+from final.rollout.sglang_procs import alive
+
+RPC_POLL_MS = 500
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,22 @@ class SGLangCartridges:
         return out
 
     def _rpc(self, name: str, method: str, **params) -> None:
-        try:
-            self._engine.collective_rpc(method, **params)
-        except AssertionError as exc:  # collective_rpc asserts the scheduler's success flag
-            raise CartridgeError(f"the SGLang scheduler refused it: {exc}", file=name) from exc
+        """SGLang's Engine.collective_rpc, except that waiting for the answer gives up if the scheduler dies
+        (collective_rpc would block on the socket forever)."""
+        from sglang.srt.managers.io_struct import RpcReqInput
+
+        import zmq
+
+        sock = self._engine.send_to_rpc
+        while not sock.poll(RPC_POLL_MS, zmq.POLLOUT):  # no peer yet (connecting) or any more (dead)
+            self._check_alive(method, name)
+        sock.send_pyobj(RpcReqInput(method=method, parameters=params))
+        while not sock.poll(RPC_POLL_MS):
+            self._check_alive(method, name)
+        reply = sock.recv_pyobj()
+        if not reply.success:
+            raise CartridgeError(f"the SGLang scheduler refused it: {reply.message}", file=name)
+
+    def _check_alive(self, method: str, name: str) -> None:
+        if not all(alive(p) for p in self._engine.processes):
+            raise EngineError(f"SGLang's scheduler died while serving {method} for cartridge {name!r}")

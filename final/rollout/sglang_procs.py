@@ -32,6 +32,13 @@ def new_children(before: set[int]) -> list[psutil.Process]:
     return [p for p in psutil.Process().children() if p.pid not in before and p.pid not in shared]
 
 
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def kill_processes(processes: list[psutil.Process], timeout: float = 10.0) -> None:
     """Terminate processes (and their children), then kill what is left after `timeout` seconds."""
     tree = []
@@ -96,10 +103,6 @@ class ProcessWatch:
                 for p in new_children(self._foreign):
                     self._procs.setdefault(p.pid, p)
             for pid, p in list(self._procs.items()):
-                try:
-                    gone = not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-                except psutil.Error:
-                    gone = True
-                if gone and not self._stop.is_set():
+                if not alive(p) and not self._stop.is_set():
                     self._on_death(pid)
                     return
