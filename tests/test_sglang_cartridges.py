@@ -143,3 +143,38 @@ def test_bad_cartridges_and_requests_raise_typed_errors(engines):
         rollout.generate_sequences(data)
     assert rollout.unload_cartridge("huge") and not rollout.unload_cartridge("huge")
     assert "huge" not in rollout.cartridge_ids()
+
+
+def test_the_multi_turn_path_carries_cartridges_to_the_engine_call(engines):
+    """veRL's multi-turn path re-tokenizes each row from raw_prompt (the chat template) and calls the engine per
+    request: the row's cartridge rides along in the request's task context (every call checks it was served
+    from the radix cache), including the final prompt-scoring call of calculate_log_probs (a [1, L] tensor,
+    logprob_start_len=0)."""
+    from final.cartridges.format import load_cartridge
+    from final.prompts import Prompt, build_dataproto, tokenize
+    from final.rollout.sglang import SGLangRollout
+    from sglang_helpers import configs
+
+    sglang, _, files = engines
+    sg_cfg, _, model_cfg = configs({"multi_turn": {"enable": True}, "prompt_length": 256, "response_length": 16})
+    tok = model_cfg.tokenizer
+    prompts = [Prompt(messages=[{"role": "user", "content": QUESTION}])] * 2
+    ids = tokenize(prompts, tok, 256)  # what veRL's multi-turn path computes from raw_prompt
+
+    def data():
+        return build_dataproto(ids, prompts, tok.pad_token_id, [tok.eos_token_id], meta_info={"do_sample": False},
+                               non_tensor={"cartridges": [("doc",), ()]})
+
+    cart = load_cartridge(files["doc"])
+    with SGLangRollout(sg_cfg, model_cfg) as multi_turn:
+        multi_turn.load_cartridge("doc", cart.keys, cart.values)
+        out = multi_turn.generate_sequences(data())
+    assert "response_mask" in out.batch.keys() and "rollout_log_probs" in out.batch.keys()
+    first = out.batch["responses"][:, 0]
+    assert first[0] != first[1]  # the cartridge changed row 0's answer
+    # ... as the batch path answers the same ids (veRL's own tokenization of raw_prompt) after the same cartridge
+    width = out.batch["prompts"].shape[1]
+    mt_ids = out.batch["prompts"][0][out.batch["attention_mask"][0, :width].bool()].tolist()
+    batch = sglang.rollout.generate_sequences(
+        dataproto(model_cfg, [mt_ids], {"do_sample": False}, non_tensor={"cartridges": [("doc",)]}))
+    assert batch.batch["responses"][0, 0] == first[0]

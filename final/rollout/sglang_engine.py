@@ -22,6 +22,7 @@ import threading
 from typing import Any, Iterator
 
 import psutil
+import torch
 import sglang.srt.entrypoints.engine as sgl_engine
 import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
 
@@ -64,6 +65,11 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                              image_data: Any = None, return_logprob: Any = False, logprob_start_len: Any = None,
                              **kwargs: Any) -> Any:
+        if isinstance(input_ids, torch.Tensor):
+            # veRL 0.6.0's multi-turn log-prob call passes _req.input_ids, a [1, L] tensor, which SGLang 0.5.2's
+            # GenerateReqInput refuses ("input_ids should be a list of lists"): it means one prompt.
+            input_ids = input_ids.reshape(-1).tolist() if input_ids.dim() == 2 and len(input_ids) == 1 \
+                else input_ids.tolist()
         call = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs)
         plan = self._cartridge_plan(input_ids, sampling_params)
