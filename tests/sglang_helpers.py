@@ -33,7 +33,8 @@ def configs(rollout: dict[str, Any] | None = None, model: str = TINY, local_seed
     base = {"dtype": "float32", "prompt_length": 32, "response_length": 12, "calculate_log_probs": True,
             **(rollout or {})}
     sglang_kwargs = {"device": "cpu", "log_level": "warning", **(sglang_args or {})}
-    sg = load_config({"model_path": path, "rollout": {**base, "name": "sglang", "engine_kwargs": {"sglang": sglang_kwargs}}})
+    sg = load_config({"model_path": path,
+                      "rollout": {**base, "name": "sglang", "engine_kwargs": {"sglang": sglang_kwargs}}})
     local = {"random_seed": local_seed} if local_seed is not None else {}
     lo = load_config({"model_path": path, "rollout": {**base, "name": "local", "engine_kwargs": {"local": local}}})
     return sg.rollout_config(), lo.rollout_config(), sg.model_config(path)

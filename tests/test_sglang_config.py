@@ -24,7 +24,8 @@ def test_missing_requirements_name_each_piece():
 
     assert missing_requirements(cuda=True, sglang=True) == []
     assert missing_requirements(cuda=False, sglang=True, device="cpu") == []
-    assert [m.split(" (")[0] for m in missing_requirements(cuda=False, sglang=False)] == ["a CUDA GPU", "the sglang package"]
+    both = missing_requirements(cuda=False, sglang=False)
+    assert [m.split(" (")[0] for m in both] == ["a CUDA GPU", "the sglang package"]
     assert missing_requirements(cuda=True, sglang=False)[0].startswith("the sglang package")
 
 
@@ -102,7 +103,8 @@ def test_translate_config_sets_what_verl_needs(caplog):
 @pytest.mark.parametrize("rollout,args,key,match", [
     ({"tensor_model_parallel_size": 2}, {}, "rollout.tensor_model_parallel_size", "must be 1"),
     ({"skip_tokenizer_init": False, "mode": "sync"}, {}, "rollout.skip_tokenizer_init", "token ids"),
-    ({}, {"mem_fraction_static": 0.3}, "rollout.engine_kwargs.sglang.mem_fraction_static", "rollout.gpu_memory_utilization"),
+    ({}, {"mem_fraction_static": 0.3}, "rollout.engine_kwargs.sglang.mem_fraction_static",
+     "rollout.gpu_memory_utilization"),
     ({}, {"context_lenght": 10}, "rollout.engine_kwargs.sglang.context_lenght", "did you mean 'context_length'"),
     ({}, {"zzz": 1}, "rollout.engine_kwargs.sglang.zzz", "not an SGLang 0.5.2 ServerArgs field$"),
 ])

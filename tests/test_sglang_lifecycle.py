@@ -68,8 +68,8 @@ def test_two_engines_side_by_side_stop_independently():
 
     sg_cfg, _, model_cfg = configs()
     with SGLangRollout(sg_cfg, model_cfg) as a, SGLangRollout(sg_cfg, model_cfg) as b:
-        ports = {a.sglang_engine.server_args.port, b.sglang_engine.server_args.port, a.sglang_engine.port_args.nccl_port,
-                 b.sglang_engine.port_args.nccl_port}
+        ports = {e.server_args.port for e in (a.sglang_engine, b.sglang_engine)} | \
+            {e.port_args.nccl_port for e in (a.sglang_engine, b.sglang_engine)}
         assert len(ports) == 4
         expected = greedy(a, model_cfg)
         a.shutdown()  # SGLang's own Engine.shutdown would kill b's scheduler too

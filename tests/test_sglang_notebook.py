@@ -28,7 +28,8 @@ def execute(nb, cwd: Path, extra_path: list[str] = ()):
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
-    return ["".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return ["".join(o.get("text", "") for o in cell.get("outputs", [])
+                    if o.get("output_type") == "stream" and o.get("name") == "stdout")
             for cell in nb.cells if cell.cell_type == "code"]
 
 
@@ -50,9 +51,11 @@ def test_sglang_rollout_from_notebook_cells(tmp_path):
            "rollout": {"name": "sglang", "prompt_length": 32, "response_length": 8, "dtype": "float32",
                        "engine_kwargs": {"sglang": {"device": "cpu", "log_level": "warning"}}}}
     nb = new_notebook(cells=[
-        new_code_cell(f"from final.inf import InferenceEngine\nengine = InferenceEngine({cfg!r})\nprint(engine.backend)"),
+        new_code_cell(f"from final.inf import InferenceEngine\n"
+                      f"engine = InferenceEngine({cfg!r})\nprint(engine.backend)"),
         new_code_cell("a = engine.generate([[1, 17, 99], [1, 504]], temperature=0)\nprint(a.token_ids)"),
-        new_code_cell("b = await engine.agenerate([[1, 17, 99], [1, 504]], temperature=0)\nprint(b.token_ids == a.token_ids)"),
+        new_code_cell("b = await engine.agenerate([[1, 17, 99], [1, 504]], temperature=0)\n"
+                      "print(b.token_ids == a.token_ids)"),
         new_code_cell("import asyncio\n"
                       "c = await asyncio.gather(*[engine.agenerate([1, 17, 99], temperature=0) for _ in range(3)])\n"
                       "print(all(x.token_ids[0] == a.token_ids[0] for x in c))"),

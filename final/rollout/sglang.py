@@ -134,8 +134,8 @@ def translate_config(config: Any, capability: tuple[int, int] | None, have_flash
             raise ConfigError(f"is set by {OWNED_SERVER_ARGS[key]}; set it there", key=where)
         if key not in fields:
             near = difflib.get_close_matches(key, sorted(fields), n=1)
-            raise ConfigError(f"is not an SGLang 0.5.2 ServerArgs field{f'; did you mean {near[0]!r}?' if near else ''}",
-                              key=where)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"is not an SGLang 0.5.2 ServerArgs field{hint}", key=where)
     server_args = {"port": dist.free_port(), "nccl_port": dist.free_port(), **extra}
     engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
     return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args

@@ -165,8 +165,9 @@ class Scheduler:
         try:
             if cached:
                 pool = self.token_to_kv_pool
-                keys = [pool.get_key_buffer(layer)[prefix_indices].transpose(0, 1) for layer in range(pool.layer_num)]
-                values = [pool.get_value_buffer(layer)[prefix_indices].transpose(0, 1) for layer in range(pool.layer_num)]
+                layers = range(pool.layer_num)
+                keys = [pool.get_key_buffer(layer)[prefix_indices].transpose(0, 1) for layer in layers]
+                values = [pool.get_value_buffer(layer)[prefix_indices].transpose(0, 1) for layer in layers]
                 self.engine.load_cartridge(prefix_id, keys, values)
             out = await self.engine.async_generate(
                 input_ids=ids[cached:], sampling_params=_engine_params(req.sampling_params), rid=req.rid,

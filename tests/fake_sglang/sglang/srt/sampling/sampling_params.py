@@ -1,4 +1,4 @@
-"""Mirrors sglang/srt/sampling/sampling_params.py (0.5.2) verbatim (Apache-2.0, SGLang Team): veRL reads its attributes."""
+"""Mirrors sglang/srt/sampling/sampling_params.py (0.5.2) verbatim (Apache-2.0, SGLang Team): veRL reads it."""
 
 from typing import Any, Dict, List, Optional, Union
 
