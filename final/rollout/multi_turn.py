@@ -81,12 +81,10 @@ class MultiTurnRollout:
 
     # ---- batch ---------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.agenerate_sequences(prompts, **kwargs))
-        raise EngineError("generate_sequences() was called inside a running event loop; "
-                          "await agenerate_sequences() instead")
+        if _loop_running():
+            raise EngineError("generate_sequences() was called inside a running event loop; "
+                              "await agenerate_sequences() instead")
+        return asyncio.run(self.agenerate_sequences(prompts, **kwargs))
 
     async def agenerate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
         """SGLangRollout._req_level_generate_sequences on this engine."""
@@ -328,6 +326,14 @@ def _finish_reason(output: dict) -> Finish:
     if kind == "abort":
         raise EngineError(f"the engine aborted request {output['meta_info'].get('id')}")
     return Finish.from_str(kind)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _strip_left(pad: int, ids: torch.Tensor) -> torch.Tensor:
