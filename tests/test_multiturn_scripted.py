@@ -105,7 +105,8 @@ def test_tool_call_then_answer_has_verl_layout(tok, tmp_path):
     assert list(out.non_tensor_batch["reward_scores"]) == [{"echo": 0.25, "user_turn_rewards": []}] * 2
     assert len(set(out.non_tensor_batch["request_id"])) == 2
     assert out.non_tensor_batch["tool_calls"][0] == [{"turn": 1, "name": "echo", "arguments": {"x": "1"},
-                                                      "response": 'echo {"x": "1"}', "reward": 0.5, "error": None}]
+                                                      "response": 'echo {"x": "1"}', "reward": 0.5, "error": None,
+                                                      "message_index": 1}]
     # BaseTool lifecycle with this row's tools_kwargs; greedy params because meta_info do_sample=False
     log = rollout.tools["echo"].log
     rid = out.non_tensor_batch["request_id"][0]
@@ -256,3 +257,29 @@ def test_over_sample_rate_pads_the_slowest_requests(tok, tmp_path):
     assert not b["attention_mask"][0].any() and not b["response_mask"][0].any()
     assert (b["responses"][0] == tok.pad_token_id).all() and out.non_tensor_batch["reward_scores"][0] == {}
     assert segments(tok, out, 1) == [(1, "done<|im_end|>")]
+
+
+def test_conversation_rows_and_live_events(tok, tmp_path):
+    from final.tools.outputs import conversation_rows
+
+    rollout, _ = make(tok, tmp_path, {"ALPHA": ["Checking.\n" + call("echo", x="1") + "\n" + call("nope"), "Done."]},
+                      multi_turn={"max_parallel_calls": 2})
+    events: list[dict] = []
+    rollout.on_event = events.append
+    out = run(rollout, tok, ["ALPHA"], [{"echo": {}}])
+    [row] = conversation_rows(out, tok)
+    assert row.messages == [
+        {"role": "user", "content": "ALPHA"},
+        {"role": "assistant", "content": "Checking.",
+         "tool_calls": [{"name": "echo", "arguments": {"x": "1"}},
+                        {"name": "nope", "arguments": {}, "error": "unknown tool 'nope'; available tools: echo"}]},
+        {"role": "tool", "content": 'echo {"x": "1"}'},
+        {"role": "tool", "content": "Error: unknown tool 'nope'; available tools: echo"},
+        {"role": "assistant", "content": "Done."}]
+    assert row.final_text == "Done." and row.num_turns == 2 and row.rewards == {"echo": 0.25, "user_turn_rewards": []}
+    assert row.response_text.endswith("Done.") and "<|im_end|>" not in row.response_text  # NaiveRewardManager's view
+    assert row.completion_tokens == sum(row.response_mask) == int(out.batch["response_mask"][0].sum())
+    assert [(e["type"], e.get("name")) for e in events] == [
+        ("assistant", None), ("tool_call", "echo"), ("tool_call", "nope"), ("tool_result", "echo"),
+        ("tool_result", "nope"), ("assistant", None)]
+    assert events[-1]["text"] == "Done." and events[3]["response"] == 'echo {"x": "1"}'

@@ -21,7 +21,7 @@ import inspect
 import logging
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 from uuid import uuid4
 
 import numpy as np
@@ -75,6 +75,8 @@ class MultiTurnRollout:
         if mt.max_user_turns is None:
             mt.max_user_turns = config.max_model_len // 3
         self.sampling_params = sampling_params_for(config)
+        # on_event(dict) sees each assistant turn, tool call and tool result as it happens (`final chat` shows them)
+        self.on_event: Callable[[dict], None] | None = None
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             raise ToolConfigError("the tokenizer has no pad token", key="model_path")
@@ -214,10 +216,14 @@ class MultiTurnRollout:
                     finish = Finish.STOP
                     break
                 tool_rounds += 1
+                assistant_index = len(req.messages) - 1
+                for c in pending:
+                    self._emit("tool_call", req, turn=turns, name=c.name, arguments=c.arguments, error=c.error)
                 outcomes = await self.executor.execute_turn(req.request_id, pending, req.tools_kwargs, turns)
                 req.add_tool_response_messages(pc, [o.response for o in outcomes])
                 for o in outcomes:
-                    run.trace.append(o.trace)
+                    run.trace.append({**o.trace, "message_index": assistant_index})
+                    self._emit("tool_result", req, **o.trace)
                     if o.executed:
                         req.update_metrics(o.metrics, o.trace["name"])
                 if req.input_ids.shape[-1] >= self.config.max_model_len:
@@ -235,6 +241,7 @@ class MultiTurnRollout:
                 content_ids = torch.tensor(content_ids, dtype=req.input_ids.dtype).unsqueeze(0)
                 finish = _finish_reason(output)
                 turns += 1
+                self._emit("assistant", req, turn=turns, text=content)
                 if finish == Finish.LENGTH:
                     req.add_assistant_message(pc, content=content, content_ids=content_ids)
                     break
@@ -262,6 +269,14 @@ class MultiTurnRollout:
             await self._score(req)
         run.turns = turns
         return run
+
+    def _emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event({"type": kind, "row": req.batch_data_id, "request_id": req.request_id, **fields})
+        except Exception:  # noqa: BLE001 - a display callback must not break the rollout
+            logger.exception("multi-turn on_event callback failed")
 
     def _parse(self, content: str) -> ParseResult | None:
         if self.parser is None or not self.parser.has_tool_call(content):
