@@ -17,6 +17,7 @@ class EchoTool(BaseTool):
     def __init__(self, config: dict, tool_schema: Any):
         super().__init__(config, tool_schema)
         self.log: list[tuple] = []
+        self.loops: set[int] = set()
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
         self.log.append(("create", instance_id, kwargs))
@@ -24,6 +25,7 @@ class EchoTool(BaseTool):
 
     async def execute(self, instance_id: str, parameters: dict, **kwargs: Any) -> tuple[ToolResponse, float, dict]:
         self.log.append(("execute", instance_id, parameters, kwargs))
+        self.loops.add(id(asyncio.get_running_loop()))
         return ToolResponse(text="echo " + json.dumps(parameters, sort_keys=True)), 0.5, {"echoed": 1}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:

@@ -283,3 +283,21 @@ def test_conversation_rows_and_live_events(tok, tmp_path):
         ("assistant", None), ("tool_call", "echo"), ("tool_call", "nope"), ("tool_result", "echo"),
         ("tool_result", "nope"), ("assistant", None)]
     assert events[-1]["text"] == "Done." and events[3]["response"] == 'echo {"x": "1"}'
+
+
+def test_one_event_loop_across_batches_and_none_inside_a_running_loop(tok, tmp_path):
+    import asyncio
+
+    from final.errors import EngineError
+
+    rollout, _ = make(tok, tmp_path, {"QQ": [call("echo", x="1"), "ok"]})
+    run(rollout, tok, ["QQ"], [{"echo": {}}])
+    run(rollout, tok, ["QQ"], [{"echo": {}}])
+    assert len(rollout.tools["echo"].loops) == 1  # tools may keep loop-bound state between batches, as in veRL
+
+    async def inside():
+        return run(rollout, tok, ["QQ"], [{"echo": {}}])
+
+    with pytest.raises(EngineError, match="await agenerate_sequences"):
+        asyncio.run(inside())
+    rollout.close()

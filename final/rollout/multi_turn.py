@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -77,16 +78,28 @@ class MultiTurnRollout:
         self.sampling_params = sampling_params_for(config)
         # on_event(dict) sees each assistant turn, tool call and tool result as it happens (`final chat` shows them)
         self.on_event: Callable[[dict], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             raise ToolConfigError("the tokenizer has no pad token", key="model_path")
 
     # ---- batch ---------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
+        """Blocking form. Like veRL (`loop.run_until_complete`) one event loop serves every call, so tools that
+        keep loop-bound state (HTTP sessions, locks) work across batches; calls from several threads queue up."""
         if _loop_running():
             raise EngineError("generate_sequences() was called inside a running event loop; "
                               "await agenerate_sequences() instead")
-        return asyncio.run(self.agenerate_sequences(prompts, **kwargs))
+        with self._loop_lock:
+            if self._loop is None or self._loop.is_closed():
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(self.agenerate_sequences(prompts, **kwargs))
+
+    def close(self) -> None:
+        """Close the private event loop of generate_sequences (the engine belongs to the caller)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
 
     async def agenerate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
         """SGLangRollout._req_level_generate_sequences on this engine."""
@@ -266,7 +279,7 @@ class MultiTurnRollout:
         run.trace.extend(errors)
         req.finalize(pc, {**rewards, "user_turn_rewards": []}, finish)
         if self.config.calculate_log_probs:
-            await self._score(req)
+            await self._score(req, r.cartridges)
         run.turns = turns
         return run
 
@@ -306,11 +319,13 @@ class MultiTurnRollout:
         return await self.engine.async_generate(input_ids=ids, sampling_params=kw, return_logprob=return_logprob,
                                                 image_data=None, **extra)
 
-    async def _score(self, req: AsyncRolloutRequest) -> None:
-        """calculate_log_probs: veRL scores the finished sequence with a zero-token generate."""
+    async def _score(self, req: AsyncRolloutRequest, cartridges: Any) -> None:
+        """calculate_log_probs: veRL scores the finished sequence with a zero-token generate (behind the same
+        cartridges as its turns, so the logprobs are the ones the model sampled with)."""
         params = {**self.sampling_params, "max_new_tokens": 0}
+        extra = {"cartridges": cartridges} if cartridges is not None and len(cartridges) else {}
         out = await self.engine.async_generate(input_ids=req.input_ids.squeeze(0).tolist(), sampling_params=params,
-                                               return_logprob=True, logprob_start_len=0)
+                                               return_logprob=True, logprob_start_len=0, **extra)
         pairs = [(lp, tok) for lp, tok, _ in out["meta_info"]["input_token_logprobs"][1:]]
         req.rollout_log_probs = torch.tensor([lp for lp, _ in pairs])
         req.output_token_ids = torch.tensor([tok for _, tok in pairs])
