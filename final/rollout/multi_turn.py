@@ -48,7 +48,6 @@ TRACE_KEY = "final_tool_trace"  # meta_info flag: add non_tensor_batch["tool_cal
 class _Rollout:
     req: AsyncRolloutRequest
     cartridges: Any = None
-    turns: int = 0
     trace: list[dict] = field(default_factory=list)
 
 
@@ -280,7 +279,6 @@ class MultiTurnRollout:
         req.finalize(pc, {**rewards, "user_turn_rewards": []}, finish)
         if self.config.calculate_log_probs:
             await self._score(req, r.cartridges)
-        run.turns = turns
         return run
 
     def _emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
