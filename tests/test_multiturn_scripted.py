@@ -161,8 +161,8 @@ def test_raising_hanging_and_bad_tools_are_recorded(tok, tmp_path):
     assert segments(tok, out, 0)[-1] == (1, "fine<|im_end|>")
     # RaisingTool.calc_reward raises too: reward 0 and the failure is in the trace
     assert out.non_tensor_batch["reward_scores"][0]["boom"] == 0.0
-    assert {"name": "boom", "stage": "calc_reward",
-            "error": "tool 'boom' calc_reward raised ValueError: no reward today"} in out.non_tensor_batch["tool_calls"][0]
+    failure = {"name": "boom", "stage": "calc_reward", "error": "tool 'boom' calc_reward raised ValueError: no reward today"}
+    assert failure in out.non_tensor_batch["tool_calls"][0]
     assert segments(tok, out, 1) == [(1, "after the failures the engine still serves<|im_end|>")]
 
 

@@ -171,7 +171,7 @@ def format_table(summary: dict) -> str:
 # ---- command line: `final eval gsm8k ...` (cli.py calls register) ------------------------------------------------
 def register(subparsers: Any) -> None:
     """Add `gsm8k` to the subparsers of `final eval`."""
-    p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), optionally with the calc_gsm8k_reward tool")
+    p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
     p.add_argument("--data", required=True, help="GSM8K JSONL with question/answer per line")
     p.add_argument("--limit", type=int, default=None, help="first N problems")
     p.add_argument("--tools", nargs="?", const="tools.yaml", default=None, metavar="TOOLS_YAML",
