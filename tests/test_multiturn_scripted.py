@@ -260,7 +260,7 @@ def test_over_sample_rate_pads_the_slowest_requests(tok, tmp_path):
 
 
 def test_conversation_rows_and_live_events(tok, tmp_path):
-    from final.tools.outputs import conversation_rows
+    from final.tools.outputs import conversation_rows, describe_event
 
     rollout, _ = make(tok, tmp_path, {"ALPHA": ["Checking.\n" + call("echo", x="1") + "\n" + call("nope"), "Done."]},
                       multi_turn={"max_parallel_calls": 2})
@@ -283,6 +283,9 @@ def test_conversation_rows_and_live_events(tok, tmp_path):
         ("assistant", None), ("tool_call", "echo"), ("tool_call", "nope"), ("tool_result", "echo"),
         ("tool_result", "nope"), ("assistant", None)]
     assert events[-1]["text"] == "Done." and events[3]["response"] == 'echo {"x": "1"}'
+    assert [describe_event(e) for e in events] == [
+        None, '  -> echo({"x": "1"})', "  -> nope({})", '  <- echo: echo {"x": "1"}',
+        "  <- nope: Error: unknown tool 'nope'; available tools: echo", None]
 
 
 def test_one_event_loop_across_batches_and_none_inside_a_running_loop(tok, tmp_path):

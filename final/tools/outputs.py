@@ -82,3 +82,17 @@ def _with_tool_calls(messages: list[dict], trace: list[dict]) -> list[dict]:
 def _model_runs(mask: list[int]) -> int:
     """Assistant turns = runs of model tokens: turns are always separated by tool/template tokens (mask 0)."""
     return sum(1 for j, m in enumerate(mask) if m == 1 and (j == 0 or mask[j - 1] == 0))
+
+
+def describe_event(event: dict) -> str | None:
+    """One line for a MultiTurnRollout.on_event event, as `final chat --tools` prints it (None: nothing to show)."""
+    import json
+
+    if event["type"] == "tool_call":
+        if event.get("error") and event.get("name") is None:
+            return f"  -> (unparsable tool call: {event['error']})"
+        return f"  -> {event['name']}({json.dumps(event.get('arguments'), ensure_ascii=False)})"
+    if event["type"] == "tool_result":
+        text = event.get("response") or ""
+        return f"  <- {event.get('name')}: {text if len(text) <= 200 else text[:200] + '...'}"
+    return None
