@@ -210,3 +210,14 @@ def model_fingerprint(local_dir: str) -> str:
     cfg = json.loads((Path(local_dir) / "config.json").read_text())
     keys = ("model_type", "num_hidden_layers", "num_key_value_heads", "hidden_size", "vocab_size")
     return hashlib.sha256(json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_eos_token_ids(local_dir: str) -> list[int]:
+    """EOS ids as SGLang reads them: config.json's eos_token_id plus generation_config.json's."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(local_dir) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)

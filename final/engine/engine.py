@@ -16,6 +16,7 @@ import random
 import threading
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence as Seq
 
 import torch
@@ -28,6 +29,7 @@ from final.engine.sampling_params import SamplingParams
 from final.engine.scheduler import Scheduler
 from final.engine.sequence import Sequence
 from final.errors import CartridgeError, EngineError, PromptError, SamplingError
+from final.models import model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class EmbeddedEngine:
         spec = self.model.spec
         self.spec = spec
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos(model_path))
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_token_ids(model_path))
         self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device,
                              self.max_model_len)
         self.prefixes = PrefixTable(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
@@ -194,12 +196,16 @@ class EmbeddedEngine:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})", index)
         prefix = self.prefixes.get(cartridges)
         context = len(ids) + (prefix.length if prefix else 0)
+        if context >= self.max_model_len and prefix is not None and len(ids) < self.max_model_len:
+            raise CartridgeError(f"prompt {index}: {context} tokens (cartridge {prefix.length} + prompt {len(ids)}) do "
+                                 f"not fit the context window of {self.max_model_len} (max_model_len)",
+                                 file=",".join(prefix.ids), field="max_model_len")
         if context >= self.max_model_len:
             raise PromptError(f"{context} tokens (prompt {len(ids)} + cartridge {context - len(ids)}) do not fit the "
                               f"context window of {self.max_model_len} (max_model_len)", index)
         if logprob_start_len >= len(ids):
             raise SamplingError(f"{logprob_start_len} must be below the prompt length {len(ids)}", "logprob_start_len")
-        seed = params.seed + sample_index if params.seed is not None else self._rng.randrange(2**63)
+        seed = splitmix64(params.seed + sample_index) if params.seed is not None else self._rng.randrange(2**63)
         generator = None if params.greedy else torch.Generator(device="cpu").manual_seed(seed)
         seq = Sequence(
             rid=(rid if params.n == 1 else f"{rid}-{sample_index}") if rid else uuid.uuid4().hex,
@@ -214,18 +220,19 @@ class EmbeddedEngine:
         return seq
 
     async def _submit(self, seq: Sequence) -> dict:
+        if not self._thread.is_alive():
+            raise EngineError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
-        def done(s: Sequence) -> None:
-            out = s.to_output()
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+        def deliver(set_value) -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or set_value())
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting for this result
+                pass
 
-        def fail(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
-
-        seq.on_done = done
-        seq.on_error = fail
+        seq.on_done = lambda s: deliver(partial(fut.set_result, s.to_output()))
+        seq.on_error = lambda exc: deliver(partial(fut.set_exception, exc))
         self._post(("add", seq))
         try:
             return await fut
@@ -241,8 +248,11 @@ class EmbeddedEngine:
                     while True:
                         msg = self._inbox.get(block=block, timeout=None)
                         block = False
-                        if not self._handle(msg):
-                            return
+                        try:
+                            if not self._handle(msg):
+                                return
+                        except Exception:  # a bad message must not take the engine down
+                            logger.exception("engine failed to handle %s", msg[0])
                 except queue.Empty:
                     pass
                 if self.scheduler.has_work():
@@ -339,18 +349,12 @@ class EmbeddedEngine:
         self.scheduler.running.clear()
 
 
-def _model_eos(model_path: str) -> list[int]:
-    """EOS ids as SGLang reads them: config.json's eos_token_id plus generation_config.json's."""
-    import json
-    from pathlib import Path
-
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        f = Path(model_path) / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return sorted(ids)
+def splitmix64(x: int) -> int:
+    """Well-mixed 63-bit seed from an integer, so seeds s and s+1 give unrelated random streams."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
 
 
 def _per_item(value: Any, n: int, name: str) -> list:
@@ -363,7 +367,7 @@ def _per_item(value: Any, n: int, name: str) -> list:
 
 
 def _per_cartridge(cartridges: Any, n: int) -> list[tuple[str, ...]]:
-    if cartridges is None:
+    if cartridges is None or (isinstance(cartridges, (list, tuple)) and not cartridges):
         return [()] * n
     if isinstance(cartridges, str):
         return [(cartridges,)] * n

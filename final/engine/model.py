@@ -195,3 +195,43 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [N,hidden] -> fp32 logits [N,vocab] (computed in model dtype like HF, then upcast)."""
         return F.linear(hidden, self.lm_head).float()
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout.
+
+        This is how veRL's update_weights() streams a trainer's weights into the rollout engine.
+        """
+        spec = self.spec
+        tensor = tensor.detach().to(device=self.device, dtype=self.dtype)
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            target = self.embed if name.startswith("model.") else self.lm_head
+            target.copy_(tensor)
+            return
+        if name == "model.norm.weight":
+            self.norm.copy_(tensor)
+            return
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise KeyError(f"unknown parameter name {name!r}")
+        layer = self.layers[int(parts[2])]
+        sub = ".".join(parts[3:])
+        q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        inter = layer.w_down.shape[1]
+        slices = {
+            "self_attn.q_proj": (0, q_out), "self_attn.k_proj": (q_out, q_out + kv_out),
+            "self_attn.v_proj": (q_out + kv_out, q_out + 2 * kv_out),
+        }
+        module, kind = sub.rsplit(".", 1)
+        if module in slices:
+            lo, hi = slices[module]
+            (layer.wqkv if kind == "weight" else layer.bqkv)[lo:hi].copy_(tensor)
+        elif module in ("mlp.gate_proj", "mlp.up_proj"):
+            lo = 0 if module == "mlp.gate_proj" else inter
+            layer.w_gate_up[lo:lo + inter].copy_(tensor)
+        else:
+            direct = {"self_attn.o_proj": "wo", "mlp.down_proj": "w_down", "input_layernorm": "in_norm",
+                      "post_attention_layernorm": "post_norm", "self_attn.q_norm": "q_norm",
+                      "self_attn.k_norm": "k_norm"}
+            if module not in direct or getattr(layer, direct[module]) is None:
+                raise KeyError(f"unknown parameter name {name!r}")
+            getattr(layer, direct[module]).copy_(tensor)

@@ -1,0 +1,143 @@
+"""Build a cartridge from a text (prefill once, keep the post-RoPE KV) and verify it against the text itself.
+
+`build_from_text` is the "prefilled-cache canary" of seed 004 and the initialisation the cartridges repo uses
+(the KV of the document's first tokens, the first token frozen as the attention sink). `verify` checks the
+exactness of serving: (cartridge + question) must give the logits and greedy tokens of (text + question).
+
+Token layout: in chat mode the document is a system turn, `<|im_start|>system\\n{text}<|im_end|>\\n` for
+ChatML, and a question is the rest of the conversation rendered after it, tokenized without special tokens so
+no second BOS follows the cartridge (its first token is the sink).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from final.cartridges.format import CartridgeKV
+from final.errors import CartridgeError
+
+DEFAULT_QUESTIONS = ("What is this document about?", "Summarize the document in one sentence.",
+                     "List one specific fact stated in the document.")
+_PLACEHOLDER = "\x00DOCUMENT\x00"
+
+
+def _split_chat(tokenizer: Any, messages: list[dict]) -> tuple[str, str]:
+    """Render [system: placeholder] + messages and return (system part, the rest)."""
+    sys_msg = [{"role": "system", "content": _PLACEHOLDER}]
+    head = tokenizer.apply_chat_template(sys_msg, tokenize=False)
+    full = tokenizer.apply_chat_template(sys_msg + messages, tokenize=False, add_generation_prompt=True)
+    if not full.startswith(head):
+        raise CartridgeError("the chat template does not render a system turn as a fixed prefix; use chat=False",
+                             field="chat_template")
+    return head, full[len(head):]
+
+
+def document_ids(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """The token ids a cartridge of `text` stands for (what would otherwise be prefilled)."""
+    if not text.strip():
+        raise CartridgeError("document text is empty", field="text")
+    if not chat:
+        return tokenizer(text).input_ids  # with the tokenizer's BOS, if it adds one
+    head, _ = _split_chat(tokenizer, [])
+    return tokenizer(head.replace(_PLACEHOLDER, text), add_special_tokens=False).input_ids
+
+
+def continuation_ids(tokenizer: Any, messages: str | list[dict], chat: bool = True) -> list[int]:
+    """Prompt ids that follow a cartridge: the conversation after the document's system turn, no BOS."""
+    if not chat:
+        if not isinstance(messages, str):
+            raise CartridgeError("raw (chat=False) continuations must be text", field="prompt")
+        return tokenizer(messages, add_special_tokens=False).input_ids
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    _, rest = _split_chat(tokenizer, messages)
+    return tokenizer(rest, add_special_tokens=False).input_ids
+
+
+def build_from_text(engine: Any, ids: Sequence[int], num_frozen_tokens: int = 1) -> CartridgeKV:
+    """Prefill `ids` on the engine's model and capture every layer's post-RoPE K/V as a cartridge (on CPU)."""
+    ids = list(ids)
+    if not ids:
+        raise CartridgeError("cannot build a cartridge from zero tokens", field="num_tokens")
+    if len(ids) >= engine.max_model_len:
+        raise CartridgeError(f"{len(ids)} tokens do not fit the context window of {engine.max_model_len}",
+                             field="num_tokens")
+    _, captured = engine.call(lambda runner: runner.forward_full(ids, None, capture=True))
+    keys = [k[None].to("cpu", copy=True) for k, _ in captured]
+    values = [v[None].to("cpu", copy=True) for _, v in captured]
+    return CartridgeKV(keys, values, max(0, min(num_frozen_tokens, len(ids))))
+
+
+@dataclass
+class QuestionCheck:
+    question_tokens: int
+    max_logit_diff: float
+    reference_ids: list[int]
+    cartridge_ids: list[int]
+
+    @property
+    def agreement(self) -> float:
+        """Share of greedy positions where both runs chose the same token (length differences count as misses)."""
+        n = max(len(self.reference_ids), len(self.cartridge_ids))
+        same = sum(a == b for a, b in zip(self.reference_ids, self.cartridge_ids))
+        return same / n if n else 1.0
+
+    @property
+    def same_answer(self) -> bool:
+        return self.reference_ids == self.cartridge_ids
+
+
+@dataclass
+class VerifyReport:
+    num_tokens: int
+    checks: list[QuestionCheck] = field(default_factory=list)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max(c.max_logit_diff for c in self.checks)
+
+    @property
+    def token_agreement(self) -> float:
+        return sum(c.agreement for c in self.checks) / len(self.checks)
+
+    @property
+    def same_answers(self) -> int:
+        return sum(c.same_answer for c in self.checks)
+
+    def summary(self) -> str:
+        return (f"max logit diff {self.max_logit_diff:.3e}; token agreement {self.token_agreement:.4f}; "
+                f"same greedy answer {self.same_answers}/{len(self.checks)}")
+
+
+def verify(engine: Any, cart: CartridgeKV, doc_ids: Sequence[int], questions: Sequence[Sequence[int]],
+           max_new_tokens: int = 32) -> VerifyReport:
+    """Compare (cartridge + question) with (document + question) on the engine, greedy, for each question.
+
+    Greedy answers are generated through the serving path (async_generate with and without the cartridge);
+    the logit difference is taken over the question and the reference answer, teacher-forced both ways.
+    """
+    doc_ids = list(doc_ids)
+    if cart.num_tokens != len(doc_ids):
+        raise CartridgeError(f"cartridge has {cart.num_tokens} tokens, the text renders to {len(doc_ids)}; "
+                             "was it built from this text (and the same chat/raw mode)?", field="num_tokens")
+    cid = f"__verify-{uuid.uuid4().hex}"
+    engine.load_cartridge(cid, cart.keys, cart.values)
+    report = VerifyReport(cart.num_tokens)
+    greedy = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    try:
+        prefix = engine.prefixes.get((cid,))
+        for q in questions:
+            q = list(q)
+            ref = engine.generate(doc_ids + q, greedy)["output_ids"]
+            got = engine.generate(q, greedy, cartridges=(cid,))["output_ids"]
+            tail = q + ref
+            full_logits, _ = engine.call(lambda r: r.forward_full(doc_ids + tail, None))
+            cart_logits, _ = engine.call(lambda r: r.forward_full(tail, prefix))
+            diff = (full_logits[len(doc_ids):] - cart_logits).abs().max().item()
+            report.checks.append(QuestionCheck(len(q), diff, list(ref), list(got)))
+    finally:
+        engine.unload_cartridge(cid)
+    return report
+

@@ -1,0 +1,177 @@
+"""CartridgeService: the one object the inference engine and the server talk to about cartridges.
+
+load = fetch (sources) -> checksum (manifest) -> safe load (format) -> validate vs manifest and model -> store
+admission (may evict) -> engine.load_cartridge. The engine is anything with `load_cartridge(id, keys, values)`
+and `unload_cartridge(id)`: the embedded engine, or the SGLang backend's injector.
+
+Requests name cartridges by id (`generate(..., cartridge=...)`) or by Tokasaurus spec (`{id, source,
+force_redownload}`: `ensure` loads them on demand); `using(ids)` holds references while a request runs so the
+store never evicts a cartridge under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from final.cartridges.format import CartridgeKV, load_cartridge
+from final.cartridges.manifest import (ModelShape, check_matches_manifest, check_matches_model, read_manifest,
+                                       verify_checksum)
+from final.cartridges.sources import SOURCES, fetch
+from final.cartridges.store import CartridgeStore, StoreMetrics
+from final.errors import CartridgeError
+
+logger = logging.getLogger(__name__)
+
+SPEC_KEYS = {"id", "source", "force_redownload", "path", "pin", "allow_nonfinite"}
+
+
+class CartridgeService:
+    def __init__(self, engine: Any, model: Any = None, *, cache_dir: str | Path | None = None,
+                 budget_bytes: int | None = None, allow_nonfinite: bool = False):
+        """`model`: what cartridges must match (ModelSpec, HF config, model folder); defaults to engine.spec."""
+        self.engine = engine
+        shape = ModelShape.of(model if model is not None else engine.spec)
+        max_len = getattr(engine, "max_model_len", None)
+        if isinstance(max_len, int) and max_len < shape.max_context:
+            shape = ModelShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, max_len)
+        self.model = shape
+        self.cache_dir = cache_dir
+        self.allow_nonfinite = allow_nonfinite
+        self.store = CartridgeStore(budget_bytes, on_evict=self._evicted)
+        self._load_lock = threading.RLock()  # using() holds it across ensure + acquire
+
+    # ---- loading -------------------------------------------------------------------------------------------
+    def load(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
+             force_redownload: bool = False, pin: bool = False, allow_nonfinite: bool | None = None) -> str:
+        """Load a cartridge (or find it resident) and return its id.
+
+        `local`: the file is `path`, or `id` when no path is given (Tokasaurus passes the path as the id).
+        `huggingface`: `id` is the repo ("org/name", files cartridge.pt|.safetensors or cache_last.pt) or
+        "org/name/file/in/repo.pt"; `path` names the file instead. `s3`: `id` (or `path`) is s3://bucket/key.
+        `wandb`: `id` is entity/project/run_id[/file]; default file: the latest cache-step*.pt of the run.
+        """
+        cid = id or path
+        if not isinstance(cid, str) or not cid:
+            raise CartridgeError("needs an id or a path", field="id")
+        with self._load_lock:
+            if not force_redownload and self.store.lookup(cid) is not None:
+                if pin:
+                    self.store.pin(cid)
+                return cid
+            fetched = fetch(source, cid, path, cache_dir=self.cache_dir, force_redownload=force_redownload)
+            nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
+            cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
+            return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
+                                                           "manifest": manifest.__dict__ if manifest else None})
+
+    def read(self, file: str | Path, manifest_file: str | Path | None = None, *,
+             allow_nonfinite: bool = False) -> tuple[CartridgeKV, Any]:
+        """Checksum, load and validate a cartridge file against its manifest (if any) and the model."""
+        name = str(file)
+        manifest = None
+        if manifest_file is not None:
+            manifest = read_manifest(manifest_file)
+            if Path(file).exists():
+                verify_checksum(file, manifest)
+        cart = load_cartridge(file, allow_nonfinite=allow_nonfinite)
+        if manifest is not None:
+            check_matches_manifest(cart, manifest, name)
+        check_matches_model(cart, self.model, name)
+        return cart, manifest
+
+    def add(self, cartridge_id: str, cart: CartridgeKV, *, pin: bool = False) -> str:
+        """Serve an in-memory cartridge (e.g. one just built from text)."""
+        check_matches_model(cart, self.model, cartridge_id)
+        with self._load_lock:
+            return self._admit(cartridge_id, cart, pin=pin, info={"source": "memory"})
+
+    def _admit(self, cid: str, cart: CartridgeKV, *, pin: bool, info: dict) -> str:
+        # Admission first (it may evict to make room), then the engine; undo the admission if the engine refuses.
+        existed = self.store.get(cid) is not None
+        self.store.put(cid, cart.nbytes, pin=pin, info=info)
+        try:
+            self.engine.load_cartridge(cid, cart.keys, cart.values)
+        except BaseException:
+            if not existed:
+                self.store.remove(cid)
+            raise
+        logger.info("cartridge %s loaded: %d tokens, %d bytes", cid, cart.num_tokens, cart.nbytes)
+        return cid
+
+    def unload(self, cartridge_id: str) -> bool:
+        """Remove a cartridge; requests already running with it finish normally."""
+        with self._load_lock:
+            known = self.store.remove(cartridge_id)
+            return bool(self.engine.unload_cartridge(cartridge_id)) or known
+
+    def _evicted(self, cartridge_id: str) -> None:
+        logger.info("cartridge %s evicted (LRU, over budget)", cartridge_id)
+        self.engine.unload_cartridge(cartridge_id)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def ensure(self, specs: Iterable[Mapping[str, Any] | str]) -> tuple[str, ...]:
+        """Load on demand the cartridges a request names (Tokasaurus specs or ids); return their ids in order."""
+        ids = []
+        for i, spec in enumerate(specs):
+            if isinstance(spec, str):
+                if spec not in self.store:
+                    raise CartridgeError("unknown cartridge id; load it first or pass {id, source}", file=spec,
+                                         field=f"cartridges[{i}]")
+                ids.append(spec)
+                continue
+            ids.append(self.load(**parse_spec(spec, f"cartridges[{i}]")))
+        return tuple(ids)
+
+    @contextlib.contextmanager
+    def using(self, items: Iterable[Any]) -> Iterator[tuple[str, ...]]:
+        """Hold a reference on every cartridge of a request for its duration.
+
+        `items`: ids, Tokasaurus specs ({id, source, ...}, loaded on demand), or one tuple of those per row.
+        Loading and taking the references happen under one lock, so no other load can evict them in between.
+        """
+        flat = [c for item in items for c in ((item,) if isinstance(item, (str, Mapping)) else tuple(item or ()))]
+        with self._load_lock:
+            held = self.store.acquire(self.ensure(flat))
+        try:
+            yield held
+        finally:
+            self.store.release(held)
+
+    def pin(self, cartridge_id: str) -> None:
+        self.store.pin(cartridge_id)
+
+    def unpin(self, cartridge_id: str) -> None:
+        self.store.unpin(cartridge_id)
+
+    def ids(self) -> list[str]:
+        return self.store.ids()
+
+    def metrics(self) -> StoreMetrics:
+        return self.store.metrics()
+
+
+def parse_spec(spec: Mapping[str, Any], where: str = "cartridges") -> dict[str, Any]:
+    """Validate one `{id, source, force_redownload, path}` dict (seed 000's shape) into load() arguments."""
+    if not isinstance(spec, Mapping):
+        raise CartridgeError(f"must be a mapping with id and source, got {type(spec).__name__}", field=where)
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise CartridgeError(f"unknown keys {unknown}; allowed: {sorted(SPEC_KEYS)}", field=f"{where}.{unknown[0]}")
+    out = dict(spec)
+    out.setdefault("source", "local")
+    if not out.get("id") and not out.get("path"):
+        raise CartridgeError("needs an id (or a path)", field=f"{where}.id")
+    for key in ("id", "path"):
+        if out.get(key) is not None and not isinstance(out[key], str):
+            raise CartridgeError(f"must be a string, got {type(out[key]).__name__}", field=f"{where}.{key}")
+    if out["source"] not in SOURCES:
+        raise CartridgeError(f"unknown source {out['source']!r}; choose one of {', '.join(SOURCES)}",
+                             file=out.get("id"), field=f"{where}.source")
+    for key in ("force_redownload", "pin", "allow_nonfinite"):
+        if key in out and not isinstance(out[key], bool):
+            raise CartridgeError(f"must be true or false, got {out[key]!r}", field=f"{where}.{key}")
+    return out

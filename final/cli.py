@@ -1,0 +1,96 @@
+"""`final` command line. Each subcommand lives with its feature and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Callable, Sequence
+
+from final.errors import FinalError
+
+# Feature modules that add subcommands: each has register(subparsers).
+SUBCOMMAND_MODULES: list[str] = ["final.cartridges.cli"]
+
+
+def _quiet() -> None:
+    # Library chatter (veRL, transformers) would drown the answer a CLI user asked for.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="config.yaml", help="config file (default: config.yaml)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    keys = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from final.inf import InferenceEngine
+
+    overrides = {"model_path": args.model} if args.model else {}
+    with InferenceEngine(args.config, **overrides) as engine:
+        for cid in args.cartridge or []:  # a cartridge file given by path is loaded under that path as its id
+            if os.path.isfile(cid):
+                engine.load_cartridge(path=cid)
+        out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=args.cartridge or None,
+                              progress=False, **sampling_from_args(args))
+    if args.json:
+        print(json.dumps({"completions": out.completions, "metadata": out.metadata}))
+    else:
+        for i, text in enumerate(out.completions):
+            if len(out.completions) > 1:
+                print(f"--- [{i}]")
+            print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="final", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="print completions for one or more prompts")
+    add_sampling_args(gen)
+    gen.add_argument("prompt", nargs="+", help="prompts (each a user message unless --raw)")
+    gen.add_argument("--model", default=None, help="override model_path")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--raw", action="store_true", help="send prompts as plain text (no chat template)")
+    gen.add_argument("--cartridge", action="append", help="cartridge id or .pt/.safetensors file (repeat to compose)")
+    gen.add_argument("--json", action="store_true", help="print JSON with metadata")
+    gen.set_defaults(func=_cmd_generate)
+    import importlib
+
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet()
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except FinalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

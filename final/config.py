@@ -1,0 +1,275 @@
+"""config.yaml -> validated EngineConfig -> veRL's RolloutConfig and HFModelConfig.
+
+Everything is checked before a model or engine starts, and each failure is a ConfigError naming the key path
+(with the nearest valid name for typos and the line for YAML syntax errors). The `rollout:` section is veRL's
+RolloutConfig, field for field, plus `name` choices of our own (`local`, `auto`, `tokasaurus`) and `custom`
+(the Tokasaurus backend's settings, seed 000). We force the settings veRL 0.6.0 gets wrong for in-process use:
+tensor_model_parallel_size=1, load_format=auto, skip_tokenizer_init=True.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib.util
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from final.errors import ConfigError
+
+BACKENDS = ("auto", "local", "sglang", "tokasaurus")
+TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress")
+CARTRIDGE_KEYS = ("id", "source", "path", "force_redownload", "pin")
+CARTRIDGE_SOURCES = ("local", "huggingface", "s3", "wandb")
+LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
+
+# Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
+ROLLOUT_DEFAULTS: dict[str, Any] = {
+    "name": "auto",
+    "mode": "async",
+    "skip_tokenizer_init": True,
+    "tensor_model_parallel_size": 1,
+    "load_format": "auto",
+    "dtype": "auto",
+    "prompt_length": 1024,
+    "response_length": 512,
+    "max_num_seqs": 256,
+}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    rollout: dict[str, Any]
+    custom: dict[str, Any] = field(default_factory=dict)
+    cartridges: list[dict[str, Any]] = field(default_factory=list)
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    progress: bool = True
+    source: str | None = None  # the file it came from, for messages
+
+    @property
+    def backend(self) -> str:
+        """`rollout.name` with `auto` resolved: sglang where CUDA and sglang are present, else local."""
+        name = self.rollout["name"]
+        if name != "auto":
+            return name
+        import torch
+
+        return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "local"
+
+    def rollout_config(self):
+        """veRL's RolloutConfig (what SGLangRollout and our rollouts take)."""
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import RolloutConfig
+
+        values = {k: v for k, v in self.rollout.items() if k != "custom"}
+        values["name"] = self.backend
+        try:
+            return omega_conf_to_dataclass(values, dataclass_type=RolloutConfig)
+        except Exception as exc:  # omegaconf's own type errors, re-raised with our key path
+            raise ConfigError(f"veRL rejected the rollout section: {exc}", key="rollout", path=self.source) from exc
+
+    def model_config(self, local_path: str):
+        """veRL's HFModelConfig for a resolved local model folder."""
+        from verl.workers.config import HFModelConfig
+
+        return HFModelConfig(path=local_path, tokenizer_path=self.tokenizer_path or local_path,
+                             trust_remote_code=self.trust_remote_code)
+
+    def check_against_model(self, local_path: str) -> int:
+        """Check lengths against the model's positions; returns max_model_len."""
+        cfg = json.loads((Path(local_path) / "config.json").read_text())
+        max_pos = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+        factor = (cfg.get("rope_scaling") or {}).get("factor", 1.0) if isinstance(cfg.get("rope_scaling"), dict) else 1.0
+        total = self.rollout["prompt_length"] + self.rollout["response_length"]
+        limit = int(max_pos * factor) if max_pos else None
+        if limit is not None and total > limit:
+            raise ConfigError(
+                f"prompt_length + response_length = {total} exceeds the model's {limit} positions "
+                f"({self.model_path})", key="rollout.response_length", path=self.source)
+        max_model_len = self.rollout.get("max_model_len") or total
+        if max_model_len < total:
+            raise ConfigError(f"max_model_len={max_model_len} is below prompt_length + response_length = {total}",
+                              key="rollout.max_model_len", path=self.source)
+        return max_model_len
+
+
+def load_config(source: str | Path | dict, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read and validate a config file (or dict); `overrides` are deep-merged on top (same shape)."""
+    path = None
+    if isinstance(source, (str, Path)):
+        path = str(source)
+        raw = _read_yaml(Path(source))
+    elif isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    else:
+        raise ConfigError(f"config must be a path or a dict, got {type(source).__name__}")
+    if overrides:
+        raw = _deep_merge(raw, overrides)
+    return _validate(raw, path)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError("config file not found", path=str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", path=str(path)) from exc
+    if data is None:
+        raise ConfigError("config file is empty", path=str(path))
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level must be a mapping, got {type(data).__name__}", path=str(path))
+    return data
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _unknown(key: str, choices, where: str, path: str | None) -> ConfigError:
+    near = difflib.get_close_matches(key, list(choices), n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(sorted(choices))}"
+    return ConfigError(f"unknown key{hint}", key=f"{where}{key}", path=path)
+
+
+def _validate(raw: dict, path: str | None) -> EngineConfig:
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise _unknown(key, TOP_LEVEL, "", path)
+    model_path = raw.get("model_path")
+    if not isinstance(model_path, str) or not model_path.strip():
+        raise ConfigError("is required and must be a non-empty string", key="model_path", path=path)
+    for key, kind in (("tokenizer_path", str), ("trust_remote_code", bool), ("progress", bool)):
+        if raw.get(key) is not None and not isinstance(raw[key], kind):
+            raise ConfigError(f"must be {kind.__name__}, got {raw[key]!r}", key=key, path=path)
+    section = raw.get("rollout") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"must be a mapping, got {type(section).__name__}", key="rollout", path=path)
+    rollout = {**ROLLOUT_DEFAULTS, **section}
+    custom = rollout.pop("custom", None) or {}
+    if not isinstance(custom, dict):
+        raise ConfigError("must be a mapping", key="rollout.custom", path=path)
+    _check_rollout(rollout, path)
+    return EngineConfig(
+        model_path=model_path, rollout=rollout, custom=custom,
+        cartridges=_check_cartridges(raw.get("cartridges"), path),
+        tokenizer_path=raw.get("tokenizer_path"), trust_remote_code=bool(raw.get("trust_remote_code", False)),
+        progress=raw.get("progress", True), source=path,
+    )
+
+
+def _check_rollout(rollout: dict, path: str | None) -> None:
+    from verl.workers.config import RolloutConfig
+
+    _check_fields(rollout, RolloutConfig, "rollout.", path, skip={"name"})
+    if rollout["name"] not in BACKENDS:
+        raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)
+    if rollout["mode"] not in ("sync", "async"):
+        raise ConfigError(f"must be 'sync' or 'async', got {rollout['mode']!r}", key="rollout.mode", path=path)
+    if rollout["mode"] == "async" and not rollout["skip_tokenizer_init"]:
+        raise ConfigError("async mode requires skip_tokenizer_init: true (token-in-token-out)",
+                          key="rollout.skip_tokenizer_init", path=path)
+    if rollout["tensor_model_parallel_size"] != 1:
+        raise ConfigError(f"must be 1: final runs a single-rank engine in-process, got "
+                          f"{rollout['tensor_model_parallel_size']}", key="rollout.tensor_model_parallel_size", path=path)
+    for key in ("prompt_length", "response_length", "max_num_seqs"):
+        if rollout[key] < 1:
+            raise ConfigError(f"must be >= 1, got {rollout[key]}", key=f"rollout.{key}", path=path)
+    if not 0.0 < rollout.get("gpu_memory_utilization", 0.5) <= 1.0:
+        raise ConfigError("must be in (0, 1]", key="rollout.gpu_memory_utilization", path=path)
+    local = (rollout.get("engine_kwargs") or {}).get("local") or {}
+    for key, value in local.items():
+        if key not in LOCAL_ENGINE_KEYS:
+            raise _unknown(key, LOCAL_ENGINE_KEYS, "rollout.engine_kwargs.local.", path)
+        if not isinstance(value, LOCAL_ENGINE_KEYS[key]) or isinstance(value, bool):
+            raise ConfigError(f"must be {LOCAL_ENGINE_KEYS[key].__name__}, got {value!r}",
+                              key=f"rollout.engine_kwargs.local.{key}", path=path)
+
+
+def _check_fields(values: dict, cls: type, where: str, path: str | None, skip: set[str] = frozenset()) -> None:
+    """Unknown keys and wrong types against a veRL config dataclass (recursing into nested dataclasses)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    for key, value in values.items():
+        if key not in names:
+            raise _unknown(key, names, where, path)
+        if key in skip:
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"must be a mapping, got {value!r}", key=f"{where}{key}", path=path)
+            _check_fields(value, hint, f"{where}{key}.", path)
+        elif not _matches(value, hint):
+            raise ConfigError(f"must be {_describe(hint)}, got {value!r}", key=f"{where}{key}", path=path)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, dict) or hint in (list, dict):
+        return isinstance(value, origin or hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _check_cartridges(value: Any, path: str | None) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError("must be a list of {id, source, path, force_redownload}", key="cartridges", path=path)
+    out = []
+    for i, item in enumerate(value):
+        where = f"cartridges[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError("must be a mapping", key=where, path=path)
+        for key in item:
+            if key not in CARTRIDGE_KEYS:
+                raise _unknown(key, CARTRIDGE_KEYS, f"{where}.", path)
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            raise ConfigError("is required (a non-empty string)", key=f"{where}.id", path=path)
+        source = item.get("source", "local")
+        if source not in CARTRIDGE_SOURCES:
+            raise ConfigError(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {source!r}",
+                              key=f"{where}.source", path=path)
+        for key in ("force_redownload", "pin"):
+            if key in item and not isinstance(item[key], bool):
+                raise ConfigError("must be true or false", key=f"{where}.{key}", path=path)
+        if "path" in item and not isinstance(item["path"], str):
+            raise ConfigError("must be a string", key=f"{where}.path", path=path)
+        out.append({"source": source, "force_redownload": False, **item})
+    return out

@@ -1,0 +1,62 @@
+"""A single-rank torch.distributed process group, as veRL's SGLangRollout expects one to exist.
+
+Environment variables are only set when absent (a launcher's values win), ports are free ones (two engines in
+one machine never collide), and the group is destroyed on shutdown only if we created it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+_owned = False
+_our_env: set[str] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def backend_for_device() -> str:
+    # veRL broadcasts python objects over gloo and SGLang uses NCCL for CUDA tensors.
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def set_single_rank_env() -> None:
+    defaults = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in defaults.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            _our_env.add(key)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+        _our_env.add("MASTER_PORT")
+
+
+def ensure_process_group() -> bool:
+    """Initialise a world-size-1 group if none exists. Returns True if this call created it (idempotent)."""
+    global _owned
+    if dist.is_initialized():
+        return False
+    set_single_rank_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend=backend_for_device(), rank=rank, world_size=world)
+    _owned = True
+    return True
+
+
+def destroy_process_group() -> None:
+    """Destroy the group if we created it (a launcher's group is left alone)."""
+    global _owned
+    if _owned and dist.is_initialized():
+        dist.destroy_process_group()
+    _owned = False
+    for key in _our_env:  # a later group picks a fresh port
+        os.environ.pop(key, None)
+    _our_env.clear()
+_our_env: set[str] = set()

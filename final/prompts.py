@@ -1,0 +1,192 @@
+"""Prompts in, DataProto out, and back: the text side of veRL's rollout contract.
+
+Accepted prompt shapes (one prompt or a batch):
+  "text"                               -> one chat turn [{"role": "user", "content": "text"}]
+  [{"role": ..., "content": ...}, ...] -> one conversation
+  [101, 102, 103]                      -> one prompt as token ids (sent as is)
+  a list of any of the above           -> a batch
+With raw=True, strings are tokenized as plain text instead of wrapped in the chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from final.errors import PromptError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Prompt:
+    messages: list[dict] | None = None
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _is_conversation(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
+
+
+def normalize_prompts(prompts: Any, raw: bool = False) -> list[Prompt]:
+    """Any accepted shape -> a list of Prompt, validating as we go (PromptError names the index)."""
+    if isinstance(prompts, (str, dict)) or _is_ids(prompts) or _is_conversation(prompts):
+        items = [prompts]
+    elif isinstance(prompts, (list, tuple)):
+        items = list(prompts)
+    else:
+        raise PromptError(f"prompts must be a string, a message list, token ids or a list of those, "
+                          f"got {type(prompts).__name__}")
+    if not items:
+        raise PromptError("the prompt list is empty")
+    return [_normalize_one(item, i, raw) for i, item in enumerate(items)]
+
+
+def _normalize_one(item: Any, index: int, raw: bool) -> Prompt:
+    if isinstance(item, str):
+        if not item.strip():
+            raise PromptError("is an empty string", index)
+        return Prompt(text=item) if raw else Prompt(messages=[{"role": "user", "content": item}])
+    if isinstance(item, dict):
+        item = [item]
+    if _is_ids(item):
+        if any(t < 0 for t in item):
+            raise PromptError("token ids must be >= 0", index)
+        return Prompt(ids=list(item))
+    if _is_conversation(item):
+        return Prompt(messages=[_check_message(m, index, j) for j, m in enumerate(item)])
+    if isinstance(item, list) and not item:
+        raise PromptError("is an empty list", index)
+    raise PromptError(f"must be a string, a list of messages or a list of token ids, got {type(item).__name__}", index)
+
+
+def _check_message(message: dict, index: int, j: int) -> dict:
+    role = message.get("role")
+    if role is None:
+        raise PromptError(f"message {j} has no 'role'", index)
+    if role not in ROLES:
+        raise PromptError(f"message {j} has unknown role {role!r}; expected one of {', '.join(ROLES)}", index)
+    if "content" not in message:
+        raise PromptError(f"message {j} has no 'content'", index)
+    content = message["content"]
+    if content is None and not message.get("tool_calls"):
+        raise PromptError(f"message {j} has content None and no tool_calls", index)
+    if content is not None and not isinstance(content, str):
+        raise PromptError(f"message {j} content must be a string, got {type(content).__name__}", index)
+    return dict(message)
+
+
+def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
+             after_cartridge: Sequence[bool] | None = None) -> list[list[int]]:
+    """Token ids per prompt (chat template with generation prompt for conversations).
+
+    A prompt that follows a cartridge continues the cartridge's token stream: no BOS, and in chat form the
+    conversation after the document's system turn (final.cartridges.build.continuation_ids).
+    """
+    out = []
+    for i, p in enumerate(prompts):
+        if after_cartridge is not None and after_cartridge[i] and p.ids is None:
+            from final.cartridges.build import continuation_ids
+
+            chat = p.messages is not None
+            ids = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
+        elif p.ids is not None:
+            ids = p.ids
+            if max(ids) >= len(tokenizer):
+                raise PromptError(f"token id {max(ids)} is outside the vocabulary of {len(tokenizer)}", i)
+        elif p.messages is not None:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise PromptError("the tokenizer has no chat template; pass raw=True to send plain text", i)
+            ids = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True))
+        else:
+            ids = tokenizer(p.text)["input_ids"]
+        if len(ids) > prompt_length:
+            raise PromptError(f"has {len(ids)} tokens, over rollout.prompt_length={prompt_length}", i)
+        out.append(ids)
+    return out
+
+
+def build_dataproto(prompt_ids: list[list[int]], prompts: list[Prompt], pad_token_id: int,
+                    eos_token_ids: Sequence[int], meta_info: dict | None = None,
+                    non_tensor: dict[str, list] | None = None):
+    """veRL's rollout input: left-padded input_ids/attention_mask/position_ids to the longest prompt.
+
+    non_tensor_batch carries raw_prompt_ids (exact ids, so no pad-stripping guesswork), raw_prompt (the
+    message lists veRL's multi-turn path re-tokenizes) and any per-row extras (cartridges, tools_kwargs).
+    """
+    from verl import DataProto
+    from verl.utils.model import compute_position_id_with_mask
+
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    position_ids = compute_position_id_with_mask(attention_mask)
+    non_tensor_batch = {"raw_prompt_ids": object_array([list(ids) for ids in prompt_ids])}
+    if all(p.messages is not None for p in prompts):
+        non_tensor_batch["raw_prompt"] = object_array([p.messages for p in prompts])
+    for key, values in (non_tensor or {}).items():
+        non_tensor_batch[key] = object_array(values)
+    meta = {"eos_token_id": sorted(set(eos_token_ids)), "pad_token_id": pad_token_id, "do_sample": True,
+            "validate": False, **(meta_info or {})}
+    return DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors=non_tensor_batch, meta_info=meta)
+
+
+def object_array(values: list) -> np.ndarray:
+    """A 1-D object array (numpy would otherwise turn equal-length lists into a 2-D array)."""
+    arr = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        arr[i] = v
+    return arr
+
+
+@dataclass
+class DecodedRow:
+    text: str
+    response_ids: list[int]
+    response_mask: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[float] | None
+
+
+def decode_outputs(output, tokenizer, stop_ids: Sequence[int], max_new_tokens: int) -> list[DecodedRow]:
+    """Output DataProto -> per-row text, ids and masks.
+
+    The response is what veRL's response attention mask keeps (tokens up to and including the first eos),
+    capped at max_new_tokens: when pad == eos, veRL's mask also keeps the first pad of a length-truncated row.
+    finish_reason is "stop" when the last kept token is a stop token, else "length"."""
+    batch = output.batch
+    prompt_width = batch["prompts"].shape[1]
+    responses = batch["responses"]
+    attn = batch["attention_mask"]
+    loss_mask = batch["response_mask"] if "response_mask" in batch.keys() else None
+    logprobs = batch["rollout_log_probs"] if "rollout_log_probs" in batch.keys() else None
+    stop = set(stop_ids)
+    rows = []
+    for row in range(responses.shape[0]):
+        keep = min(int(attn[row, prompt_width:].sum()), max_new_tokens)
+        ids = responses[row, :keep].tolist()
+        mask = loss_mask[row, :keep].tolist() if loss_mask is not None else [1] * keep
+        rows.append(DecodedRow(
+            text=tokenizer.decode(ids, skip_special_tokens=True),
+            response_ids=ids, response_mask=mask,
+            finish_reason="stop" if ids and ids[-1] in stop else "length",
+            prompt_tokens=int(attn[row, :prompt_width].sum()),
+            completion_tokens=sum(mask),
+            logprobs=logprobs[row, :keep].tolist() if logprobs is not None else None,
+        ))
+    return rows

@@ -1,0 +1,117 @@
+"""veRL 0.6.0 SGLangRollout's batch path without SGLang: sampling params in, DataProto out.
+
+Every non-SGLang backend (local, tokasaurus) builds its engine requests and its output DataProto here, so they
+produce exactly what `SGLangRollout._batch_level_generate_sequences` produces (keys, shapes, dtypes, padding
+values — including veRL's padding of rollout_log_probs with pad_token_id).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from final.errors import PromptError
+
+# Attributes of SGLang 0.5.2's SamplingParams() (sglang/srt/sampling/sampling_params.py). veRL copies every
+# RolloutConfig key that is one of these (or contains "stop") into the request's sampling params.
+SGLANG_SAMPLING_ATTRS = frozenset({
+    "max_new_tokens", "stop_strs", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "regex", "n", "json_schema", "ebnf",
+    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "custom_params", "stream_interval", "logit_bias", "verify", "normalize",
+})
+
+GREEDY_OVERRIDES = {
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 0,
+    "top_p": 1, "top_k": -1, "ignore_eos": False, "min_new_tokens": 0, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+}
+
+
+def base_sampling_params(config) -> dict[str, Any]:
+    """SGLangRollout._init_sampling_params."""
+    params = dict(n=1, max_new_tokens=config.response_length, presence_penalty=0.0, frequency_penalty=0.0,
+                  repetition_penalty=config.get("repetition_penalty", 1.0))
+    for key in config.keys():
+        if key in SGLANG_SAMPLING_ATTRS or "stop" in str(key):
+            params[key] = config.get(key)
+    params["n"] = 1
+    return params
+
+
+def request_sampling_params(base: dict, config, meta_info: dict, kwargs: dict) -> dict[str, Any]:
+    """The per-call sampling params of SGLangRollout (greedy when do_sample is False, val_kwargs when validating)."""
+    params = dict(base)
+    if not meta_info.get("do_sample", True):
+        params.update(GREEDY_OVERRIDES, max_new_tokens=config.response_length)
+    elif meta_info.get("validate", False):
+        params.update(top_k=config.val_kwargs.top_k, top_p=config.val_kwargs.top_p,
+                      temperature=config.val_kwargs.temperature, n=1)
+    params.update(kwargs)
+    return params
+
+
+def prompt_token_lists(prompts, pad_token_id: int) -> list[list[int]]:
+    """raw_prompt_ids when given, else the left padding stripped as veRL's _pre_process_inputs does."""
+    if "multi_modal_data" in prompts.non_tensor_batch:
+        raise PromptError("multi-modal prompts are not supported by this backend")
+    if "raw_prompt_ids" in prompts.non_tensor_batch:
+        return [list(map(int, ids)) for ids in prompts.non_tensor_batch["raw_prompt_ids"]]
+    out = []
+    for row in prompts.batch["input_ids"]:
+        start = int(torch.nonzero(row != pad_token_id, as_tuple=False)[0][0])
+        out.append(row[start:].tolist())
+    return out
+
+
+def row_cartridges(prompts) -> list[tuple[str, ...]] | None:
+    """The per-row cartridge ids carried in non_tensor_batch["cartridges"] (None when absent)."""
+    values = prompts.non_tensor_batch.get("cartridges")
+    if values is None:
+        return None
+    return [tuple(v) if v is not None else () for v in values]
+
+
+def assemble_batch(prompts, outputs: list[dict], config, pad_token_id: int):
+    """Engine outputs (SGLang dicts) -> SGLangRollout's batch-path DataProto. The input is not modified."""
+    from tensordict import TensorDict
+    from verl import DataProto
+    from verl.utils.torch_functional import get_response_mask, pad_sequence_to_length
+
+    idx = prompts.batch["input_ids"]
+    attention_mask = prompts.batch["attention_mask"]
+    position_ids = prompts.batch["position_ids"]
+    eos_token_id = prompts.meta_info["eos_token_id"]
+    batch_size = idx.size(0)
+    if len(outputs) != batch_size:
+        raise ValueError(f"{len(outputs)} engine outputs for {batch_size} prompts (n must be 1 per row)")
+
+    ids, logprobs = [], []
+    for out in outputs:
+        pairs = out["meta_info"]["output_token_logprobs"]
+        logprobs.append(torch.tensor([lp for lp, _, _ in pairs]))
+        ids.append(torch.tensor([tok for _, tok, _ in pairs]))
+    response = pad_sequence(ids, batch_first=True, padding_value=pad_token_id).to(idx.device)
+    rollout_log_probs = pad_sequence(logprobs, batch_first=True, padding_value=pad_token_id).to(idx.device)
+    if response.shape[1] < config.response_length:
+        response = pad_sequence_to_length(response, config.response_length, pad_token_id)
+        rollout_log_probs = pad_sequence_to_length(rollout_log_probs, config.response_length, pad_token_id)
+
+    seq = torch.cat([idx, response], dim=-1)
+    delta = torch.arange(1, response.size(1) + 1, device=position_ids.device).unsqueeze(0).repeat(batch_size, 1)
+    position_ids = torch.cat([position_ids, position_ids[..., -1:] + delta], dim=-1)
+    response_attention_mask = get_response_mask(response_id=response, eos_token=eos_token_id,
+                                                dtype=attention_mask.dtype)
+    batch = TensorDict({
+        "prompts": idx,
+        "responses": response,
+        "input_ids": seq,
+        "attention_mask": torch.cat((attention_mask, response_attention_mask), dim=-1),
+        "position_ids": position_ids,
+    }, batch_size=batch_size)
+    if config.calculate_log_probs:
+        batch["rollout_log_probs"] = rollout_log_probs
+    non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k != "raw_prompt_ids"}
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={})
