@@ -281,11 +281,11 @@ def test_conversation_rows_and_live_events(tok, tmp_path):
     assert row.completion_tokens == sum(row.response_mask) == int(out.batch["response_mask"][0].sum())
     assert [(e["type"], e.get("name")) for e in events] == [
         ("assistant", None), ("tool_call", "echo"), ("tool_call", "nope"), ("tool_result", "echo"),
-        ("tool_result", "nope"), ("assistant", None)]
-    assert events[-1]["text"] == "Done." and events[3]["response"] == 'echo {"x": "1"}'
+        ("tool_result", "nope"), ("assistant", None), ("done", None)]
+    assert events[-2]["text"] == "Done." and events[3]["response"] == 'echo {"x": "1"}' and events[-1]["turns"] == 2
     assert [describe_event(e) for e in events] == [
         None, '  -> echo({"x": "1"})', "  -> nope({})", '  <- echo: echo {"x": "1"}',
-        "  <- nope: Error: unknown tool 'nope'; available tools: echo", None]
+        "  <- nope: Error: unknown tool 'nope'; available tools: echo", None, None]
 
 
 def test_one_event_loop_across_batches_and_none_inside_a_running_loop(tok, tmp_path):
@@ -301,6 +301,5 @@ def test_one_event_loop_across_batches_and_none_inside_a_running_loop(tok, tmp_p
     async def inside():
         return run(rollout, tok, ["QQ"], [{"echo": {}}])
 
-    with pytest.raises(EngineError, match="await agenerate_sequences"):
+    with pytest.raises(EngineError, match="inside a running event loop"):
         asyncio.run(inside())
-    rollout.close()

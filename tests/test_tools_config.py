@@ -116,7 +116,7 @@ def test_verl_defaults_are_filled_in(tokenizer):
     # SGLangRollout._verify_config: max_model_len = prompt + response, turns = max_model_len // 3
     assert config.max_model_len == 256 + 128
     assert config.multi_turn.max_assistant_turns == config.multi_turn.max_user_turns == 384 // 3
-    # SGLangRollout._init_sampling_params for this config
+    # SGLangRollout._init_sampling_params for this config (shared with the batch path: final/rollout/batch.py)
     assert rollout.sampling_params == {"n": 1, "max_new_tokens": 128, "presence_penalty": 0.0,
                                        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
                                        "top_k": -1, "top_p": 1.0, "ignore_eos": False}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,7 +31,9 @@ from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolCall
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum, FinishReasonTypeEnum
 
 from final.errors import EngineError, PromptError, ToolConfigError
-from final.rollout.multi_turn_batch import collate, padding_request, sampling_params_for
+from final.rollout.batch import base_sampling_params, request_sampling_params, row_cartridges
+from final.rollout.multi_turn_batch import collate, padding_request
+from final.rollout.thread import run_until_complete
 from final.tools.executor import ToolExecutor
 from final.tools.parser import ParsedCall, ParseResult, ToolCallParser
 from final.tools.registry import ToolSet, load_tools
@@ -74,31 +75,17 @@ class MultiTurnRollout:
             mt.max_assistant_turns = config.max_model_len // 3
         if mt.max_user_turns is None:
             mt.max_user_turns = config.max_model_len // 3
-        self.sampling_params = sampling_params_for(config)
-        # on_event(dict) sees each assistant turn, tool call and tool result as it happens (`final chat` shows them)
+        self.sampling_params = base_sampling_params(config)
+        # on_event(dict) sees each assistant turn, tool call, tool result and finished row as it happens
         self.on_event: Callable[[dict], None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_lock = threading.Lock()
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             raise ToolConfigError("the tokenizer has no pad token", key="model_path")
 
     # ---- batch ---------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
-        """Blocking form. Like veRL (`loop.run_until_complete`) one event loop serves every call, so tools that
-        keep loop-bound state (HTTP sessions, locks) work across batches; calls from several threads queue up."""
-        if _loop_running():
-            raise EngineError("generate_sequences() was called inside a running event loop; "
-                              "await agenerate_sequences() instead")
-        with self._loop_lock:
-            if self._loop is None or self._loop.is_closed():
-                self._loop = asyncio.new_event_loop()
-            return self._loop.run_until_complete(self.agenerate_sequences(prompts, **kwargs))
-
-    def close(self) -> None:
-        """Close the private event loop of generate_sequences (the engine belongs to the caller)."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
+        """Blocking form, on the calling thread's event loop as veRL does (`loop.run_until_complete`)."""
+        return run_until_complete(self.agenerate_sequences(prompts, **kwargs))
 
     async def agenerate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
         """SGLangRollout._req_level_generate_sequences on this engine."""
@@ -157,7 +144,7 @@ class MultiTurnRollout:
         if len(self.tools) and "tools_kwargs" not in ntb:
             raise PromptError("tools are configured: non_tensor_batch['tools_kwargs'] must give each row a dict "
                               "of tool name -> {create_kwargs, execute_kwargs, calc_reward_kwargs, release_kwargs}")
-        cartridges = ntb.get("cartridges")
+        cartridges = row_cartridges(prompts)
         out = []
         for i, raw_prompt in enumerate(ntb["raw_prompt"]):
             if not isinstance(raw_prompt, list | np.ndarray) or len(raw_prompt) == 0:
@@ -210,7 +197,8 @@ class MultiTurnRollout:
         """SGLangRollout._async_rollout_a_request."""
         req, pc, mt = deepcopy(r.req), self.processing_class, self.config.multi_turn
         run = _Rollout(req, r.cartridges)
-        params = self._request_sampling_params(do_sample, is_validate, kwargs)
+        params = request_sampling_params(self.sampling_params, self.config,
+                                         {"do_sample": do_sample, "validate": is_validate}, kwargs)
         finish: Finish | None = None
         turns = tool_rounds = 0
         pending: list[ParsedCall] = []  # this turn's calls, broken ones included (veRL keeps only valid ones)
@@ -279,6 +267,7 @@ class MultiTurnRollout:
         req.finalize(pc, {**rewards, "user_turn_rewards": []}, finish)
         if self.config.calculate_log_probs:
             await self._score(req, r.cartridges)
+        self._emit("done", req, turns=turns)
         return run
 
     def _emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
@@ -294,26 +283,13 @@ class MultiTurnRollout:
             return None
         return self.parser.parse(content)
 
-    def _request_sampling_params(self, do_sample: bool, is_validate: bool, kwargs: dict) -> dict:
-        params = self.sampling_params.copy()
-        if not do_sample:
-            params.update(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=0,
-                          top_p=1, top_k=-1, ignore_eos=False, min_new_tokens=0,
-                          max_new_tokens=self.config.response_length, skip_special_tokens=True,
-                          spaces_between_special_tokens=True)
-        elif is_validate:
-            vk = self.config.val_kwargs
-            params.update(top_k=vk.top_k, top_p=vk.top_p, temperature=vk.temperature, n=1)
-        params.update(kwargs)
-        return params
-
     async def _generate(self, ids: list[int], params: dict, cartridges: Any) -> dict:
         """SGLangRollout._handle_engine_generate (+ the request's cartridges)."""
         kw = params.copy()
         kw["max_new_tokens"] = min(self.config.response_length, self.config.max_model_len - len(ids) - 1)
         kw["n"] = 1
         return_logprob = kw.pop("logprobs", False)
-        extra = {"cartridges": cartridges} if cartridges is not None and len(cartridges) else {}
+        extra = {"cartridges": cartridges} if cartridges else {}
         return await self.engine.async_generate(input_ids=ids, sampling_params=kw, return_logprob=return_logprob,
                                                 image_data=None, **extra)
 
@@ -321,7 +297,7 @@ class MultiTurnRollout:
         """calculate_log_probs: veRL scores the finished sequence with a zero-token generate (behind the same
         cartridges as its turns, so the logprobs are the ones the model sampled with)."""
         params = {**self.sampling_params, "max_new_tokens": 0}
-        extra = {"cartridges": cartridges} if cartridges is not None and len(cartridges) else {}
+        extra = {"cartridges": cartridges} if cartridges else {}
         out = await self.engine.async_generate(input_ids=req.input_ids.squeeze(0).tolist(), sampling_params=params,
                                                return_logprob=True, logprob_start_len=0, **extra)
         pairs = [(lp, tok) for lp, tok, _ in out["meta_info"]["input_token_logprobs"][1:]]
@@ -354,14 +330,6 @@ def _finish_reason(output: dict) -> Finish:
     if kind == "abort":
         raise EngineError(f"the engine aborted request {output['meta_info'].get('id')}")
     return Finish.from_str(kind)
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False
 
 
 def _strip_left(pad: int, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""veRL 0.6.0's multi-turn batch plumbing: request sampling params, padding requests, and the output DataProto.
+"""veRL 0.6.0's multi-turn batch plumbing: padding requests and the output DataProto.
 
 Each function mirrors a named piece of verl/workers/rollout/sglang_rollout/sglang_rollout.py line for line, so
 LocalRollout's multi-turn output is tensor-for-tensor what SGLangRollout returns for the same requests.
@@ -15,27 +15,6 @@ from torch.nn.utils.rnn import pad_sequence
 from verl import DataProto
 from verl.utils.torch_functional import pad_sequence_to_length
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum
-
-# Attributes of SGLang 0.5.2's SamplingParams (sglang/srt/sampling/sampling_params.py __init__ + methods): veRL copies
-# every rollout config key that SamplingParams has (`hasattr(SamplingParams(), k)`) into the request params.
-SGLANG_SAMPLING_ATTRS = frozenset({
-    "max_new_tokens", "stop_strs", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf",
-    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "custom_params", "stream_interval", "logit_bias", "verify", "normalize",
-})
-
-
-def sampling_params_for(config: Any) -> dict:
-    """SGLangRollout._init_sampling_params: the base sampling params of every engine call."""
-    params = dict(n=1, max_new_tokens=config.response_length, presence_penalty=0.0, frequency_penalty=0.0,
-                  repetition_penalty=config.get("repetition_penalty", 1.0))
-    for key in config.keys():
-        if str(key) in SGLANG_SAMPLING_ATTRS or "stop" in str(key):
-            params[key] = config.get(key)
-    params["n"] = 1
-    return params
-
 
 def padding_request(req: AsyncRolloutRequest, response_length: int, pad_token_id: int) -> AsyncRolloutRequest:
     """SGLangRollout._create_padding_request: stands in for a request cancelled by over-sampling."""
