@@ -12,10 +12,9 @@ from transformers import AutoTokenizer
 
 from final.errors import ConfigError, PromptError
 from final.evals import gsm8k
-from final.evals.backend import prompt_batch
+from final.evals.backend import make_generate
 from final.models import resolve_model_path
 from final.rollout.multi_turn import MultiTurnRollout
-from final.tools.outputs import conversation_rows
 from multiturn_helpers import ScriptedEngine, make_tool_model, rollout_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +80,7 @@ def test_evaluate_scores_with_verl_and_writes_jsonl(data, tmp_path):
                                rollout_config(multi_turn={"tool_config_path": str(ROOT / "tools.yaml")},
                                               prompt_length=1024, response_length=256), tok)
 
-    def generate(messages, tools_kwargs):
-        return conversation_rows(rollout.generate_sequences(prompt_batch(tok, messages, tools_kwargs, 1024, False)),
-                                 tok)
+    generate = make_generate(rollout, tok, [tok.eos_token_id], 1024, do_sample=False)
 
     out = tmp_path / "results.jsonl"
     problems = gsm8k.load_problems(data)
@@ -105,15 +102,20 @@ def test_evaluate_scores_with_verl_and_writes_jsonl(data, tmp_path):
     assert "accuracy (veRL gsm8k, strict)  0.333" in table and "tool-call rate" in table
 
 
-def test_command_end_to_end_on_the_embedded_engine(data, tmp_path, capsys):
+def test_command_end_to_end_on_the_embedded_engine(data, tmp_path, capsys, monkeypatch):
+    from final import cli
+
+    if "final.evals.cli" not in cli.SUBCOMMAND_MODULES:  # `final eval` registers like the other feature commands
+        monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "final.evals.cli"])
     out = tmp_path / "r.jsonl"
-    args = ["--data", str(data), "--limit", "2", "--model", "builtin:tiny-random-llama", "--prompt-length", "512",
-            "--response-length", "8", "--max-assistant-turns", "2", "--tools", str(ROOT / "tools.yaml"),
-            "--out", str(out)]
-    assert gsm8k.main(args) == 0
+    args = ["eval", "gsm8k", "--data", str(data), "--limit", "2", "--model", "builtin:tiny-random-llama",
+            "--prompt-length", "512", "--response-length", "8", "--max-assistant-turns", "2",
+            "--tools", str(ROOT / "tools.yaml"), "--out", str(out)]
+    assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "tools                          yes" in printed and f"per-problem results: {out}" in printed
     assert len(out.read_text().splitlines()) == 2
-    with pytest.raises(ConfigError) as err:
-        gsm8k.main([*args[:4], "--batch-size", "0"])
-    assert err.value.key == "--batch-size"
+    assert cli.main([*args[:4], "--batch-size", "0"]) == 2  # typed error, printed, exit status 2
+    assert "key '--batch-size'" in capsys.readouterr().err
+    assert cli.main([*args[:4], "--tools", str(tmp_path / "none.yaml")]) == 2
+    assert "tool config file not found" in capsys.readouterr().err

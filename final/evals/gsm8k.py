@@ -168,7 +168,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-# ---- command line: `final eval gsm8k ...` (cli.py calls register) ------------------------------------------------
+# ---- command line: `final eval gsm8k ...` (final/evals/cli.py registers it) ---------------------------------------
 def register(subparsers: Any) -> None:
     """Add `gsm8k` to the subparsers of `final eval`."""
     p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
@@ -206,17 +206,3 @@ def run_cli(args: Any) -> int:
     print(format_table(summary))
     print(f"per-problem results: {out}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m final.evals.gsm8k")
-    sub = parser.add_subparsers(dest="eval", required=True)
-    register(sub)
-    args = parser.parse_args(["gsm8k", *(argv if argv is not None else __import__("sys").argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

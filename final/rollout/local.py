@@ -52,6 +52,11 @@ class LocalRollout(BaseRollout):
                 raise
             self._multi_turn.on_event = self._multi_turn_event
 
+    @property
+    def multi_turn(self):
+        """The multi-turn runner (final.rollout.multi_turn.MultiTurnRollout), None unless multi_turn.enable."""
+        return self._multi_turn
+
     # ---- BaseRollout ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_sequences(self, prompts, **kwargs):

@@ -32,8 +32,10 @@ class ConversationRow:
         return sum(self.response_mask)
 
     def to_metadata(self) -> dict:
-        return {"messages": self.messages, "response_ids": self.response_ids, "response_mask": self.response_mask,
-                "rewards": self.rewards, "num_turns": self.num_turns, "tool_calls": self.tool_calls}
+        """GenerationOutput.metadata of a multi-turn row (its completion is `final_text`)."""
+        return {"messages": self.messages, "response_text": self.response_text, "response_ids": self.response_ids,
+                "response_mask": self.response_mask, "rewards": self.rewards, "num_turns": self.num_turns,
+                "tool_calls": self.tool_calls, "completion_tokens": self.completion_tokens}
 
 
 def conversation_rows(out: DataProto, tokenizer: Any) -> list[ConversationRow]:
