@@ -1,4 +1,4 @@
-"""Differential test of the multi-turn path: veRL 0.6.0's real SGLangRollout against final's MultiTurnRollout.
+"""Differential test of the multi-turn path: veRL 0.6.0's real SGLangRollout against final's LocalRollout.
 
 Both run the same scripted conversations (an engine that emits tool calls, then answers) and must return equal
 DataProtos: every tensor, the messages, the reward scores, and the same engine calls. veRL's code runs for real:
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from final.models import resolve_model_path
-from final.rollout.multi_turn import MultiTurnRollout
+from final.rollout.local import LocalRollout
 from multiturn_helpers import ScriptedEngine, chat_batch, make_tool_model, rollout_config
 
 FAKE = Path(__file__).parent / "fake_sglang"
@@ -86,7 +86,7 @@ def env(tmp_path_factory):
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     path = make_tool_model(resolve_model_path("builtin:tiny-random-llama"), tmp_path_factory.mktemp("tm") / "m")
-    yield sglang_rollout, AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    yield sglang_rollout, AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), path
     if created:
         dist.destroy_process_group()
 
@@ -110,6 +110,12 @@ def verl_rollout(module, tok, hf_config, config):
     return rollout
 
 
+def local_rollout(path: str, tok, config) -> LocalRollout:
+    from verl.workers.config import HFModelConfig
+
+    return LocalRollout(config, HFModelConfig(path=path), engine=AsyncScriptedEngine(tok, SCRIPT))
+
+
 def assert_same(ours, theirs, ours_engine, theirs_engine):
     assert set(ours.batch.keys()) == set(theirs.batch.keys())
     for key in theirs.batch.keys():
@@ -126,12 +132,12 @@ def assert_same(ours, theirs, ours_engine, theirs_engine):
                          ids=["greedy-validate", "sample-train"])
 @pytest.mark.parametrize("calculate_log_probs", [False, True], ids=["plain", "logprobs"])
 def test_same_dataproto_as_verl_sglang_rollout(env, meta, calculate_log_probs):
-    module, tok, hf_config = env
+    module, tok, hf_config, path = env
     settings = dict(multi_turn={"tool_config_path": str(ROOT / "tools.yaml"), "max_parallel_calls": 2,
                                 "max_assistant_turns": 3}, calculate_log_probs=calculate_log_probs)
     theirs_rollout = verl_rollout(module, tok, hf_config, rollout_config(**settings))
     assert theirs_rollout._tool_call_parser_type == "qwen25"  # SGLang's detection on the tool model's vocabulary
-    ours_rollout = MultiTurnRollout(AsyncScriptedEngine(tok, SCRIPT), rollout_config(**settings), tok)
+    ours_rollout = local_rollout(path, tok, rollout_config(**settings))
 
     theirs = theirs_rollout.generate_sequences(chat_batch(tok, CONVERSATIONS, TOOLS_KWARGS, **meta))
     ours = ours_rollout.generate_sequences(chat_batch(tok, CONVERSATIONS, TOOLS_KWARGS, **meta))
@@ -142,12 +148,12 @@ def test_same_dataproto_as_verl_sglang_rollout(env, meta, calculate_log_probs):
 
 
 def test_same_dataproto_when_the_context_runs_out(env):
-    module, tok, hf_config = env
+    module, tok, hf_config, path = env
     # ~240 prompt tokens (the tool schema is in the system prompt), 64 response tokens, 400 tokens of context
     settings = dict(multi_turn={"tool_config_path": str(ROOT / "tools.yaml"), "max_parallel_calls": 2},
                     prompt_length=336, response_length=64, max_model_len=400)
     theirs_rollout = verl_rollout(module, tok, hf_config, rollout_config(**settings))
-    ours_rollout = MultiTurnRollout(AsyncScriptedEngine(tok, SCRIPT), rollout_config(**settings), tok)
+    ours_rollout = local_rollout(path, tok, rollout_config(**settings))
     rows, kwargs = [CONVERSATIONS[3], CONVERSATIONS[2]], [TOOLS_KWARGS[3], TOOLS_KWARGS[2]]
     theirs = theirs_rollout.generate_sequences(chat_batch(tok, rows, kwargs, prompt_length=336, do_sample=False))
     ours = ours_rollout.generate_sequences(chat_batch(tok, rows, kwargs, prompt_length=336, do_sample=False))
