@@ -74,3 +74,24 @@ def test_inference_engine_with_tools_on_the_embedded_engine(tool_dir):
         assert all(len(m["response_mask"]) == len(m["response_ids"]) > 0 for m in out.metadata)
         again = engine.generate("Hi", tools_kwargs=kwargs, temperature=0)  # the engine keeps serving
         assert again.token_ids[0] == out.token_ids[1]
+
+
+def test_generation_output_carries_the_conversation(tool_dir):
+    """GenerationOutput rows of a tool-calling run: final answer, full messages with the call, rewards, turns."""
+    from final.inf import InferenceEngine
+
+    config = {"model_path": tool_dir, "progress": False,
+              "rollout": {"name": "local", "prompt_length": 512, "response_length": 64,
+                          "multi_turn": {"enable": True, "tool_config_path": str(ROOT / "tools.yaml")}}}
+    with InferenceEngine(config) as engine:
+        # the model is scripted at the engine boundary: it calls the tool, then answers
+        engine.rollout.multi_turn.engine = ScriptedEngine(engine.tokenizer, {"ALPHA": ["Checking.\n" + CALL,
+                                                                                        "#### 72"]})
+        out = engine.generate("ALPHA", tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}})
+    meta = out.metadata[0]
+    assert out.completions[0] == "#### 72"
+    assert [m["role"] for m in meta["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert meta["messages"][1]["tool_calls"] == [{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}]
+    # two assistant turns even though the 64-token response tensor (veRL's finalize truncates it) ends mid-way
+    assert meta["rewards"]["calc_gsm8k_reward"] == 1.0 and meta["num_turns"] == 2
+    assert 0 in meta["response_mask"] and meta["completion_tokens"] == sum(meta["response_mask"])

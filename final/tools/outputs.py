@@ -53,7 +53,7 @@ def conversation_rows(out: DataProto, tokenizer: Any) -> list[ConversationRow]:
             response_text=tokenizer.decode(ids, skip_special_tokens=True),
             final_text=assistant[-1] if assistant and isinstance(assistant[-1], str) else "",
             messages=messages, response_ids=ids, response_mask=mask,
-            rewards=dict(out.non_tensor_batch["reward_scores"][i]), num_turns=_model_runs(mask), tool_calls=trace))
+            rewards=dict(out.non_tensor_batch["reward_scores"][i]), num_turns=len(assistant), tool_calls=trace))
     return rows
 
 
@@ -79,11 +79,6 @@ def _with_tool_calls(messages: list[dict], trace: list[dict]) -> list[dict]:
         if call not in calls:
             calls.append(call)
     return messages
-
-
-def _model_runs(mask: list[int]) -> int:
-    """Assistant turns = runs of model tokens: turns are always separated by tool/template tokens (mask 0)."""
-    return sum(1 for j, m in enumerate(mask) if m == 1 and (j == 0 or mask[j - 1] == 0))
 
 
 def describe_event(event: dict) -> str | None:
