@@ -70,6 +70,8 @@ def chat_job(req: ChatCompletionRequest, limits: Limits) -> Job:
 
 def generate_job(req: GenerateRequest, limits: Limits) -> Job:
     """Seed 001's native body: an optional system prompt and one user prompt."""
+    if not req.prompt.strip():
+        raise PromptError("is an empty string")
     messages = ([{"role": "system", "content": req.system}] if req.system is not None else []) + \
         [{"role": "user", "content": req.prompt}]
     cartridges = _specs(req)
