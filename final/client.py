@@ -157,13 +157,14 @@ class LMConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise bad(key, "must be a number >= 0")
-        for key in ("max_output_tokens", "max_retries"):
+        for key, least in (("max_output_tokens", 1), ("max_retries", 0)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "max_output_tokens" else 0):
-                raise bad(key, "must be an integer >= " + ("1" if key == "max_output_tokens" else "0"))
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(key, f"must be an integer >= {least}")
         if not isinstance(self.stop_sequences, list) or not all(isinstance(s, str) and s for s in self.stop_sequences):
             raise bad("stop_sequences", "must be a list of non-empty strings")
-        if not isinstance(self.cartridges, list) or not all(isinstance(c, dict) and c.get("id") for c in self.cartridges):
+        carts = self.cartridges
+        if not isinstance(carts, list) or not all(isinstance(c, dict) and c.get("id") for c in carts):
             raise bad("cartridges", "must be a list of {id, source, force_redownload}")
 
 

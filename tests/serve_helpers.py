@@ -1,5 +1,8 @@
 """Helpers for the serve/tokasaurus/client tests: a real `final serve` on an ephemeral 127.0.0.1 port, real
-cartridge files, and a real HTTP server that fails its first N calls before proxying to the real server."""
+cartridge files, and a real HTTP server that fails its first N calls before proxying to the real server.
+
+Test modules load it with `pytest_plugins = ["serve_helpers"]` (fixtures `served`, `carts`) and import its helpers,
+so pytest must not try to rewrite it after that import: PYTEST_DONT_REWRITE (it has no asserts)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import tiny_config
 
@@ -43,6 +47,19 @@ def start_served(**rollout) -> Served:
 def stop_served(served: Served) -> None:
     served.server.stop()
     served.inference.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A `final serve` of the tiny model for the test module (import this fixture into the module)."""
+    s = start_served()
+    yield s
+    stop_served(s)
+
+
+@pytest.fixture(scope="module")
+def carts(served, tmp_path_factory) -> dict[str, Path]:
+    return build_cartridge_files(served.inference, tmp_path_factory.mktemp("carts"))
 
 
 def build_cartridge_files(inference, folder: Path) -> dict[str, Path]:

@@ -10,14 +10,9 @@ from serve_helpers import FlakyServer, build_cartridge_files, spec, start_served
 from final.client import LMConfig, RequestRejectedError, TokasaurusClient, get_lm_client
 from final.errors import BackendUnavailableError, ConfigError, PromptError
 
+pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
+
 SYSTEM, USER = "You are terse.", "Name a prime number."
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = start_served()
-    yield s
-    stop_served(s)
 
 
 def lm(url: str, **kw) -> TokasaurusClient:

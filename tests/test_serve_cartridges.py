@@ -10,22 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_helpers import DOC_A, DOC_B, build_cartridge_files, spec, start_served, stop_served
+from serve_helpers import DOC_A, spec
 from final.server.fingerprint import read_fingerprint
 
+pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
+
 Q = "Who keeps the lighthouse?"
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = start_served()
-    yield s
-    stop_served(s)
-
-
-@pytest.fixture(scope="module")
-def carts(served, tmp_path_factory):
-    return build_cartridge_files(served.inference, tmp_path_factory.mktemp("carts"))
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,7 @@ import pytest
 
 from serve_helpers import start_served, stop_served
 
-
-@pytest.fixture(scope="module")
-def served():
-    s = start_served()
-    yield s
-    stop_served(s)
+pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +61,8 @@ CASES = [
                               "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
-    ("/custom/cartridge/completions", {"model": "m", "prompt": "hi",
-                                       "cartridges": [{"id": "/nonexistent/cart.pt", "source": "local"}]}, "cartridges"),
+    ("/custom/cartridge/completions",
+     {"model": "m", "prompt": "hi", "cartridges": [{"id": "/nonexistent/cart.pt", "source": "local"}]}, "cartridges"),
     ("/custom/cartridge/completions", {"model": "m", "prompt": "hi",
                                        "cartridges": [{"id": "x", "source": "ftp"}]}, "cartridges.0.source"),
     ("/custom/cartridge/completions", {"model": "m", "prompt": "hi", "cartridges": [{"source": "local"}]},

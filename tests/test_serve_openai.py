@@ -10,14 +10,9 @@ import pytest
 
 from serve_helpers import start_served, stop_served
 
+pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
+
 Q = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = start_served()
-    yield s
-    stop_served(s)
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +107,25 @@ def test_streaming_sends_increments_that_add_up(client, chat):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def _streamed_texts(client, **kw) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    return texts
+
+
 def test_streaming_n_and_stop(client):
     kw = dict(model="default", prompt="Tell me a story", max_tokens=8, temperature=1.0, n=2, seed=5)
     whole = client.completions.create(**kw)
-    texts = {0: "", 1: ""}
-    for chunk in client.completions.create(**kw, stream=True):
-        for c in chunk.choices:
-            texts[c.index] += c.text
+    texts = _streamed_texts(client, **kw)
     assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    # a stop string never leaks into the stream, even when it spans several tokens
+    free = client.completions.create(model="default", prompt="Once upon a time", max_tokens=12, temperature=0)
+    stop = free.choices[0].text[5:14]
+    kw = dict(model="default", prompt="Once upon a time", max_tokens=12, temperature=0, stop=stop)
+    cut = client.completions.create(**kw).choices[0].text
+    assert cut == free.choices[0].text[:5] and _streamed_texts(client, **kw) == {0: cut}
 
 
 def test_sixteen_concurrent_requests(served, client):

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 
 from conftest import tiny_config
-from serve_helpers import FlakyServer, build_cartridge_files, spec, start_served, stop_served
+from serve_helpers import FlakyServer, spec
 from final.cartridges.build import continuation_ids
 from final.client import RequestRejectedError
 from final.dist import free_port
 from final.errors import BackendUnavailableError, CartridgeError, ConfigError, SamplingError
 from final.inf import InferenceEngine
 from final.rollout.tokasaurus import TokasaurusSettings
+
+pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
 
 PROMPTS = ["What is 2+2?", "Name a color.", "Tell me a joke about cats."]
 
@@ -24,18 +27,6 @@ def toka_engine(url: str, **custom) -> InferenceEngine:
     cfg = tiny_config(prompt_length=256, response_length=32)
     cfg["rollout"].update(name="tokasaurus", custom={"tokasaurus_url": url, "retry_delay": 0.01, **custom})
     return InferenceEngine(cfg)
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = start_served()
-    yield s
-    stop_served(s)
-
-
-@pytest.fixture(scope="module")
-def carts(served, tmp_path_factory):
-    return build_cartridge_files(served.inference, tmp_path_factory.mktemp("carts"))
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +144,23 @@ def test_seed_000_config_and_defaults():
     cfg["rollout"].update(name="tokasaurus", custom={"max_retries": -3})
     with pytest.raises(ConfigError, match="max_retries"):
         InferenceEngine(cfg)
+
+
+def test_final_serve_on_the_tokasaurus_backend(served, toka):
+    """`final serve` on a non-local backend answers through InferenceEngine.agenerate (here: a proxy chain)."""
+    import openai
+
+    from final.server.app import ServerThread, create_app
+
+    with ServerThread(create_app(toka)) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+        direct = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
+        assert client.chat.completions.create(**kw).choices[0].message.content == \
+            direct.chat.completions.create(**kw).choices[0].message.content
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                  if c.choices]
+        assert "".join(pieces) == direct.chat.completions.create(**kw).choices[0].message.content
+        refused = httpx.post(f"{proxy.url}/custom/cartridge/completions", timeout=60, json={
+            "model": "m", "prompt": "hi", "max_tokens": 2, "cartridges": [{"id": "x", "source": "local"}]})
+        assert refused.status_code == 400 and "no cartridges" in refused.json()["error"]["message"]

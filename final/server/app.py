@@ -4,7 +4,8 @@ Endpoints, as in ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasa
   GET  /ping                              {"message": "pong"}
   GET  /v1/models
   POST /v1/completions, /v1/chat/completions                          OpenAI (stream: SSE)
-  POST /custom/cartridge/completions, /custom/cartridge/chat/completions   + cartridges: [{id, source, force_redownload}]
+  POST /custom/cartridge/completions, /custom/cartridge/chat/completions
+       the same bodies + cartridges: [{id, source, force_redownload}]
        (also under /v1/cartridge/..., the names older Tokasaurus branches and clients use)
   POST /generate                          seed 001's native `protocol: toka` body (not in real Tokasaurus)
 Not served: files/batches and the pickled synchronous-batch endpoints (we never send pickles).

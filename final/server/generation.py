@@ -70,6 +70,8 @@ class EngineBackend:
             yield ids
         finally:
             using.__exit__(None, None, None)
+            if len(ids) > 1 and self.engine is not None:
+                self.engine.flush_cache()  # drop the composed A+B prefix unless another request still runs it
 
     async def generate(self, job: Job, cartridge_ids: tuple[str, ...]) -> list[Sample]:
         async def one(i: int, ids: list[int]) -> list[Sample]:

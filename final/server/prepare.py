@@ -40,8 +40,8 @@ def completion_job(req: CompletionsRequest, limits: Limits) -> Job:
     items = normalize_prompts(req.prompt, raw=True)  # text is sent as is (the tokenizer's BOS, no template)
     ids = tokenize(items, limits.tokenizer, limits.prompt_length, after_cartridge=[bool(cartridges)] * len(items))
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    return Job(ids, _sampling(req, max_tokens, limits), _n(req), req.logprobs is not None or req.logprobs_in_fingerprint,
-               cartridges)
+    want_logprobs = req.logprobs is not None or req.logprobs_in_fingerprint
+    return Job(ids, _sampling(req, max_tokens, limits), _n(req), want_logprobs, cartridges)
 
 
 def chat_job(req: ChatCompletionRequest, limits: Limits) -> Job:

@@ -86,7 +86,8 @@ def usage(samples: list[Sample], n: int) -> dict[str, Any]:
     firsts = [s for s in samples if s.index % n == 0]
     prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(len(s.output_ids) for s in samples)
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
     if all(s.cached_tokens is not None for s in firsts):
         out["prompt_tokens_details"] = {"cached_tokens": sum(s.cached_tokens for s in firsts)}
     return out
