@@ -74,7 +74,12 @@ def test_two_cartridges_dispatched_per_request_without_cross_contamination(http,
     assert alone[0] != alone[3] and alone[1] != alone[4]  # A and B really differ for the same question
 
 
-def test_streaming_on_the_cartridge_endpoint(http, carts):
+def _refcounts(served) -> dict[str, int]:
+    store = served.inference.cartridges.store
+    return {cid: store.get(cid).refcount for cid in store.ids()}
+
+
+def test_streaming_on_the_cartridge_endpoint(served, http, carts):
     whole = chat(http, Q, [spec(carts["b"])])["choices"][0]["message"]["content"]
     text = ""
     with http.stream("POST", "/custom/cartridge/chat/completions", json={
@@ -85,6 +90,16 @@ def test_streaming_on_the_cartridge_endpoint(http, carts):
                 for c in json.loads(line[6:])["choices"]:
                     text += c["delta"].get("content") or ""
     assert text == whole
+    # the stream held its cartridge while it ran and released it when it ended, even when cut short
+    with http.stream("POST", "/custom/cartridge/completions", json={
+            "model": "m", "prompt": "Once", "max_tokens": 30, "ignore_eos": True, "stream": True,
+            "cartridges": [spec(carts["a"]), spec(carts["b"])]}) as r:
+        next(r.iter_lines())
+    for _ in range(200):
+        if not any(_refcounts(served).values()):
+            break
+        http.get("/ping")
+    assert set(_refcounts(served).values()) == {0}
 
 
 def test_loaded_cartridges_by_id_and_force_redownload(served, http, carts, tmp_path):

@@ -15,7 +15,7 @@ Errors are OpenAI-style JSON (final/server/errors.py); a request's failure never
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import hmac
 import logging
 import threading
@@ -86,22 +86,17 @@ def create_app(inference, api_key: str | None = None) -> FastAPI:
         try:
             job = make_job(req, limits)
             want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
-            held = backend.hold(job.cartridges)
-            ids = await held.__aenter__()
-            try:
-                if req.stream:
+            async with contextlib.AsyncExitStack() as stack:
+                ids = await stack.enter_async_context(backend.hold(job.cartridges))
+                if req.stream:  # engine streams open (and bad input fails) before the response starts
                     updates = await backend.stream(job, ids)
                     include = bool(req.stream_options and req.stream_options.include_usage)
                     events = sse(chat, req.model, job, updates, renderer, want_logprobs=want_logprobs,
                                  include_usage=include, prompt_param=prompt_param,
-                                 on_close=functools.partial(held.__aexit__, None, None, None))
-                    held = None  # the stream releases the cartridges when it ends
+                                 on_close=stack.pop_all().aclose)  # the stream releases the cartridges
                     return StreamingResponse(events, media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache"})
                 samples = await _cancel_on_disconnect(raw, backend.generate(job, ids))
-            finally:
-                if held is not None:
-                    await held.__aexit__(None, None, None)
         except FinalError as exc:
             raise from_final(exc, prompt_param) from exc
         render = renderer.chat if chat else renderer.completion
