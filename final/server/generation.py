@@ -65,7 +65,12 @@ class EngineBackend:
         if service is None:
             raise CartridgeError(f"the {self.inference.backend} backend serves no cartridges", field="cartridges")
         using = service.using(specs)
-        ids = await asyncio.to_thread(using.__enter__)
+        loading = asyncio.ensure_future(asyncio.to_thread(using.__enter__))
+        try:
+            ids = await asyncio.shield(loading)
+        except asyncio.CancelledError:  # the client left mid-load: release what the load thread takes
+            loading.add_done_callback(lambda f: f.cancelled() or f.exception() or using.__exit__(None, None, None))
+            raise
         try:
             yield ids
         finally:
