@@ -162,7 +162,9 @@ class InferenceEngine:
 
             bar = tqdm(total=job["rows"], desc="generate", unit="seq")
             self.rollout.on_request_done = bar.update
-        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] else contextlib.nullcontext()
+        # Backends without a local cartridge store (tokasaurus) resolve cartridge ids themselves.
+        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] and self.cartridges is not None \
+            else contextlib.nullcontext()
         try:
             with held:  # the store cannot evict a cartridge while this call uses it
                 return self.rollout.generate_sequences(job["data"], **job["kwargs"])
