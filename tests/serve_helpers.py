@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,11 @@ def start_served(**rollout) -> Served:
     from final.server.app import ServerThread, create_app
 
     api_key = rollout.pop("api_key", None)
+    # the tests' cartridge files live under the system temp folder (pytest's tmp_path)
+    cartridge_dir = rollout.pop("cartridge_dir", tempfile.gettempdir())
     inference = InferenceEngine(tiny_config(**{"prompt_length": 256, "response_length": 32, **rollout}))
     try:
-        return Served(inference, ServerThread(create_app(inference, api_key=api_key)))
+        return Served(inference, ServerThread(create_app(inference, api_key=api_key, cartridge_dir=cartridge_dir)))
     except BaseException:
         inference.shutdown()
         raise

@@ -134,8 +134,38 @@ def test_seed_001_generate_endpoint(http, carts):
 def test_unknown_cartridge_then_still_serving(http, carts):
     bad = http.post("/custom/cartridge/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": Q}], "max_tokens": 4,
-        "cartridges": [{"id": "/no/such/cartridge.pt", "source": "local"}]})
+        "cartridges": [{"id": str(carts["a"].parent / "no-such-cartridge.pt"), "source": "local"}]})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_cartridge"
     assert "does not exist" in bad.json()["error"]["message"]
     assert chat(http, Q, [spec(carts["a"])])["choices"]
     assert http.get("/ping").json() == {"message": "pong"}
+
+
+@pytest.mark.parametrize("cid", ["/etc/passwd", "{tmp}/../../etc/passwd", "../../../etc/hostname"])
+def test_local_files_outside_the_cartridge_dir_are_refused(http, carts, cid):
+    import tempfile
+
+    bad = http.post("/custom/cartridge/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": Q}], "max_tokens": 4,
+        "cartridges": [{"id": cid.format(tmp=tempfile.gettempdir()), "source": "local"}]})
+    assert bad.status_code == 400 and "outside the server's --cartridge-dir" in bad.json()["error"]["message"]
+    assert http.get("/ping").json() == {"message": "pong"}
+
+
+def test_without_a_cartridge_dir_only_loaded_ids_are_served(carts):
+    from serve_helpers import start_served, stop_served
+
+    served = start_served(cartridge_dir=None)
+    try:
+        cid = served.inference.load_cartridge(path=str(carts["a"]))  # the operator loads it
+        with httpx.Client(base_url=served.url, timeout=120) as c:
+            ok = c.post("/custom/cartridge/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": Q}], "max_tokens": 4,
+                "cartridges": [{"id": cid, "source": "local"}]})
+            assert ok.status_code == 200, ok.text
+            refused = c.post("/custom/cartridge/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": Q}], "max_tokens": 4,
+                "cartridges": [{"id": str(carts["b"]), "source": "local"}]})
+            assert refused.status_code == 400 and "--cartridge-dir" in refused.json()["error"]["message"]
+    finally:
+        stop_served(served)

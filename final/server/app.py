@@ -37,10 +37,11 @@ from final.server.streaming import sse
 logger = logging.getLogger(__name__)
 
 
-def create_app(inference, api_key: str | None = None) -> FastAPI:
-    """An app serving `inference` (an InferenceEngine); with api_key, every route but /ping needs the bearer key."""
+def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None) -> FastAPI:
+    """An app serving `inference` (an InferenceEngine); with api_key, every route but /ping needs the bearer key.
+    Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids)."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
-    backend = backend_for(inference)
+    backend = backend_for(inference, cartridge_dir)
     limits = prepare.Limits(inference.tokenizer, inference.rollout_config.prompt_length,
                             inference.rollout_config.response_length)
     renderer = Renderer(inference.tokenizer, inference.eos_token_ids)

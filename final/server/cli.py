@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any free)")
     serve.add_argument("--api-key", default=os.environ.get("FINAL_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $FINAL_API_KEY, else none)")
+    serve.add_argument("--cartridge-dir", default=None,
+                       help="allow requests to load local cartridge files under this folder (default: none; "
+                            "cartridges from the config are always served)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_cmd_serve)
 
@@ -59,7 +62,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     overrides = {"model_path": args.model} if args.model else {}
     with InferenceEngine(args.config, **overrides) as inference:
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
-        uvicorn.run(create_app(inference, api_key=args.api_key), host=args.host, port=args.port,
+        uvicorn.run(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir),
+                    host=args.host, port=args.port,
                     log_level=args.log_level)
     return 0
 

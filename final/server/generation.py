@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from final.errors import CartridgeError
@@ -51,9 +52,10 @@ def _sample(index: int, out: dict) -> Sample:
 class EngineBackend:
     """The embedded engine, called from the server's loop; cartridges held for each request's lifetime."""
 
-    def __init__(self, inference):
+    def __init__(self, inference, cartridge_dir: str | None = None):
         self.inference = inference
         self.engine = inference.engine
+        self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
 
     @contextlib.asynccontextmanager
     async def hold(self, specs: list[dict]) -> AsyncIterator[tuple[str, ...]]:
@@ -64,6 +66,7 @@ class EngineBackend:
         service = self.inference.cartridges
         if service is None:
             raise CartridgeError(f"the {self.inference.backend} backend serves no cartridges", field="cartridges")
+        self._check_local_files(specs, service.ids())
         using = service.using(specs)
         loading = asyncio.ensure_future(asyncio.to_thread(using.__enter__))
         try:
@@ -77,6 +80,23 @@ class EngineBackend:
             using.__exit__(None, None, None)
             if len(ids) > 1 and self.engine is not None:
                 self.engine.flush_cache()  # drop the composed A+B prefix unless another request still runs it
+
+    def _check_local_files(self, specs: list[dict], loaded: list[str]) -> None:
+        """HTTP clients may load local files only from --cartridge-dir: a request must not read any path."""
+        for spec in specs:
+            if not isinstance(spec, dict) or spec.get("source", "local") != "local":
+                continue
+            name = spec.get("path") or spec.get("id")
+            if spec.get("id") in loaded and not spec.get("force_redownload") and not spec.get("path"):
+                continue
+            if self.cartridge_dir is None:
+                raise CartridgeError("loading local cartridge files over HTTP is off; start the server with "
+                                     "--cartridge-dir DIR to allow files under DIR", file=str(name), field="source")
+            path = Path(str(name)).expanduser()
+            resolved = (path if path.is_absolute() else self.cartridge_dir / path).resolve()
+            if not resolved.is_relative_to(self.cartridge_dir):
+                raise CartridgeError(f"is outside the server's --cartridge-dir {self.cartridge_dir}", file=str(name),
+                                     field="id")
 
     async def generate(self, job: Job, cartridge_ids: tuple[str, ...]) -> list[Sample]:
         async def one(i: int, ids: list[int]) -> list[Sample]:
@@ -169,5 +189,6 @@ class RolloutBackend(EngineBackend):
         return once()
 
 
-def backend_for(inference) -> EngineBackend:
-    return EngineBackend(inference) if inference.engine is not None else RolloutBackend(inference)
+def backend_for(inference, cartridge_dir: str | None = None) -> EngineBackend:
+    cls = EngineBackend if inference.engine is not None else RolloutBackend
+    return cls(inference, cartridge_dir)
