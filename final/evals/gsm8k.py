@@ -19,10 +19,11 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from final.errors import ConfigError, PromptError
-from final.tools.outputs import ConversationRow
+if TYPE_CHECKING:  # the CLI imports this module; veRL loads only when an eval runs
+    from final.tools.outputs import ConversationRow
 
 DATA_SOURCE = "openai/gsm8k"
 TOOL_NAME = "calc_gsm8k_reward"
@@ -39,7 +40,7 @@ HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist wit
                 "<args-json-object>}}\n</tool_call>")
 
 # generate(messages per problem, tools_kwargs per problem or None) -> one ConversationRow per problem
-Generate = Callable[[list[list[dict]], "list[dict] | None"], list[ConversationRow]]
+Generate = Callable[[list[list[dict]], "list[dict] | None"], "list[ConversationRow]"]
 
 
 @dataclass
