@@ -126,6 +126,12 @@ class DecodePlan:
         self.rows = torch.arange(B, device=self.lengths.device)
         self.span = int(self.lengths.max()) + 1
         self.mask = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
+        # fp32 on CPU: SDPA's flash kernel costs ~2x two matmuls and a softmax for one query per row (measured,
+        # bench/RESULTS.md); the result agrees to fp32 rounding. bf16 keeps SDPA, whose rounding HF shares.
+        self.bias = None
+        if self.cache.dtype == torch.float32 and self.cache.device.type == "cpu":
+            self.bias = torch.zeros(self.mask.shape, device=self.lengths.device).masked_fill(~self.mask, float("-inf"))
+            self.bias = self.bias[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B = q.shape[0]
@@ -133,6 +139,10 @@ class DecodePlan:
         ck[self.rows, :, self.lengths] = k[:, 0]
         cv[self.rows, :, self.lengths] = v[:, 0]
         keys, values = ck[:B, :, : self.span], cv[:B, :, : self.span]
+        if not self.groups and self.bias is not None:
+            qg = q[:, 0].reshape(B, k.shape[2], -1, q.shape[-1])  # [B,Hkv,G,D]
+            s = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale + self.bias
+            return torch.matmul(torch.softmax(s, dim=-1), values).reshape(B, 1, -1, q.shape[-1])
         if not self.groups:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask[:, None, None, :],
                                                scale=self.scale, enable_gqa=True)
