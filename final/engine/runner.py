@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from final.engine.attention import DecodePlan, PrefillPlan
+from final.engine.attention import DecodePlan, PrefillPlan, flash_attn_for
 from final.engine.kv_cache import KVCache, PrefixKV
 from final.engine.model import CausalLM
 from final.engine.sequence import Sequence
@@ -16,6 +16,7 @@ class ModelRunner:
         self.cache = cache
         self.scale = model.spec.head_dim ** -0.5
         self.device = model.device
+        self.flash = flash_attn_for(model.device, model.dtype)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -31,7 +32,7 @@ class ModelRunner:
         ids = self._long([s.prompt_ids + [0] * (T - len(s.prompt_ids)) for s in seqs])
         positions = (torch.arange(T, device=self.device) + (prefix.length if prefix else 0)).expand(len(seqs), T)
         self.cache.reserve(max(s.slot for s in seqs) + 1, T)
-        plan = PrefillPlan(self.cache, [s.slot for s in seqs], prefix, self.scale)
+        plan = PrefillPlan(self.cache, [s.slot for s in seqs], prefix, self.scale, flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
         last = hidden[torch.arange(len(seqs)), self._long(lengths) - 1]
         for row, seq in enumerate(seqs):
@@ -60,7 +61,8 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
-        plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale)
+        plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
+                          flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
         return self.model.logits(hidden[:, 0])
 
@@ -73,7 +75,7 @@ class ModelRunner:
         spec = self.model.spec
         scratch = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.model.dtype, self.device, len(ids))
         scratch.reserve(1, len(ids))
-        plan = PrefillPlan(scratch, [0], prefix, self.scale, capture=capture)
+        plan = PrefillPlan(scratch, [0], prefix, self.scale, capture=capture, flash=self.flash)
         positions = (torch.arange(len(ids), device=self.device) + (prefix.length if prefix else 0))[None]
         hidden = self.model.forward(self._long([ids]), positions, plan)
         return self.model.logits(hidden[0]), [(k[0], v[0]) for k, v in plan.captured]
