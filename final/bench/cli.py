@@ -120,9 +120,10 @@ def report(res: dict) -> str:
         if "copy_bandwidth_gb_s" in rf:
             lines.append(f"  roofline: copy bandwidth {rf['copy_bandwidth_gb_s']} GB/s")
             for name, d in rf["dtypes"].items():
-                lines.append(f"    {name} batch {d['batch']}: {d['bytes_per_step_mb']} MB read per decode step -> "
-                             f"floor {d['floor_ms']} ms/step; ours {d['ours_ms']} ms ({d['ours_over_floor']}x floor), "
-                             f"HF {d['reference_ms']} ms")
+                lines.append(f"    {name} batch {d['batch']}: {d['bytes_per_step_mb']} MB read -> {d['memory_floor_ms']} ms; "
+                             f"{d['gflop_per_step']} GFLOP at {d['matmul_peak_gflop_s']} GFLOP/s -> "
+                             f"{d['compute_floor_ms']} ms; decode step: ours {d['ours_ms']} ms "
+                             f"({d['ours_over_floor']}x the floor), HF {d['reference_ms']} ms")
     if "p2" in res:
         p = res["p2"]
         lines += ["", f"P2 TTFT, cartridge vs prefill of the same p tokens, ms (+{p['question_tokens']} question "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from final.bench.timing import copy_bandwidth, side_by_side, sync
+from final.bench.timing import copy_bandwidth, matmul_flops, side_by_side, sync
 
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.", "Explain photosynthesis briefly.",
              "Hi!", "List three prime numbers and explain why they are prime.", "Who wrote Hamlet?",
@@ -111,6 +111,7 @@ def run_throughput(model_dir: str, dtypes: list[str], batches: list[int], new_to
                     steps[name] = {"batch": batch, "ours_ms": round(per(pair.ours_s, first.ours_s), 3),
                                    "reference_ms": round(per(pair.reference_s, first.reference_s), 3),
                                    "weight_bytes_per_step": _bytes_read_per_step(engine),
+                                   "flops_per_step": _flops_per_step(engine, batch),
                                    "kv_bytes_per_step": _kv_bytes_per_step(engine, prompts, new_tokens)}
         finally:
             engine.shutdown()
@@ -128,6 +129,14 @@ def _bytes_read_per_step(engine: Any) -> int:
     return model.nbytes - (0 if shared else embed)
 
 
+def _flops_per_step(engine: Any, batch: int) -> int:
+    """2 x (weights used in matmuls) x rows: the GEMM work of one decode step (attention is small here)."""
+    model = engine.model
+    params = sum(lin.out_features * lin.in_features for layer in model.layers
+                 for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    return 2 * batch * (params + model.lm_head.out_features * model.lm_head.in_features)
+
+
 def _kv_bytes_per_step(engine: Any, prompts: list[list[int]], new_tokens: int) -> int:
     """KV bytes a step reads, averaged over the generation (each row's context grows by one per step)."""
     avg_context = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2
@@ -136,16 +145,20 @@ def _kv_bytes_per_step(engine: Any, prompts: list[list[int]], new_tokens: int) -
 
 
 def roofline(steps: dict[str, dict], device: str) -> dict:
-    """Measured copy bandwidth -> the decode-step floor (bytes that must be read / bandwidth) per dtype."""
+    """The decode-step floor per dtype: max(bytes that must be read / copy bandwidth, GEMM FLOPs / matmul peak)."""
     if device != "cpu":
         return {"note": "roofline measured on CPU only"}
     bandwidth = copy_bandwidth()
     out = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "dtypes": {}}
     for name, s in steps.items():
-        floor_ms = (s["weight_bytes_per_step"] + s["kv_bytes_per_step"]) / bandwidth * 1e3
+        nbytes = s["weight_bytes_per_step"] + s["kv_bytes_per_step"]
+        peak = matmul_flops(DTYPES[name])
+        memory_ms, compute_ms = nbytes / bandwidth * 1e3, s["flops_per_step"] / peak * 1e3
+        floor_ms = max(memory_ms, compute_ms)
         out["dtypes"][name] = {
-            "batch": s["batch"], "bytes_per_step_mb": round((s["weight_bytes_per_step"] + s["kv_bytes_per_step"]) / 1e6, 1),
-            "floor_ms": round(floor_ms, 2), "ours_ms": s["ours_ms"], "reference_ms": s["reference_ms"],
-            "ours_over_floor": round(s["ours_ms"] / floor_ms, 2) if floor_ms else None,
+            "batch": s["batch"], "bytes_per_step_mb": round(nbytes / 1e6, 1), "memory_floor_ms": round(memory_ms, 2),
+            "gflop_per_step": round(s["flops_per_step"] / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1),
+            "compute_floor_ms": round(compute_ms, 2), "floor_ms": round(floor_ms, 2), "ours_ms": s["ours_ms"],
+            "reference_ms": s["reference_ms"], "ours_over_floor": round(s["ours_ms"] / floor_ms, 2),
         }
     return out

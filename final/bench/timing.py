@@ -62,6 +62,15 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
     return 2 * n / best
 
 
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of one large square matmul: the compute ceiling the decode-step floor is also bounded by."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.matmul(a, b)
+    best = min(timed(lambda: torch.matmul(a, b))[0] for _ in range(repeats))
+    return 2 * n**3 / best
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

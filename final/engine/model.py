@@ -198,9 +198,11 @@ class CausalLM:
             x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N,hidden] -> fp32 logits [N,vocab] (computed in model dtype like HF, then upcast)."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Hidden states [N,hidden] -> logits [N,vocab], computed in the model dtype like HF, then fp32 (or left in
+        the model dtype with upcast=False, for a caller that upcasts only when it needs to)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout.

@@ -22,7 +22,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run the prompts of `seqs` (same prefix), fill their slots, return fp32 logits [n,V] of each last token.
+        """Run the prompts of `seqs` (same prefix), fill their slots, return logits [n,V] of each last token
+        (model dtype: the sampler upcasts when it needs to).
 
         Also fills `seq.input_logprobs` for requests that asked for prompt logprobs.
         """
@@ -38,7 +39,7 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.return_logprob:
                 seq.input_logprobs = self._prompt_logprobs(hidden[row], seq)
-        return self.model.logits(last)
+        return self.model.logits(last, upcast=False)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> list[float | None]:
         """SGLang's input_token_logprobs values: None for the first scored token, then log p(t_j | t_<j)."""
@@ -51,7 +52,7 @@ class ModelRunner:
         return [None] + logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for every running row (seqs[i] lives in slot i). Returns fp32 logits [B,V]."""
+        """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""
         B = len(seqs)
         lengths = self._long([s.cached_len for s in seqs])
         ids = self._long([[s.output_ids[-1]] for s in seqs])
@@ -64,7 +65,7 @@ class ModelRunner:
         plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
                           flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
-        return self.model.logits(hidden[:, 0])
+        return self.model.logits(hidden[:, 0], upcast=False)
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
