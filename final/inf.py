@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from final.config import EngineConfig, load_config
-from final.errors import CartridgeError, EngineError, SamplingError
+from final.errors import CartridgeError, ConfigError, EngineError, PromptError, SamplingError
 from final.models import cache_dir, model_eos_token_ids, resolve_model_path
 from final.prompts import build_dataproto, decode_outputs, normalize_prompts, tokenize
 from final.rollout import build_rollout
+from final.rollout.multi_turn import TRACE_KEY
 from final.rollout.thread import RolloutThread
+from final.tools.outputs import conversation_rows
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_new_tokens", "n", "do_sample", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
@@ -130,8 +132,18 @@ class InferenceEngine:
         non_tensor: dict[str, list] = {}
         if carts is not None:
             non_tensor["cartridges"] = carts
-        if tools_kwargs is not None:
-            non_tensor["tools_kwargs"] = _per_prompt(tools_kwargs, len(items), "tools_kwargs")
+        if self.rollout_config.multi_turn.enable:
+            if any(p.messages is None for p in items):
+                raise PromptError("multi-turn tool calling needs chat prompts (strings or message lists), "
+                                  "not raw text or token ids")
+            # each row offers the tools named in its tools_kwargs (veRL); default: every tool, no kwargs
+            default = {name: {} for name in self._tool_names()}
+            non_tensor["tools_kwargs"] = _per_prompt(default if tools_kwargs is None else tools_kwargs,
+                                                     len(items), "tools_kwargs")
+            meta[TRACE_KEY] = True
+        elif tools_kwargs is not None:
+            raise ConfigError("tools_kwargs needs tool calling: set rollout.multi_turn.enable: true and "
+                              "tool_config_path", key="rollout.multi_turn.enable", path=self.config.source)
         if n > 1:  # veRL's ray_trainer repeats prompts (interleaved) rather than asking the engine for n
             ids = [x for x in ids for _ in range(n)]
             items = [x for x in items for _ in range(n)]
@@ -150,7 +162,9 @@ class InferenceEngine:
 
             bar = tqdm(total=job["rows"], desc="generate", unit="seq")
             self.rollout.on_request_done = bar.update
-        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] else contextlib.nullcontext()
+        # Backends without a local cartridge store (tokasaurus) resolve cartridge ids themselves.
+        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] and self.cartridges is not None \
+            else contextlib.nullcontext()
         try:
             with held:  # the store cannot evict a cartridge while this call uses it
                 return self.rollout.generate_sequences(job["data"], **job["kwargs"])
@@ -160,6 +174,11 @@ class InferenceEngine:
                 bar.close()
 
     def _finish(self, job: dict, output) -> GenerationOutput:
+        if "messages" in output.non_tensor_batch:  # multi-turn: whole conversations, tool turns included
+            conv = conversation_rows(output, self.tokenizer)
+            meta = [{**r.to_metadata(), "prompt_index": i // job["n"], "sample_index": i % job["n"]}
+                    for i, r in enumerate(conv)]
+            return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, job["n"])
         rows = decode_outputs(output, self.tokenizer, set(self.eos_token_ids) | set(job["stop_ids"]),
                               job["kwargs"]["max_new_tokens"])
         meta = []
@@ -227,6 +246,12 @@ class InferenceEngine:
             if missing:
                 raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(known)}", field="cartridge")
         return rows
+
+    def _tool_names(self) -> list[str]:
+        multi_turn = getattr(self.rollout, "multi_turn", None)
+        if multi_turn is not None:
+            return multi_turn.tools.names()
+        return sorted(getattr(self.rollout, "_tool_map", {}))  # veRL's SGLangRollout
 
     def _known_cartridges(self) -> list[str] | None:
         return self.cartridges.ids() if self.cartridges is not None else None

@@ -115,3 +115,12 @@ def test_smollm2_answers_paris():
         out = eng.generate("What is the capital of France?", temperature=0)
     assert "Paris" in out.completions[0]
     assert out.metadata[0]["finish_reason"] == "stop"
+
+
+def test_progress_bar_on_large_batches_and_off_switch(tiny_inference, capsys):
+    tiny_inference.generate(["hi"] * 32, max_tokens=2, progress=True)
+    err = capsys.readouterr().err
+    assert "generate" in err and "32/32" in err  # one tick per finished row
+    tiny_inference.generate(["hi"] * 32, max_tokens=2, progress=False)
+    tiny_inference.generate(["hi"] * 4, max_tokens=2, progress=True)  # small batches stay quiet
+    assert "generate" not in capsys.readouterr().err

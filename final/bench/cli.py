@@ -13,8 +13,6 @@ import json
 import sys
 from typing import Any, Sequence
 
-from final.bench.timing import machine
-
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 QUICK_MODEL = "builtin:tiny-random-llama"
 GOALS = {"p1": 2.0, "p2": 20.0, "p2_spread": 1.5, "p3": 1.1, "p4_ms": 1.0}
@@ -47,6 +45,7 @@ def run(args: argparse.Namespace) -> dict:
     """Run the selected measurements and return the result object (what --json prints)."""
     import torch
 
+    from final.bench.timing import machine
     from final.models import resolve_model_path
 
     quick = args.quick

@@ -1,9 +1,19 @@
-"""Cartridges: trained KV caches served as a prefilled prefix (format, manifest, sources, store, build/verify)."""
+"""Cartridges: trained KV caches served as a prefilled prefix (format, manifest, sources, store, build, service).
 
-from final.cartridges.format import CartridgeKV, load_cartridge, save_cartridge
-from final.cartridges.manifest import CartridgeManifest, ModelShape, manifest_path, read_manifest
-from final.cartridges.service import CartridgeService, parse_spec
-from final.cartridges.store import CartridgeStore
+Names are imported on first use so that `final.cartridges.cli` (loaded by every `final` command) stays light.
+"""
 
-__all__ = ["CartridgeKV", "CartridgeManifest", "CartridgeService", "CartridgeStore", "ModelShape", "load_cartridge",
-           "manifest_path", "parse_spec", "read_manifest", "save_cartridge"]
+import importlib
+
+_EXPORTS = {
+    "CartridgeKV": "format", "load_cartridge": "format", "save_cartridge": "format",
+    "CartridgeManifest": "manifest", "ModelShape": "manifest", "manifest_path": "manifest", "read_manifest": "manifest",
+    "CartridgeService": "service", "parse_spec": "service", "CartridgeStore": "store",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"final.cartridges.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'final.cartridges' has no attribute {name!r}")

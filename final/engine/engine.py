@@ -17,7 +17,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 import torch
 
@@ -97,14 +97,15 @@ class EmbeddedEngine:
                              return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
                              top_logprobs_num: int | None = None, rid: str | list[str] | None = None,
                              stream: bool = False, cartridges: Seq[str] | list[Seq[str]] | None = None,
-                             **unsupported: Any) -> dict | list[dict]:
-        """Generate for one prompt (list[int]) or a batch (list[list[int]]); returns SGLang-shaped dict(s)."""
+                             **unsupported: Any) -> dict | list[dict] | AsyncIterator[dict]:
+        """Generate for one prompt (list[int]) or a batch (list[list[int]]); returns SGLang-shaped dict(s).
+
+        stream=True (one prompt, n=1) returns an async iterator instead, as SGLang does: one dict per new token
+        with the cumulative output_ids (SGLang's default without --stream-output), the last with finish_reason."""
         if unsupported:
             raise TypeError(f"async_generate() got unsupported arguments: {sorted(unsupported)}")
         if prompt is not None:
             raise PromptError("the embedded engine is token-in-token-out (skip_tokenizer_init): pass input_ids")
-        if stream:
-            raise SamplingError("streaming is not supported by async_generate; use the server's SSE", "stream")
         if top_logprobs_num:
             raise SamplingError("top logprobs are not supported by the embedded engine", "top_logprobs_num")
         if image_data is not None and any(x is not None for x in (image_data if isinstance(image_data, list) else [image_data])):
@@ -125,6 +126,10 @@ class EmbeddedEngine:
             for j in range(params[i].n):
                 seqs.append(self._make_sequence(i, ids, params[i], j, bool(logprob_flags[i]),
                                                 -1 if starts[i] is None else starts[i], rids[i], carts[i]))
+        if stream:
+            if len(seqs) != 1:
+                raise SamplingError("streaming takes one prompt with n=1", "stream")
+            return self._stream(seqs[0])
         outs = await asyncio.gather(*(self._submit(seq) for seq in seqs))
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -239,6 +244,36 @@ class EmbeddedEngine:
         except asyncio.CancelledError:
             self._post(("abort", seq.rid, False))
             raise
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[dict]:
+        """Yield seq's output after every token; closing the iterator early aborts the request."""
+        if not self._thread.is_alive():
+            raise EngineError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+        seq.on_token = lambda s: put(s.to_output())  # snapshot taken on the engine thread
+        seq.on_done = lambda s: put(s.to_output())
+        seq.on_error = put
+        self._post(("add", seq))
+        finished = False
+        try:
+            while not finished:
+                item = await chunks.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item["meta_info"]["finish_reason"] is not None
+                yield item
+        finally:
+            if not finished and not self._closed:
+                self._post(("abort", seq.rid, False))
 
     def _loop(self) -> None:
         with torch.inference_mode():

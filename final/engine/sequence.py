@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: dict | None = None
     created: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
 
     @property
     def prefix_len(self) -> int:
@@ -74,6 +75,8 @@ class Sequence:
             matched = stop_texts(self.output_ids, self.params.stop)
             if matched:
                 self.finish_reason = {"type": "stop", "matched": matched}
+        if self.on_token is not None and self.finish_reason is None:
+            self.on_token(self)
 
     def abort(self, message: str) -> None:
         self.finish_reason = {"type": "abort", "message": message}

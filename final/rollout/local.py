@@ -39,13 +39,29 @@ class LocalRollout(BaseRollout):
         )
         self.sampling_params = base_sampling_params(config)
         self.on_request_done: Callable[[], None] | None = None  # progress hook, called once per finished row
+        self.on_tool_event: Callable[[dict], None] | None = None  # multi-turn: assistant turns, tool calls/results
         self._multi_turn = None
+        if config.multi_turn.enable:  # built now so a bad tools.yaml fails at start, not at the first request
+            from final.rollout.multi_turn import MultiTurnRollout
+
+            try:
+                self._multi_turn = MultiTurnRollout(self.engine, config, self.processing_class)
+            except BaseException:
+                if engine is None:
+                    self.engine.shutdown()
+                raise
+            self._multi_turn.on_event = self._multi_turn_event
+
+    @property
+    def multi_turn(self):
+        """The multi-turn runner (final.rollout.multi_turn.MultiTurnRollout), None unless multi_turn.enable."""
+        return self._multi_turn
 
     # ---- BaseRollout ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_sequences(self, prompts, **kwargs):
-        if self.config.multi_turn.enable:
-            return self._multi_turn_runner().generate_sequences(prompts, **kwargs)
+        if self._multi_turn is not None:
+            return self._multi_turn.generate_sequences(prompts, **kwargs)
         return self._batch_level_generate_sequences(prompts, **kwargs)
 
     async def resume(self, tags: list[str]) -> None:
@@ -89,12 +105,11 @@ class LocalRollout(BaseRollout):
             self.on_request_done()
         return out
 
-    def _multi_turn_runner(self):
-        if self._multi_turn is None:
-            from final.rollout.multi_turn import MultiTurnRunner
-
-            self._multi_turn = MultiTurnRunner(self.engine, self.config, self.processing_class, self.pad_token_id)
-        return self._multi_turn
+    def _multi_turn_event(self, event: dict) -> None:
+        if event["type"] == "done" and self.on_request_done is not None:
+            self.on_request_done()
+        if self.on_tool_event is not None:
+            self.on_tool_event(event)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,0 +1,281 @@
+"""The client side of the Tokasaurus protocol: retries with backoff, and seed 001's agent LM client.
+
+    from final.client import get_lm_client
+    lm = get_lm_client({"model": "toka:meta-llama/Llama-3.2-3B-Instruct", "base_url": "http://127.0.0.1:10210",
+                        "temperature": 0.0, "max_output_tokens": 512, "protocol": "openai"})
+    text = lm.call("You are terse.", "Name a prime.")
+
+Model strings with the `toka:` prefix route to a Tokasaurus-protocol server (a real Tokasaurus or `final serve`).
+protocol "openai": POST /v1/chat/completions (with cartridges: /custom/cartridge/chat/completions, same body plus
+`cartridges`). protocol "toka": seed 001's native POST /generate {model, system, prompt, temperature, max_tokens,
+stop} -> {text, finish_reason, usage}; `final serve` answers it, real Tokasaurus has no /generate.
+Connection errors, timeouts and 5xx are retried with exponential backoff; 4xx are not (RequestRejectedError);
+after the last retry BackendUnavailableError says what failed. Each call logs its latency and token counts on
+the `final.client` logger (and the prompt and reply with log_calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import httpx
+
+from final.errors import BackendUnavailableError, ConfigError, FinalError, PromptError
+
+logger = logging.getLogger("final.client")
+
+PREFIX = "toka:"
+PROTOCOLS = ("openai", "toka")
+
+
+class RequestRejectedError(FinalError, ValueError):
+    """The server answered 4xx: the request itself is wrong, so it is not retried. `param` names the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.param, self.code = status, param, code
+        super().__init__(f"HTTP {status}{f' (param {param!r})' if param else ''}: {message}")
+
+
+class _Retryable(Exception):
+    """A 5xx answer: the server may recover."""
+
+
+@dataclass
+class RetryPolicy:
+    max_retries: int = 3          # retries after the first attempt
+    starting_delay: float = 1.0   # seconds before the first retry
+    backoff_factor: float = 2.0
+    max_delay: float = 60.0
+
+    def delay(self, retry: int) -> float:
+        return min(self.starting_delay * self.backoff_factor ** retry, self.max_delay)
+
+
+def _checked(resp: httpx.Response) -> dict:
+    if resp.status_code >= 500:
+        raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
+    if resp.status_code >= 400:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {}
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict):  # OpenAI-style ({"error": {...}}), as final serve answers
+            raise RequestRejectedError(resp.status_code, str(err.get("message")), err.get("param"), err.get("code"))
+        detail = body.get("detail") if isinstance(body, dict) else None  # FastAPI's, as Tokasaurus answers
+        raise RequestRejectedError(resp.status_code, str(detail if detail is not None else resp.text[:300]))
+    return resp.json()
+
+
+_TRANSIENT = (httpx.TransportError, _Retryable)  # connect/read errors, timeouts, dropped connections, 5xx
+
+
+def _gave_up(url: str, attempts: int, exc: BaseException) -> BackendUnavailableError:
+    return BackendUnavailableError(f"POST {url} failed after {attempts} attempt(s); last error: "
+                                   f"{type(exc).__name__}: {exc}. Is the server running and healthy?")
+
+
+def post_json(http: httpx.Client, url: str, payload: dict, policy: RetryPolicy) -> dict:
+    """POST with retries (blocking)."""
+    for retry in range(policy.max_retries + 1):
+        try:
+            return _checked(http.post(url, json=payload))
+        except _TRANSIENT as exc:
+            if retry == policy.max_retries:
+                raise _gave_up(url, retry + 1, exc) from exc
+            logger.warning("POST %s failed (%s: %s); retry %d/%d in %.2fs", url, type(exc).__name__, exc,
+                           retry + 1, policy.max_retries, policy.delay(retry))
+            time.sleep(policy.delay(retry))
+    raise AssertionError("unreachable")
+
+
+async def apost_json(http: httpx.AsyncClient, url: str, payload: dict, policy: RetryPolicy,
+                     timeout_growth: float = 1.0) -> dict:
+    """POST with retries (awaitable). Attempt i waits up to the client's timeout * timeout_growth**i."""
+    for retry in range(policy.max_retries + 1):
+        try:
+            timeout = http.timeout
+            if timeout.read is not None:  # waiting for a pooled connection is not the server's slowness
+                timeout = httpx.Timeout(timeout.read * timeout_growth ** retry, pool=None)
+            return _checked(await http.post(url, json=payload, timeout=timeout))
+        except _TRANSIENT as exc:
+            if retry == policy.max_retries:
+                raise _gave_up(url, retry + 1, exc) from exc
+            logger.warning("POST %s failed (%s: %s); retry %d/%d in %.2fs", url, type(exc).__name__, exc,
+                           retry + 1, policy.max_retries, policy.delay(retry))
+            await asyncio.sleep(policy.delay(retry))
+    raise AssertionError("unreachable")
+
+
+# ---- seed 001's LM client -------------------------------------------------------------------------------
+@dataclass
+class LMConfig:
+    """Seed 001's lm_config (LMConfig + TokasaurusConfig fields), validated."""
+
+    model: str
+    temperature: float = 0.0
+    max_output_tokens: int = 1024
+    log_calls: bool = False
+    base_url: str = "http://127.0.0.1:10210"
+    protocol: str = "openai"
+    stop_sequences: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    timeout_s: float = 900.0
+    max_retries: int = 3
+    starting_delay: float = 1.0
+    backoff_factor: float = 2.0
+    max_delay: float = 60.0
+    enable_health_check: bool = False
+    cartridges: list[dict] = field(default_factory=list)  # ours: Tokasaurus specs sent with every call
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LMConfig":
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(names))}", key=f"lm_config.{key}")
+        if not isinstance(values.get("model"), str) or not values["model"]:
+            raise ConfigError("is required (e.g. 'toka:meta-llama/Llama-3.2-3B-Instruct')", key="lm_config.model")
+        cfg = cls(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()})
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"{why}, got {getattr(self, key)!r}", key=f"lm_config.{key}")
+
+        if self.protocol not in PROTOCOLS:
+            raise bad("protocol", f"must be one of {', '.join(PROTOCOLS)}")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise bad("base_url", "must be an http(s) URL")
+        for key in ("temperature", "timeout_s", "starting_delay", "backoff_factor", "max_delay"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise bad(key, "must be a number >= 0")
+        for key, least in (("max_output_tokens", 1), ("max_retries", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(key, f"must be an integer >= {least}")
+        if not isinstance(self.stop_sequences, list) or not all(isinstance(s, str) and s for s in self.stop_sequences):
+            raise bad("stop_sequences", "must be a list of non-empty strings")
+        carts = self.cartridges
+        if not isinstance(carts, list) or not all(isinstance(c, dict) and c.get("id") for c in carts):
+            raise bad("cartridges", "must be a list of {id, source, force_redownload}")
+
+
+@dataclass
+class LMResponse:
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any]
+    latency_s: float
+    token_ids: list[int] | None = None  # from Tokasaurus' system_fingerprint, when the server sends it
+
+
+class TokasaurusClient:
+    """Blocking client for a Tokasaurus-protocol server (seed 001's LanguageModel interface: call())."""
+
+    def __init__(self, config: LMConfig | Mapping[str, Any]):
+        self.config = config if isinstance(config, LMConfig) else LMConfig.from_dict(config)
+        if not self.config.model.startswith(PREFIX):
+            raise ConfigError(f"must start with '{PREFIX}' to use TokasaurusClient", key="lm_config.model")
+        self.model = self.config.model[len(PREFIX):] or "default"
+        self.base_url = self.config.base_url.rstrip("/")
+        self.policy = RetryPolicy(self.config.max_retries, self.config.starting_delay, self.config.backoff_factor,
+                                  self.config.max_delay)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        self._http = httpx.Client(timeout=self.config.timeout_s, headers=headers)
+
+    def ping(self) -> bool:
+        try:
+            r = self._http.get(f"{self.base_url}/ping", timeout=5)
+            return r.status_code == 200 and r.json().get("message") == "pong"
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def call(self, system_prompt: str | None, user_prompt: str) -> str:
+        """Seed 001's call: one system and one user message -> the reply's text."""
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+            [{"role": "user", "content": user_prompt}]
+        return self.chat(messages).text
+
+    def chat(self, messages: list[dict], cartridges: list[dict] | None = None) -> LMResponse:
+        carts = list(self.config.cartridges) + list(cartridges or [])
+        if self.config.enable_health_check and not self.ping():
+            logger.debug("health check of %s failed; sending anyway (cold start)", self.base_url)
+        url, payload = self._request(messages, carts)
+        start = time.perf_counter()
+        data = post_json(self._http, url, payload, self.policy)
+        result = self._parse(data, time.perf_counter() - start)
+        self._log(messages, result)
+        return result
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "TokasaurusClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------------------------
+    def _request(self, messages: list[dict], carts: list[dict]) -> tuple[str, dict]:
+        cfg = self.config
+        stop = {"stop": cfg.stop_sequences} if cfg.stop_sequences else {}
+        extra = {"cartridges": carts} if carts else {}
+        if cfg.protocol == "toka":
+            roles = [m.get("role") for m in messages]
+            if roles not in (["user"], ["system", "user"]):
+                raise PromptError(f"protocol 'toka' (/generate) takes [system,] user messages, got roles {roles}")
+            body = {"model": self.model, "prompt": messages[-1]["content"], "temperature": cfg.temperature,
+                    "max_tokens": cfg.max_output_tokens, **stop, **extra}
+            if len(messages) == 2:
+                body["system"] = messages[0]["content"]
+            return f"{self.base_url}/generate", body
+        path = "/custom/cartridge/chat/completions" if carts else "/v1/chat/completions"
+        return f"{self.base_url}{path}", {"model": self.model, "messages": messages, "temperature": cfg.temperature,
+                                          "max_tokens": cfg.max_output_tokens, **stop, **extra}
+
+    def _parse(self, data: dict, latency: float) -> LMResponse:
+        usage = data.get("usage") or {}
+        if self.config.protocol == "toka":
+            text = data.get("text", data.get("output"))
+            if not isinstance(text, str):
+                raise BackendUnavailableError(f"the /generate answer has no text: {str(data)[:200]}")
+            return LMResponse(text, data.get("finish_reason"), usage, latency)
+        from final.server.fingerprint import read_fingerprint
+
+        choice = (data.get("choices") or [None])[0]
+        if not isinstance(choice, dict):
+            raise BackendUnavailableError(f"the server's answer has no choices: {str(data)[:200]}")
+        text = (choice.get("message") or {}).get("content") or ""
+        try:
+            token_ids = read_fingerprint(data.get("system_fingerprint"))[0][0]
+        except (ValueError, IndexError):
+            token_ids = None  # a plain OpenAI server
+        return LMResponse(text, choice.get("finish_reason"), usage, latency, token_ids)
+
+    def _log(self, messages: list[dict], r: LMResponse) -> None:
+        metrics = {"model": self.config.model, "protocol": self.config.protocol, "latency_s": round(r.latency_s, 4),
+                   "input_tokens": r.usage.get("prompt_tokens"), "output_tokens": r.usage.get("completion_tokens"),
+                   "total_tokens": r.usage.get("total_tokens"), "finish_reason": r.finish_reason}
+        logger.info("lm call %s", metrics, extra={"metrics": metrics})
+        if r.finish_reason == "length":
+            logger.warning("reply truncated at max_output_tokens=%d", self.config.max_output_tokens)
+        if self.config.log_calls:
+            logger.info("lm call messages=%s reply=%r", messages, r.text)
+
+
+def get_lm_client(config: LMConfig | Mapping[str, Any]) -> TokasaurusClient:
+    """Seed 001's lm_factory.get_lm_client: route by the model string's prefix (only `toka:` here)."""
+    cfg = config if isinstance(config, LMConfig) else LMConfig.from_dict(config)
+    if not cfg.model.startswith(PREFIX):
+        raise ConfigError(f"has no supported prefix; final.client serves '{PREFIX}<model>' models, got {cfg.model!r}",
+                          key="lm_config.model")
+    return TokasaurusClient(cfg)

@@ -1,0 +1,1 @@
+"""Evaluations run through the rollout contract (GSM8K with and without tools)."""

@@ -1,0 +1,209 @@
+"""`final eval gsm8k`: GSM8K accuracy with veRL's scorer, with or without the calc_gsm8k_reward tool.
+
+Prompts follow veRL's own preprocessing (examples/data_preprocess/gsm8k.py, gsm8k_multiturn_w_tool.py): the
+question plus "Let's think step by step and output the final answer after "####"."; with tools, veRL's system
+prompt asking the model to check its answer with `calc_gsm8k_reward`, and per-problem tools_kwargs carrying the
+ground truth to the tool's `create`. A chat template that ignores `tools` (SmolLM2's) would hide the tool from the
+model, so then the tool description is written into the system message in the hermes format.
+
+Scoring is veRL's: `default_compute_score("openai/gsm8k", response, ground_truth)` (strict "#### <number>") on the
+decoded response exactly as NaiveRewardManager decodes it (all response tokens, tool results included, special
+tokens skipped). Also reported: flexible-match accuracy, tool-call rate, mean assistant turns, the tool's own reward,
+and model tokens per second (tokens the model wrote / wall time of generation).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from final.errors import ConfigError, PromptError
+if TYPE_CHECKING:  # the CLI imports this module; veRL loads only when an eval runs
+    from final.tools.outputs import ConversationRow
+
+DATA_SOURCE = "openai/gsm8k"
+TOOL_NAME = "calc_gsm8k_reward"
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+               "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after step "
+               "by step solving the question, before generate final answer at least once and refine your answer if "
+               "necessary. Put your final answer in the format of `#### <answer>`.")
+HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
+                "function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}}\n</tool_call>")
+
+# generate(messages per problem, tools_kwargs per problem or None) -> one ConversationRow per problem
+Generate = Callable[[list[list[dict]], "list[dict] | None"], "list[ConversationRow]"]
+
+
+@dataclass
+class Problem:
+    index: int
+    question: str
+    answer: str
+    ground_truth: str
+
+
+def load_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """GSM8K JSONL ({"question", "answer"} per line); the ground truth is the number after '####' (veRL's
+    extract_solution in examples/data_preprocess/gsm8k.py)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("GSM8K data file not found", key="--data", path=str(path))
+    if limit is not None and limit < 1:
+        raise ConfigError(f"must be >= 1, got {limit}", key="--limit")
+    problems = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh):
+            if limit is not None and len(problems) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, answer = row["question"], row["answer"]
+                match = re.search(r"#### (\-?[0-9\.\,]+)", answer)
+                if not isinstance(question, str) or match is None:
+                    raise ValueError("needs a string 'question' and an 'answer' ending in '#### <number>'")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise PromptError(f"{path} line {lineno + 1}: {exc}", index=lineno) from exc
+            problems.append(Problem(lineno, question, answer, match.group(1).replace(",", "")))
+    if not problems:
+        raise ConfigError("no problems in the data file", key="--data", path=str(path))
+    return problems
+
+
+def build_messages(problem: Problem, tool_schemas: Sequence[dict] | None, template_renders_tools: bool) -> list[dict]:
+    if not tool_schemas:
+        return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
+    system = TOOL_SYSTEM
+    if not template_renders_tools:
+        system += HERMES_TOOLS.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in tool_schemas))
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"{problem.question} {TOOL_INSTRUCTION}"}]
+
+
+def template_renders_tools(tokenizer: Any, tool_schemas: Sequence[dict]) -> bool:
+    probe = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    return plain != tokenizer.apply_chat_template(probe, tools=list(tool_schemas), tokenize=False,
+                                                  add_generation_prompt=True)
+
+
+def score_row(problem: Problem, row: ConversationRow) -> dict:
+    from verl.utils.reward_score import default_compute_score
+    from verl.utils.reward_score.gsm8k import compute_score, extract_solution
+
+    calls = [c for c in row.tool_calls if "turn" in c]
+    return {
+        "index": problem.index, "question": problem.question, "ground_truth": problem.ground_truth,
+        "response": row.response_text, "final_text": row.final_text,
+        "extracted": extract_solution(row.response_text, method="strict"),
+        "score": float(default_compute_score(DATA_SOURCE, row.response_text, problem.ground_truth)),
+        "flexible_score": float(compute_score(row.response_text, problem.ground_truth, method="flexible")),
+        "tool_reward": row.rewards.get(TOOL_NAME), "num_turns": row.num_turns, "tool_calls": calls,
+        "completion_tokens": row.completion_tokens, "messages": row.messages,
+    }
+
+
+def evaluate(generate: Generate, problems: list[Problem], tool_schemas: Sequence[dict] | None,
+             renders_tools: bool, batch_size: int = 64, out_path: str | Path | None = None) -> dict:
+    """Run the problems in batches, score them, write one JSON line per problem, return the summary."""
+    records, seconds = [], 0.0
+    out = Path(out_path).open("w") if out_path else None
+    try:
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start:start + batch_size]
+            messages = [build_messages(p, tool_schemas, renders_tools) for p in chunk]
+            tools_kwargs = ([{TOOL_NAME: {"create_kwargs": {"ground_truth": p.ground_truth}}} for p in chunk]
+                            if tool_schemas else None)
+            t0 = time.perf_counter()
+            rows = generate(messages, tools_kwargs)
+            seconds += time.perf_counter() - t0
+            for problem, row in zip(chunk, rows, strict=True):
+                record = score_row(problem, row)
+                records.append(record)
+                if out:
+                    out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+    finally:
+        if out:
+            out.close()
+    return summarize(records, seconds, tools=bool(tool_schemas))
+
+
+def summarize(records: list[dict], seconds: float, tools: bool) -> dict:
+    n = len(records)
+    tokens = sum(r["completion_tokens"] for r in records)
+    rewards = [r["tool_reward"] for r in records if r["tool_reward"] is not None]
+    return {
+        "problems": n, "tools": tools,
+        "accuracy": sum(r["score"] for r in records) / n,
+        "flexible_accuracy": sum(r["flexible_score"] for r in records) / n,
+        "tool_call_rate": sum(1 for r in records if r["tool_calls"]) / n,
+        "mean_tool_calls": sum(len(r["tool_calls"]) for r in records) / n,
+        "mean_turns": sum(r["num_turns"] for r in records) / n,
+        "mean_tool_reward": sum(rewards) / len(rewards) if rewards else None,
+        "completion_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+    }
+
+
+def format_table(summary: dict) -> str:
+    rows = [("problems", f"{summary['problems']}"), ("tools", "yes" if summary["tools"] else "no"),
+            ("accuracy (veRL gsm8k, strict)", f"{summary['accuracy']:.3f}"),
+            ("accuracy (flexible)", f"{summary['flexible_accuracy']:.3f}"),
+            ("tool-call rate", f"{summary['tool_call_rate']:.3f}"),
+            ("mean tool calls", f"{summary['mean_tool_calls']:.2f}"),
+            ("mean assistant turns", f"{summary['mean_turns']:.2f}"),
+            ("mean tool reward", "-" if summary["mean_tool_reward"] is None else f"{summary['mean_tool_reward']:.3f}"),
+            ("model tokens", f"{summary['completion_tokens']}"),
+            ("generation time (s)", f"{summary['seconds']:.1f}"),
+            ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ---- command line: `final eval gsm8k ...` (final/evals/cli.py registers it) ---------------------------------------
+def register(subparsers: Any) -> None:
+    """Add `gsm8k` to the subparsers of `final eval`."""
+    p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
+    p.add_argument("--data", required=True, help="GSM8K JSONL with question/answer per line")
+    p.add_argument("--limit", type=int, default=None, help="first N problems")
+    p.add_argument("--tools", nargs="?", const="tools.yaml", default=None, metavar="TOOLS_YAML",
+                   help="enable tool calling with this tools.yaml (default: ./tools.yaml)")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--prompt-length", type=int, default=1024)
+    p.add_argument("--response-length", type=int, default=512)
+    p.add_argument("--max-assistant-turns", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--out", default=None, help="per-problem JSONL (default: gsm8k[_tools]_results.jsonl)")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: Any) -> int:
+    from final.evals.backend import local_backend
+
+    if args.batch_size < 1:
+        raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
+    problems = load_problems(args.data, args.limit)
+    backend = local_backend(args.model, args.tools, args.prompt_length, args.response_length, args.temperature,
+                            args.max_assistant_turns)
+    try:
+        schemas = backend.tool_schemas if args.tools else None
+        renders = bool(schemas) and template_renders_tools(backend.tokenizer, schemas)
+        if args.tools and TOOL_NAME not in [s["function"]["name"] for s in schemas]:
+            raise ConfigError(f"the GSM8K eval needs the {TOOL_NAME} tool in {args.tools}", key="--tools")
+        out = args.out or ("gsm8k_tools_results.jsonl" if args.tools else "gsm8k_results.jsonl")
+        summary = evaluate(backend.generate, problems, schemas, renders, args.batch_size, out)
+    finally:
+        backend.close()
+    print(format_table(summary))
+    print(f"per-problem results: {out}")
+    return 0

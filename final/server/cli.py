@@ -1,0 +1,148 @@
+"""`final serve` (the HTTP server) and `final ping` (Tokasaurus' toka-ping: a quick request to a server).
+
+    final serve --config config.yaml --port 10210
+    final ping "Tell me a joke" --chat --max-tokens 64
+    final ping                                 # just GET /ping
+
+FastAPI/uvicorn (the [serve] extra) are imported only when `serve` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import sys
+import time
+
+DEFAULT_PORT = 10210  # Tokasaurus' default
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve OpenAI completions + Tokasaurus' cartridge endpoints over HTTP")
+    serve.add_argument("--config", default="config.yaml", help="config file (default: config.yaml)")
+    serve.add_argument("--model", default=None, help="override model_path")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any free)")
+    serve.add_argument("--api-key", default=os.environ.get("FINAL_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $FINAL_API_KEY, else none)")
+    serve.add_argument("--cartridge-dir", default=None,
+                       help="allow requests to load local cartridge files under this folder (default: none; "
+                            "cartridges from the config are always served)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=_cmd_serve)
+
+    ping = sub.add_parser("ping", help="send one request to a running server (like Tokasaurus' toka-ping)")
+    ping.add_argument("prompt", nargs="?", default=None, help="prompt; without one, only GET /ping")
+    ping.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="server base URL")
+    ping.add_argument("--chat", action="store_true", help="chat completions (the prompt is one user turn)")
+    ping.add_argument("--model", default="default")
+    ping.add_argument("--max-tokens", type=int, default=100)
+    ping.add_argument("--n", type=int, default=1)
+    ping.add_argument("--temperature", type=float, default=0.0)
+    ping.add_argument("--stream", action="store_true", help="print text as it arrives (SSE)")
+    ping.add_argument("--cartridge", action="append", default=None,
+                      help="cartridge id (repeat to compose); sent to the /custom/cartridge/ endpoint")
+    ping.add_argument("--cartridge-source", default="local", choices=["local", "wandb", "huggingface", "s3"])
+    ping.add_argument("--api-key", default=os.environ.get("FINAL_API_KEY"))
+    ping.add_argument("--timeout", type=float, default=300.0)
+    ping.set_defaults(func=_cmd_ping)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from final.inf import InferenceEngine
+    from final.server.app import create_app
+
+    if not _is_loopback(args.host):
+        print(f"warning: serving on {args.host}, reachable from other machines"
+              f"{'' if args.api_key else ' without an API key (--api-key)'}", file=sys.stderr)
+    overrides = {"model_path": args.model} if args.model else {}
+    with InferenceEngine(args.config, **overrides) as inference:
+        print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
+        uvicorn.run(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir),
+                    host=args.host, port=args.port,
+                    log_level=args.log_level)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cmd_ping(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.url.rstrip("/")
+    with httpx.Client(timeout=args.timeout, headers=headers) as http:
+        try:
+            if args.prompt is None:
+                r = http.get(f"{base}/ping")
+                print(r.text)
+                return 0 if r.status_code == 200 else 1
+            path, body = _request(args)
+            start = time.perf_counter()
+            if args.stream:
+                texts = _stream(http, f"{base}{path}", body, args.chat)
+            else:
+                r = http.post(f"{base}{path}", json=body)
+                if r.status_code != 200:
+                    print(f"error: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+                    return 1
+                choices = r.json()["choices"]
+                texts = [c["message"]["content"] if args.chat else c["text"] for c in choices]
+        except httpx.HTTPError as exc:
+            print(f"error: cannot reach {base}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+    print(f"time taken: {time.perf_counter() - start:.3f} s", file=sys.stderr)
+    if not args.stream:
+        for i, text in enumerate(texts):
+            if len(texts) > 1:
+                print(f"--- [{i}]")
+            print(text)
+    return 0
+
+
+def _request(args: argparse.Namespace) -> tuple[str, dict]:
+    body: dict = {"model": args.model, "max_tokens": args.max_tokens, "n": args.n, "temperature": args.temperature,
+                  "stream": args.stream}
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        body["prompt"] = args.prompt
+    kind = "chat/completions" if args.chat else "completions"
+    if args.cartridge:
+        body["cartridges"] = [{"id": c, "source": args.cartridge_source, "force_redownload": False}
+                              for c in args.cartridge]
+        return f"/custom/cartridge/{kind}", body
+    return f"/v1/{kind}", body
+
+
+def _stream(http, url: str, body: dict, chat: bool) -> list[str]:
+    """Print each SSE text delta as it arrives; returns the texts per choice."""
+    texts: dict[int, str] = {}
+    with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise SystemExit(f"error: HTTP {r.status_code}: {r.text}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise SystemExit(f"error: {event['error']['message']}")
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if piece:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + piece
+                    print(piece, end="", flush=True)
+    print()
+    return [texts[i] for i in sorted(texts)]

@@ -1,0 +1,59 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+
+Every failure of a request becomes one of these; none takes the server down. Bad input (our typed errors,
+pydantic validation, malformed JSON) is a 400 naming the offending field; an engine that cannot serve is 503.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, FinalError, PromptError,
+                          SamplingError)
+
+# The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    """A pydantic error on the request body (including malformed JSON) -> 400 naming the first bad field."""
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    # Union members appear in loc as type names ("list[int]"); keep only field names and indices.
+    loc = [str(p) for p in first["loc"] if isinstance(p, int) or "[" not in str(p)]
+    param = ".".join(loc) or None
+    where = f"'{param}': " if param else ""
+    return APIError(400, f"{where}{first['msg']}", param=param, code="invalid_request")
+
+
+def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
+    """One of final.errors' typed errors -> an APIError (4xx for input, 503 when the engine cannot serve)."""
+    message = str(exc)
+    if isinstance(exc, (EngineError, BackendUnavailableError)):
+        return APIError(503, message, code="engine_unavailable")
+    if isinstance(exc, PromptError):
+        return APIError(400, message, param=prompt_param, code="invalid_prompt")
+    if isinstance(exc, SamplingError):
+        return APIError(400, message, param=_PARAM_NAMES.get(exc.field, exc.field), code="invalid_sampling_parameter")
+    if isinstance(exc, CartridgeError):
+        return APIError(400, message, param="cartridges", code="invalid_cartridge")
+    if isinstance(exc, ConfigError):
+        return APIError(400, message, param=exc.key, code="invalid_config")
+    return APIError(400, message, code=type(exc).__name__)

@@ -1,0 +1,100 @@
+"""Request bodies of the Tokasaurus protocol, validated strictly (unknown fields and wrong types are 400s).
+
+Field for field from ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasaurus/server/types.py:
+Cartridge, CompletionsRequest, ChatCompletionRequest, CartridgeCompletionsRequest,
+CartridgeChatCompletionRequest (they forbid extra fields too). Defaults are Tokasaurus': completions
+max_tokens=16 and temperature=1.0, chat temperature=0.7, cartridge source "wandb".
+Additions of ours, marked below: top_k, min_p, repetition_penalty (as vLLM/SGLang's OpenAI servers accept),
+"s3" as a cartridge source (final.cartridges.sources), and /generate's body (seed 001's native protocol).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CartridgeSource = Literal["wandb", "local", "huggingface", "s3"]
+
+
+class _Strict(BaseModel):
+    # JSON types are taken as sent: "5" is not an int, true is not a number.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Cartridge(_Strict):
+    id: str = Field(min_length=1)
+    source: CartridgeSource = "wandb"
+    force_redownload: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = False
+
+
+class _Sampling(_Strict):
+    model: str
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    n: Optional[int] = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    top_p: Optional[float] = 1.0
+    user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False
+    logprobs_in_fingerprint: bool = False
+    # ours (vLLM/SGLang extensions)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+
+
+class CompletionsRequest(_Sampling):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    best_of: Optional[int] = None
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    suffix: Optional[str] = None
+    temperature: Optional[float] = 1.0
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    temperature: Optional[float] = 0.7
+    apply_chat_template_overrides: Optional[dict[str, Any]] = None
+
+
+class CartridgeCompletionsRequest(CompletionsRequest):
+    cartridges: Optional[list[Cartridge]] = None
+
+
+class CartridgeChatCompletionRequest(ChatCompletionRequest):
+    cartridges: Optional[list[Cartridge]] = None
+
+
+class GenerateRequest(_Strict):
+    """Seed 001's `protocol: toka` body for POST /generate (not an endpoint of real Tokasaurus)."""
+
+    prompt: str
+    model: Optional[str] = None
+    system: Optional[str] = None
+    temperature: Optional[float] = 0.0
+    max_tokens: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    cartridges: Optional[list[Cartridge]] = None
