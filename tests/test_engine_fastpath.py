@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from final.engine import EmbeddedEngine
 from final.engine.linear import Linear, packing_enabled
-from final.engine.model import rope
+from final.engine.model import rms_norm, rope
 
 needs_packing = pytest.mark.skipif(not packing_enabled(torch.device("cpu"), torch.float32),
                                    reason="oneDNN weight prepacking is not available in this PyTorch build")
@@ -21,6 +21,18 @@ def test_rope_is_bitwise_hf_rotate_half():
     want = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     sin_signed = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
     assert torch.equal(rope(x, cos, sin_signed), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_bitwise_hf(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96))
+    for scale in (1e-3, 1.0, 1e3):
+        x = (torch.randn(4, 3, 96) * scale).to(dtype)
+        assert torch.equal(rms_norm(x, hf.weight.detach(), 1e-6), hf(x))
 
 
 @needs_packing
