@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     if "p3" in only:
         from final.bench.memory import run_memory
 
-        p3 = run_memory(model, 256 if quick else 2048, 4 if quick else 32, 4 if quick else 16, args.ttft_dtype,
+        p3 = run_memory(model, 256 if quick else 2048, 4 if quick else 32, 16, args.ttft_dtype,
                         args.device)
         out["p3"] = {"ours": p3["all_rows"]["cartridge_bytes_held"], "reference": p3["cartridge_bytes"],
                      "ratio": p3["ratio"], "unit": "bytes", "goal": GOALS["p3"], "met": p3["ratio"] <= GOALS["p3"],
@@ -120,8 +120,9 @@ def report(res: dict) -> str:
         if "copy_bandwidth_gb_s" in rf:
             lines.append(f"  roofline: copy bandwidth {rf['copy_bandwidth_gb_s']} GB/s")
             for name, d in rf["dtypes"].items():
-                lines.append(f"    {name} batch {d['batch']}: {d['bytes_per_step_mb']} MB read -> {d['memory_floor_ms']} ms; "
-                             f"{d['gflop_per_step']} GFLOP at {d['matmul_peak_gflop_s']} GFLOP/s -> "
+                lines.append(f"    {name} batch {d['batch']}: {d['bytes_per_step_mb']} MB read -> "
+                             f"{d['memory_floor_ms']} ms; {d['gflop_per_step']} GFLOP at "
+                             f"{d['matmul_peak_gflop_s']} GFLOP/s -> "
                              f"{d['compute_floor_ms']} ms; decode step: ours {d['ours_ms']} ms "
                              f"({d['ours_over_floor']}x the floor), HF {d['reference_ms']} ms")
     if "p2" in res:
@@ -140,8 +141,9 @@ def report(res: dict) -> str:
     if "p4" in res:
         p = res["p4"]
         lines += ["", f"P4 wrapper overhead (goal <= {p['goal_ms_per_prompt']} ms/prompt: {ok(p['met'])})",
-                  f"  {p['prompts']} prompts x {p['new_tokens']} tokens: InferenceEngine.generate {p['ours_s']*1e3:.1f} ms, "
-                  f"rollout.generate_sequences(prebuilt DataProto) {p['reference_s']*1e3:.1f} ms -> "
+                  f"  {p['prompts']} prompts x {p['new_tokens']} tokens: InferenceEngine.generate "
+                  f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
+                  f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
     return "\n".join(lines)
 
