@@ -48,9 +48,13 @@ class GenerationOutput:
 class InferenceEngine:
     def __init__(self, config: str | Path | dict = "config.yaml", **overrides: Any):
         self.config: EngineConfig = load_config(config, overrides)
+        self.backend = self.config.backend
+        if self.backend == "sglang":  # missing CUDA/sglang is reported before any model download
+            from final.rollout.sglang import preflight
+
+            preflight(self.config)
         self.model_dir = resolve_model_path(self.config.model_path)
         self.max_model_len = self.config.check_against_model(self.model_dir)
-        self.backend = self.config.backend
         self._thread = RolloutThread()
         self._closed = False
         try:

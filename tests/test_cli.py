@@ -26,3 +26,9 @@ def test_generate_json_and_errors(tmp_path):
     assert res.returncode == 2 and "config file not found" in res.stderr
     res = run("generate", "--model", "builtin:tiny-random-llama", "--temperature", "-1", "hi")
     assert res.returncode == 2 and "temperature" in res.stderr
+
+
+def test_sglang_config_on_a_cpu_machine_fails_clearly():
+    res = run("generate", "--config", "configs/sglang_qwen3.yaml", "hi")
+    assert res.returncode == 2
+    assert "CUDA GPU" in res.stderr and "pip install -e '.[sglang]'" in res.stderr

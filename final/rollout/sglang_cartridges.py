@@ -1,0 +1,169 @@
+"""Cartridges on SGLang: reserved token ids per cartridge, KV injected into the scheduler's radix cache.
+
+A cartridge of T tokens gets one reserved token id r, and its prefix is R = [r] * T. The scheduler (see
+sglang_scheduler.py) writes the cartridge's KV into T pool slots and caches them under R, locked. A request for
+cartridges (a, b) is sent as R_a + R_b + prompt: the radix cache serves R_a + R_b, the prompt is prefilled at
+positions p.. exactly as the embedded engine's prefix does. The engine wrapper prepends R, checks the cache hit
+(`cached_tokens` >= len(R), else the output would be garbage) and strips R from what it returns.
+
+Reserved ids are never produced by the tokenizer (ids past it first, then the highest non-special ids); a prompt
+without cartridges that starts with one is refused. An unloaded cartridge's id is reused only after the next
+flush, which empties the radix cache of any entry still keyed by it.
+
+Same interface as EmbeddedEngine: load_cartridge(id, keys, values), unload_cartridge(id), cartridge_ids().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from final.errors import CartridgeError, EngineError, PromptError
+from final.rollout.sglang_procs import alive
+
+RPC_POLL_MS = 500
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int  # embedding rows: every id below this is accepted by SGLang
+
+
+class SGLangCartridges:
+    def __init__(self, engine, dims: ModelDims, tokenizer_size: int, special_ids: Sequence[int]):
+        self._engine = engine  # an sglang Engine: collective_rpc
+        self.dims = dims
+        past_tokenizer = list(range(dims.vocab_size - 1, tokenizer_size - 1, -1))
+        specials = set(special_ids)
+        in_tokenizer = [i for i in range(min(tokenizer_size, dims.vocab_size) - 1, -1, -1) if i not in specials]
+        self._free = past_tokenizer + in_tokenizer  # preferred first
+        self._retired: list[int] = []
+        self._loaded: dict[str, tuple[int, int]] = {}  # id -> (reserved token, length)
+        self._composed: set[tuple[str, ...]] = set()
+        self._dir = tempfile.mkdtemp(prefix="final-sglang-cartridges-")  # mode 0700
+
+    # ---- EmbeddedEngine's interface --------------------------------------------------------------------
+    def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
+        """Inject a cartridge (per-layer K/V [1,Hkv,T,D] or [Hkv,T,D], post-RoPE); returns its length T."""
+        if not isinstance(cartridge_id, str) or not cartridge_id:
+            raise CartridgeError("cartridge id must be a non-empty string", field="id")
+        ks, vs = self._check(cartridge_id, keys, "keys"), self._check(cartridge_id, values, "values")
+        length = ks[0].shape[0]
+        if length != vs[0].shape[0]:
+            raise CartridgeError(f"keys have {length} tokens, values {vs[0].shape[0]}", file=cartridge_id,
+                                 field="values")
+        if cartridge_id in self._loaded:  # replace, as the embedded engine does
+            self.unload_cartridge(cartridge_id)
+        if not self._free:
+            raise CartridgeError(f"no token id left to reserve ({len(self._loaded)} cartridges loaded); "
+                                 "unload one first", file=cartridge_id)
+        reserved = self._free.pop(0)
+        path = os.path.join(self._dir, hashlib.sha256(cartridge_id.encode()).hexdigest()[:24] + ".safetensors")
+        from safetensors.torch import save_file
+
+        tensors = {f"k.{i}": k for i, k in enumerate(ks)} | {f"v.{i}": v for i, v in enumerate(vs)}
+        save_file(tensors, path)
+        try:
+            self._rpc(cartridge_id, "final_cartridge_load", cartridge_id=cartridge_id, path=path, reserved=reserved)
+        except CartridgeError:
+            self._free.insert(0, reserved)
+            raise
+        finally:
+            os.unlink(path)  # the scheduler keeps its own resident copy
+        self._loaded[cartridge_id] = (reserved, length)
+        self._composed.add((cartridge_id,))
+        return length
+
+    def unload_cartridge(self, cartridge_id: str) -> bool:
+        if cartridge_id not in self._loaded:
+            return False
+        self._rpc(cartridge_id, "final_cartridge_unload", cartridge_id=cartridge_id)
+        reserved, _ = self._loaded.pop(cartridge_id)
+        self._retired.append(reserved)
+        self._composed = {ids for ids in self._composed if cartridge_id not in ids}
+        return True
+
+    def cartridge_ids(self) -> list[str]:
+        return sorted(self._loaded)
+
+    # ---- used by the engine wrapper ----------------------------------------------------------------------
+    def prefix(self, cartridge_ids: tuple[str, ...], index: int | None = None) -> list[int]:
+        """The reserved ids R to prepend for these cartridges (injecting the composition on first use)."""
+        unknown = [c for c in cartridge_ids if c not in self._loaded]
+        if unknown:
+            raise PromptError(f"cartridge(s) {unknown} are not loaded (loaded: {self.cartridge_ids()})", index)
+        if len(set(cartridge_ids)) != len(cartridge_ids):
+            raise PromptError(f"cartridges {list(cartridge_ids)} repeat an id", index)
+        if cartridge_ids not in self._composed:
+            self._rpc(cartridge_ids[0], "final_cartridge_compose", cartridge_ids=list(cartridge_ids))
+            self._composed.add(cartridge_ids)
+        return [t for c in cartridge_ids for t in [self._loaded[c][0]] * self._loaded[c][1]]
+
+    def check_plain_prompt(self, ids: Sequence[int], index: int) -> None:
+        """A prompt without cartridges must not begin with a reserved id (it would hit a cartridge's KV)."""
+        reserved = {r for r, _ in self._loaded.values()} | set(self._retired)
+        if ids and ids[0] in reserved:
+            raise PromptError(f"token id {ids[0]} is reserved for cartridges on the SGLang backend and cannot start "
+                              f"a prompt", index)
+
+    def active(self) -> bool:
+        """Whether requests need looking at: cartridges loaded, or ids retired but possibly still cached."""
+        return bool(self._loaded or self._retired)
+
+    def after_flush(self) -> None:
+        """The radix cache is empty again: retired ids can be reserved anew."""
+        self._free.extend(self._retired)
+        self._retired.clear()
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _check(self, cartridge_id: str, tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        d = self.dims
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != d.layers:
+            got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise CartridgeError(f"needs one tensor per layer ({d.layers}), got {got}", file=cartridge_id, field=name)
+        out = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
+                raise CartridgeError(f"layer {i} must be [1,Hkv,T,D] or [Hkv,T,D]", file=cartridge_id, field=name)
+            t = t[0] if t.dim() == 4 else t
+            if t.shape[0] != d.kv_heads or t.shape[2] != d.head_dim or t.shape[1] < 1:
+                raise CartridgeError(f"layer {i} has shape {tuple(t.shape)}, the model needs [{d.kv_heads}, T>=1, "
+                                     f"{d.head_dim}]", file=cartridge_id, field=name)
+            if t.shape[1] != tensors[0].shape[-2]:
+                raise CartridgeError(f"layer {i} has {t.shape[1]} tokens, layer 0 {tensors[0].shape[-2]}",
+                                     file=cartridge_id, field=name)
+            out.append(t.detach().to("cpu").transpose(0, 1).contiguous())  # the pool's layout: [T, Hkv, D]
+        return out
+
+    def _rpc(self, name: str, method: str, **params) -> None:
+        """SGLang's Engine.collective_rpc, except that waiting for the answer gives up if the scheduler dies
+        (collective_rpc would block on the socket forever)."""
+        from sglang.srt.managers.io_struct import RpcReqInput
+
+        import zmq
+
+        sock = self._engine.send_to_rpc
+        while not sock.poll(RPC_POLL_MS, zmq.POLLOUT):  # no peer yet (connecting) or any more (dead)
+            self._check_alive(method, name)
+        sock.send_pyobj(RpcReqInput(method=method, parameters=params))
+        while not sock.poll(RPC_POLL_MS):
+            self._check_alive(method, name)
+        reply = sock.recv_pyobj()
+        if not reply.success:
+            raise CartridgeError(f"the SGLang scheduler refused it: {reply.message}", file=name)
+
+    def _check_alive(self, method: str, name: str) -> None:
+        if not all(alive(p) for p in self._engine.processes):
+            raise EngineError(f"SGLang's scheduler died while serving {method} for cartridge {name!r}")

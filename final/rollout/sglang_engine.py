@@ -1,0 +1,220 @@
+"""veRL 0.6.0's SGLangRollout and AsyncEngine, subclassed for in-process use.
+
+Imports sglang, so it is loaded only after final.rollout.sglang has checked that SGLang can run here.
+- InProcessSGLangRollout: veRL's class as is, except that its engine is a FinalSGLangEngine and SGLang's
+  scheduler child runs final.rollout.sglang_scheduler.run_scheduler_process (cartridge RPCs); the per-row
+  cartridge choice (non_tensor_batch["cartridges"]) is handed to the engine call through context variables,
+  because veRL's multi-turn path re-tokenizes prompts and never sees our prefix.
+- FinalSGLangEngine: veRL's AsyncEngine with our ServerArgs (veRL 0.6.0 passes only attention_backend from
+  engine_kwargs.sglang, and a fixed port), a record of the processes it started (shutdown kills those only;
+  SGLang's own shutdown kills every child of the process), and cartridge prefixes on every generate call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import contextvars
+import functools
+import os
+import threading
+from typing import Any, Iterator
+
+import psutil
+import torch
+import sglang.srt.entrypoints.engine as sgl_engine
+import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
+
+from final.errors import EngineError, PromptError
+from final.rollout import sglang_scheduler
+from final.rollout.batch import row_cartridges
+from final.rollout.sglang_cartridges import ModelDims, SGLangCartridges
+from final.rollout.sglang_procs import kill_processes, new_children
+
+# Batch path: one tuple of cartridge ids per DataProto row. Multi-turn path: the tuple of the request's row.
+BATCH_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_batch_cartridges", default=None)
+REQUEST_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_request_cartridges", default=None)
+_START_LOCK = threading.Lock()  # the patches below are module globals: one engine start at a time
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class FinalSGLangEngine(verl_sglang.AsyncEngine):
+    def __init__(self, *, final_server_args: dict, **kwargs: Any):
+        kwargs.update(final_server_args)
+        before = {p.pid for p in psutil.Process().children()}
+        try:
+            super().__init__(**kwargs)
+        except BaseException as exc:
+            _close_sockets(exc.__traceback__)
+            raise
+        finally:  # also on failure, so that shutdown never leaves a half-started scheduler behind
+            self.processes = new_children(before)
+        self.cartridges: SGLangCartridges | None = None
+        self._closed = False
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                             image_data: Any = None, return_logprob: Any = False, logprob_start_len: Any = None,
+                             **kwargs: Any) -> Any:
+        if isinstance(input_ids, torch.Tensor):
+            # veRL 0.6.0's multi-turn log-prob call passes _req.input_ids, a [1, L] tensor, which SGLang 0.5.2's
+            # GenerateReqInput refuses ("input_ids should be a list of lists"): it means one prompt.
+            input_ids = input_ids.reshape(-1).tolist() if input_ids.dim() == 2 and len(input_ids) == 1 \
+                else input_ids.tolist()
+        call = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs)
+        plan = self._cartridge_plan(input_ids, sampling_params)
+        if plan is None:
+            return await self._generate(call)
+        single, rows, prefixes = plan
+        ids = [p + list(r) for p, r in zip(prefixes, rows)]
+        # Input logprobs must start after R (else the scheduler recomputes R instead of hitting the cache).
+        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(rows)
+        starts = [-1 if s is None or s < 0 else s + len(p) for s, p in zip(starts, prefixes)]  # -1: SGLang's default
+        out = await self._generate({**call, "input_ids": ids[0] if single else ids,
+                                    "logprob_start_len": starts[0] if single else starts})
+        outs = out if isinstance(out, list) else [out]
+        n = len(outs) // len(rows)  # parallel sampling returns n outputs per prompt, prompt-major
+        for j, o in enumerate(outs):
+            _strip_prefix(o, len(prefixes[j // n]))
+        return out
+
+    async def _generate(self, call: dict) -> Any:
+        try:
+            return await super().async_generate(**call)
+        except ValueError as exc:  # SGLang's request checks: context length, vocabulary, logprob_start_len
+            raise PromptError(f"SGLang rejected the request: {exc}") from exc
+
+    def _cartridge_plan(self, input_ids: Any, sampling_params: Any):
+        if self.cartridges is None or not input_ids or not self.cartridges.active():
+            return None
+        single = isinstance(input_ids[0], int)
+        rows = [input_ids] if single else input_ids
+        if single:
+            wanted = [REQUEST_CARTRIDGES.get() or ()]
+        else:
+            wanted = BATCH_CARTRIDGES.get() or [()] * len(rows)
+            if len(wanted) != len(rows):
+                raise EngineError(f"{len(wanted)} cartridge choices for {len(rows)} prompts")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
+        prefixes = []
+        for i, (row, cartridges) in enumerate(zip(rows, wanted)):
+            if not cartridges:
+                self.cartridges.check_plain_prompt(row, i)
+                prefixes.append([])
+                continue
+            prefix = self.cartridges.prefix(tuple(cartridges), i)
+            total = len(prefix) + len(row) + (params[i].get("max_new_tokens") or 0)
+            if total >= self.tokenizer_manager.context_len:
+                raise PromptError(f"cartridges {list(cartridges)} ({len(prefix)} tokens) + prompt ({len(row)}) + "
+                                  f"max_new_tokens do not fit the context of {self.tokenizer_manager.context_len}", i)
+            prefixes.append(prefix)
+        return (single, rows, prefixes) if any(prefixes) else None
+
+    async def flush_cache(self):
+        # The tokenizer manager answers through its receive loop, which only a first request would create.
+        self.tokenizer_manager.auto_create_handle_loop()
+        out = await super().flush_cache()
+        if self.cartridges is not None and out.success:
+            self.cartridges.after_flush()
+        return out
+
+    def cancel_tasks(self) -> None:
+        """Stop the tokenizer manager's receive loop (call on the engine's event loop thread, loop not running)."""
+        tasks = list(getattr(self.tokenizer_manager, "asyncio_tasks", ()))
+        for task in tasks:
+            task.cancel()
+        loop = tasks[0].get_loop() if tasks else None
+        if loop is not None and not loop.is_running() and not loop.is_closed():
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+    def shutdown(self) -> None:
+        """Kill this engine's processes and close its sockets (safe from any thread, twice, and at exit)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        kill_processes(self.processes)
+        for sock in (getattr(self.tokenizer_manager, "recv_from_detokenizer", None),
+                     getattr(self.tokenizer_manager, "send_to_scheduler", None), self.send_to_rpc):
+            if sock is not None:
+                sock.close(linger=0)
+        for name in ("tokenizer_ipc_name", "scheduler_input_ipc_name", "detokenizer_ipc_name", "rpc_ipc_name",
+                     "metrics_ipc_name"):
+            path = str(getattr(self.port_args, name, "") or "")
+            if path.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path[len("ipc://"):])
+        if self.cartridges is not None:
+            self.cartridges.close()
+
+
+def _close_sockets(tb: Any) -> None:
+    """An engine that failed to start leaves its TokenizerManager's ZMQ sockets open inside a reference cycle, and
+    when the garbage collector finalises their Context first, Context.term() blocks forever. Close them now (the
+    manager is a local of SGLang's _launch_subprocesses in the failed frames)."""
+    while tb is not None:
+        manager = tb.tb_frame.f_locals.get("tokenizer_manager")
+        for name in ("recv_from_detokenizer", "send_to_scheduler"):
+            sock = getattr(manager, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        tb = tb.tb_next
+
+
+def _strip_prefix(out: dict, plen: int) -> None:
+    if not plen:
+        return
+    meta = out["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
+        raise EngineError(f"a cartridge prefix of {plen} tokens was not served from SGLang's radix cache "
+                          f"(cached_tokens={meta.get('cached_tokens')}); its KV was evicted or flushed")
+    meta["prompt_tokens"] -= plen
+    meta["cached_tokens"] = max(meta.get("cached_tokens", 0) - plen, 0)
+
+
+class InProcessSGLangRollout(verl_sglang.SGLangRollout):
+    def __init__(self, config: Any, model_config: Any, server_args: dict):
+        self._final_server_args = server_args
+        super().__init__(config, model_config, None)
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        hf = model_config.hf_config
+        text = getattr(hf, "text_config", hf)
+        heads = text.num_attention_heads
+        dims = ModelDims(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                         vocab_size=text.vocab_size)
+        self._engine.cartridges = SGLangCartridges(self._engine, dims, len(tokenizer), tokenizer.all_special_ids)
+
+    @property
+    def engine(self) -> FinalSGLangEngine:
+        return self._engine
+
+    def _init_inference_engine(self, trust_remote_code: bool, actor_module: str, port: Any) -> None:
+        factory = functools.partial(FinalSGLangEngine, final_server_args=self._final_server_args)
+        with _START_LOCK, _patched(verl_sglang, "AsyncEngine", factory), \
+                _patched(sgl_engine, "run_scheduler_process", sglang_scheduler.run_scheduler_process):
+            super()._init_inference_engine(trust_remote_code, actor_module, port)
+
+    def generate_sequences(self, prompts: Any, **kwargs: Any) -> Any:
+        token = BATCH_CARTRIDGES.set(row_cartridges(prompts))
+        try:
+            return super().generate_sequences(prompts, **kwargs)
+        finally:
+            BATCH_CARTRIDGES.reset(token)
+
+    async def _async_rollout_a_request(self, req: Any, do_sample: bool = True, is_validate: bool = False,
+                                       **kwargs: Any) -> Any:
+        rows = BATCH_CARTRIDGES.get()
+        REQUEST_CARTRIDGES.set(rows[req.batch_data_id] if rows else None)  # this request's task context only
+        return await super()._async_rollout_a_request(req, do_sample, is_validate, **kwargs)

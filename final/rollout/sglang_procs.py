@@ -1,0 +1,108 @@
+"""The processes an in-process SGLang engine starts: find them, watch them, end them.
+
+SGLang 0.5.2's Engine.shutdown kills every child of the process (a second engine, a notebook's helpers) and a
+scheduler that dies either SIGQUITs its parent (whose default action kills it) or, if it dies before saying
+"ready", leaves the parent blocked forever on a pipe. This module keeps each engine to its own processes and turns
+a death into a message for the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import signal
+import sys
+import threading
+from typing import Callable
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+
+def new_children(before: set[int]) -> list[psutil.Process]:
+    """Children of this process not in `before`, minus multiprocessing's shared helpers (the resource tracker that
+    `spawn` starts on first use serves the whole process, and ignores SIGTERM)."""
+    shared = {getattr(mp.resource_tracker._resource_tracker, "_pid", None),
+              getattr(mp.forkserver._forkserver, "_forkserver_pid", None)}
+    return [p for p in psutil.Process().children() if p.pid not in before and p.pid not in shared]
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill_processes(processes: list[psutil.Process], timeout: float = 10.0) -> None:
+    """Terminate processes (and their children), then kill what is left after `timeout` seconds."""
+    tree = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            tree += p.children(recursive=True) + [p]
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+
+
+def release_start(thread_ident: int) -> None:
+    """A scheduler that dies before saying "ready" leaves SGLang's `_launch_subprocesses` (on the engine thread)
+    reading a pipe whose write end it still holds itself, forever. Close that end, so the read ends in EOFError."""
+    frame = sys._current_frames().get(thread_ident)
+    while frame is not None:
+        if frame.f_code.co_name == "_launch_subprocesses":
+            writer = frame.f_locals.get("writer")
+            if isinstance(writer, mp.connection.Connection) and not writer.closed:
+                writer.close()
+            return
+        frame = frame.f_back
+
+
+def survive_sigquit() -> None:
+    """SGLang's scheduler SIGQUITs its parent when it dies; by default that kills this process (a notebook
+    kernel, a trainer). Log instead: the ProcessWatch reports the death. Only the main thread can do this."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL:
+        signal.signal(signal.SIGQUIT, lambda signum, frame: logger.error(
+            "an SGLang child process reported a failure (SIGQUIT); see its log above"))
+
+
+class ProcessWatch:
+    """Polls an engine's processes; calls on_death(pid) once if one exits before stop()."""
+
+    def __init__(self, on_death: Callable[[int], None], interval: float):
+        self._on_death = on_death
+        self._interval = interval
+        self._foreign = {p.pid for p in psutil.Process().children()}
+        self._procs: dict[int, psutil.Process] = {}
+        self._started = False  # until then every new child is taken as the engine's
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="final-sglang-watch")
+        self._thread.start()
+
+    def started(self, processes: list[psutil.Process]) -> None:
+        self._procs = {p.pid: p for p in processes}
+        self._started = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            if not self._started:
+                for p in new_children(self._foreign):
+                    self._procs.setdefault(p.pid, p)
+            for pid, p in list(self._procs.items()):
+                if not alive(p) and not self._stop.is_set():
+                    self._on_death(pid)
+                    return

@@ -1,0 +1,161 @@
+"""Cartridge injection inside SGLang 0.5.2's scheduler process (the child that owns the KV pool).
+
+`Engine.collective_rpc(method, **params)` makes the scheduler call `getattr(self, method)(params)`. The parent
+replaces `sglang.srt.entrypoints.engine.run_scheduler_process` with `run_scheduler_process` below for the
+duration of engine start; being a module-level function, it is what the spawned child imports and runs, so the
+methods are added to the Scheduler class in the child, where they are needed.
+
+Injection of a cartridge (or of an ordered composition of cartridges), given reserved token ids R:
+  slots = the KV slots of the longest cached prefix of R, plus fresh ones from the allocator (evicting if needed)
+  k_buffer[l][fresh] = K_l (and V): the cartridge's post-RoPE KV, [T, H_kv, D] per layer
+  tree_cache.insert(R, slots); lock the node so it is never evicted
+A request R + prompt then matches R in the radix cache: the prompt is prefilled at positions p.. and attends to
+the cartridge. Each cartridge's KV stays resident on the device outside the pool; every successful flush_cache
+(veRL flushes after each generate_sequences) and every resume of the KV memory re-injects what is wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_TAG = "kv_cache"  # sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE
+
+
+def run_scheduler_process(*args: Any, **kwargs: Any) -> None:
+    """Stands in for SGLang's run_scheduler_process in the spawned child: add the methods, then run SGLang's."""
+    from sglang.srt.managers import scheduler
+
+    install(scheduler.Scheduler)
+    scheduler.run_scheduler_process(*args, **kwargs)
+
+
+def install(scheduler_cls: type) -> None:
+    if getattr(scheduler_cls, "_final_cartridges_installed", False):
+        return
+    flush, resume = scheduler_cls.flush_cache, scheduler_cls.resume_memory_occupation
+
+    def flush_cache(self) -> bool:
+        ok = flush(self)
+        if ok:
+            _state(self)["locked"].clear()  # the tree was reset: its nodes are gone
+            if KV_CACHE_TAG not in self.offload_tags:
+                _reinject(self)
+        return ok
+
+    def resume_memory_occupation(self, recv_req):
+        out = resume(self, recv_req)
+        if recv_req.tags is None or KV_CACHE_TAG in recv_req.tags:
+            _reinject(self)  # released memory came back without its content
+        return out
+
+    scheduler_cls.flush_cache = flush_cache
+    scheduler_cls.resume_memory_occupation = resume_memory_occupation
+    scheduler_cls.final_cartridge_load = _load
+    scheduler_cls.final_cartridge_compose = _compose
+    scheduler_cls.final_cartridge_unload = _unload
+    scheduler_cls._final_cartridges_installed = True
+
+
+def _state(sched) -> dict:
+    if not hasattr(sched, "_final_cartridges"):
+        # store: id -> (reserved token, [K_l], [V_l]) resident on the pool's device, each [T, H_kv, D]
+        # wanted: compositions to keep injected; locked: composition -> its locked radix node
+        sched._final_cartridges = {"store": {}, "wanted": [], "locked": {}}
+    return sched._final_cartridges
+
+
+def _pool(sched):
+    cache = sched.tree_cache
+    if type(cache).__name__ != "RadixCache" or getattr(cache, "disable", False):
+        raise RuntimeError(f"cartridges need SGLang's plain radix cache; this engine uses {type(cache).__name__}"
+                           f"{' (disabled)' if getattr(cache, 'disable', False) else ''}: do not set "
+                           f"disable_radix_cache, hierarchical cache or LoRA")
+    if cache.page_size != 1:
+        raise RuntimeError(f"cartridges need page_size 1, the engine has page_size {cache.page_size}")
+    pool = sched.token_to_kv_pool_allocator.get_kvcache()
+    if not hasattr(pool, "k_buffer") or pool.store_dtype != pool.dtype:
+        raise RuntimeError(f"cartridges need an MHA KV pool in the model dtype; got {type(pool).__name__} "
+                           f"storing {getattr(pool, 'store_dtype', '?')}")
+    return pool
+
+
+def _load(sched, params: dict) -> None:
+    from safetensors.torch import load_file
+
+    pool = _pool(sched)
+    tensors = load_file(params["path"], device=str(pool.device))
+    layers = pool.layer_num
+    keys = [tensors[f"k.{i}"].to(pool.dtype) for i in range(layers) if f"k.{i}" in tensors]
+    values = [tensors[f"v.{i}"].to(pool.dtype) for i in range(layers) if f"v.{i}" in tensors]
+    if len(keys) != layers or len(values) != layers or len(tensors) != 2 * layers:
+        raise RuntimeError(f"cartridge {params['cartridge_id']!r} has {len(tensors) // 2} layers, the model {layers}")
+    expected = (keys[0].shape[0], pool.head_num, pool.head_dim)
+    for t in keys + values:
+        if tuple(t.shape) != expected:
+            raise RuntimeError(f"cartridge {params['cartridge_id']!r}: KV of shape {tuple(t.shape)}, the pool needs "
+                               f"[T, {pool.head_num}, {pool.head_dim}]")
+    _state(sched)["store"][params["cartridge_id"]] = (int(params["reserved"]), keys, values)
+    _compose(sched, {"cartridge_ids": [params["cartridge_id"]]})
+
+
+def _compose(sched, params: dict) -> None:
+    ids = tuple(params["cartridge_ids"])
+    state = _state(sched)
+    missing = [c for c in ids if c not in state["store"]]
+    if missing:
+        raise RuntimeError(f"cartridges {missing} are not loaded in the scheduler")
+    if ids not in state["wanted"]:
+        state["wanted"].append(ids)
+    _inject(sched, ids)
+
+
+def _unload(sched, params: dict) -> None:
+    cid = params["cartridge_id"]
+    state = _state(sched)
+    for ids in [w for w in state["wanted"] if cid in w]:
+        state["wanted"].remove(ids)
+        node = state["locked"].pop(ids, None)
+        if node is not None:  # evictable from now on; its reserved ids are not reused before the next flush
+            sched.tree_cache.dec_lock_ref(node)
+    state["store"].pop(cid, None)
+
+
+def _reinject(sched) -> None:
+    for ids in list(_state(sched)["wanted"]):
+        _inject(sched, ids)
+
+
+def _inject(sched, ids: tuple[str, ...]) -> None:
+    state = _state(sched)
+    if ids in state["locked"]:
+        return
+    pool = _pool(sched)
+    cache, allocator = sched.tree_cache, sched.token_to_kv_pool_allocator
+    parts = [state["store"][c] for c in ids]
+    key = [r for reserved, ks, _ in parts for r in [reserved] * ks[0].shape[0]]
+    have = cache.match_prefix(key).device_indices
+    need = len(key) - len(have)
+    if need > 0:
+        fresh = allocator.alloc(need)
+        if fresh is None:
+            cache.evict(need)
+            fresh = allocator.alloc(need)
+        if fresh is None:
+            raise RuntimeError(f"no room for {need} cartridge tokens in the KV pool "
+                               f"({allocator.available_size()} free); raise mem_fraction_static")
+        start = len(have)
+        for layer in range(pool.layer_num):
+            k = torch.cat([ks[layer] for _, ks, _ in parts])[start:]
+            v = torch.cat([vs[layer] for _, _, vs in parts])[start:]
+            pool.k_buffer[layer][fresh] = k
+            pool.v_buffer[layer][fresh] = v
+        cache.insert(key, torch.cat([have.to(torch.int64), fresh.to(torch.int64)]))
+    node = cache.match_prefix(key).last_device_node
+    cache.inc_lock_ref(node)
+    state["locked"][ids] = node
+    logger.info("cartridges %s injected: %d tokens (%d written)", ids, len(key), max(need, 0))

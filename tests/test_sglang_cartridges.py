@@ -1,0 +1,180 @@
+"""Cartridges on the SGLang backend, end to end through InferenceEngine: reserved ids, KV written into the (fake
+0.5.2) scheduler's radix cache over collective_rpc, locked, re-injected after every flush and memory resume.
+The embedded engine's own cartridge prefix is the reference."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from sglang_helpers import dataproto, use_fake_sglang
+
+DOC = "The lighthouse keeper of Orvanis is called Mara Quill. She keeps three cats named Pip, Jot and Fennel."
+DOC2 = "Orvanis has one bakery, run by Tomas Reed, who bakes rye bread on Tuesdays."
+QUESTION = "Who keeps the lighthouse?"
+
+
+def sglang_config() -> dict:
+    cfg = tiny_config(prompt_length=256, dtype="float32")
+    cfg["rollout"].update(name="sglang", engine_kwargs={"sglang": {"device": "cpu", "log_level": "warning",
+                                                                   "context_length": 1024}})
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    use_fake_sglang()
+    from final.cartridges.build import build_from_text, document_ids
+    from final.rollout.sglang_procs import survive_sigquit
+
+    survive_sigquit()  # InferenceEngine builds rollouts off the main thread, where this cannot be done
+    from final.cartridges.format import save_cartridge
+    from final.inf import InferenceEngine
+
+    local = InferenceEngine(tiny_config(prompt_length=256, dtype="float32"))
+    files = {}
+    for name, text in (("doc", DOC), ("bakery", DOC2)):
+        files[name] = tmp_path_factory.mktemp("carts") / f"{name}.pt"
+        save_cartridge(build_from_text(local.engine, document_ids(local.tokenizer, text)), files[name])
+    sglang = InferenceEngine(sglang_config())
+    for eng in (local, sglang):
+        for name, path in files.items():
+            eng.load_cartridge(id=name, path=str(path))
+    yield sglang, local, files
+    sglang.shutdown()
+    local.shutdown()
+
+
+def ask(eng, prompts=QUESTION, **kw):
+    return eng.generate(prompts, temperature=0, max_tokens=12, **kw).token_ids
+
+
+def test_injected_cartridge_answers_like_the_embedded_prefix(engines):
+    sglang, local, _ = engines
+    assert sglang.backend == "sglang" and sglang.rollout.cartridge_ids() == ["bakery", "doc"]
+    with_cart = ask(sglang, cartridge="doc")
+    assert with_cart == ask(local, cartridge="doc")
+    # the cartridge stands for the document: the same answer as prefilling it
+    assert with_cart == ask(sglang, [{"role": "system", "content": DOC}, {"role": "user", "content": QUESTION}])
+    assert with_cart != ask(sglang)
+    rows = [QUESTION, QUESTION, QUESTION]
+    carts = ["doc", None, ["doc", "bakery"]]  # per row: one, none, a composition in order
+    assert ask(sglang, rows, cartridge=carts) == ask(local, rows, cartridge=carts)
+
+
+def test_flush_and_memory_release_reinject(engines):
+    sglang, local, _ = engines
+    expected = ask(local, cartridge="bakery")
+    assert ask(sglang, cartridge="bakery") == expected  # veRL flushed the radix cache after the last call
+    rollout = sglang.rollout
+    engine = rollout.sglang_engine
+    def cycle():
+        loop = asyncio.get_event_loop()
+        loop.run_until_complete(engine.release_memory_occupation(tags=["kv_cache"]))
+        loop.run_until_complete(engine.resume_memory_occupation(tags=["kv_cache"]))  # the pool comes back zeroed
+
+    rollout._call(cycle)
+    assert ask(sglang, cartridge="bakery") == expected
+
+
+def test_unload_reload_and_reserved_ids(engines):
+    from final.errors import CartridgeError, PromptError
+
+    sglang, local, files = engines
+    rollout = sglang.rollout
+    reserved = rollout._call(lambda: rollout.sglang_engine.cartridges.prefix(("doc",)))[0]
+    with pytest.raises(PromptError, match="reserved for cartridges"):
+        sglang.generate([reserved, 17, 99], max_tokens=2)  # a plain prompt may not start with a cartridge's id
+    assert sglang.unload_cartridge("doc") is True
+    with pytest.raises(CartridgeError, match="unknown cartridge"):
+        sglang.generate(QUESTION, cartridge="doc")
+    with pytest.raises(PromptError, match="not loaded"):
+        rollout._call(lambda: rollout.sglang_engine.cartridges.prefix(("doc",)))
+    with pytest.raises(PromptError, match="reserved for cartridges"):  # retired until the next flush
+        sglang.generate([reserved, 17, 99], max_tokens=2)
+    sglang.generate(QUESTION, max_tokens=2)  # ... which this call's flush is
+    assert sglang.generate([reserved, 17, 99], max_tokens=2).completions
+    sglang.load_cartridge(id="doc", path=str(files["doc"]))
+    assert ask(sglang, cartridge="doc") == ask(local, cartridge="doc")
+
+
+def test_a_cartridge_missing_from_the_cache_is_an_error_not_garbage(engines):
+    from final.errors import EngineError
+
+    sglang, local, files = engines
+    rollout = sglang.rollout
+    engine = rollout.sglang_engine
+
+    def forget_in_scheduler_then_flush():  # what a lost re-injection would look like
+        engine.collective_rpc("final_cartridge_unload", cartridge_id="bakery")
+        asyncio.get_event_loop().run_until_complete(engine.flush_cache())
+
+    rollout._call(forget_in_scheduler_then_flush)
+    with pytest.raises(EngineError, match="not served from SGLang's radix cache"):
+        ask(sglang, cartridge="bakery")
+    sglang.load_cartridge(id="bakery", path=str(files["bakery"]), force_redownload=True)  # replaced: injected again
+    assert ask(sglang, cartridge="bakery") == ask(local, cartridge="bakery")
+
+
+def test_bad_cartridges_and_requests_raise_typed_errors(engines):
+    from final.errors import CartridgeError, PromptError
+
+    sglang, _, _ = engines
+    rollout = sglang.rollout
+    k = [torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16)]
+    with pytest.raises(CartridgeError, match="one tensor per layer"):
+        rollout.load_cartridge("bad", k[:1], k[:1])
+    with pytest.raises(CartridgeError, match="the model needs"):
+        rollout.load_cartridge("bad", [torch.zeros(1, 3, 5, 16)] * 2, [torch.zeros(1, 3, 5, 16)] * 2)
+    with pytest.raises(CartridgeError, match="tokens"):
+        rollout.load_cartridge("bad", k, [torch.zeros(1, 2, 4, 16)] * 2)
+    with pytest.raises(CartridgeError, match="non-empty string"):
+        rollout.load_cartridge("", k, k)
+    room = [torch.randn(2, 3000, 16)] * 2  # the (fake's) KV pool holds 2048 tokens
+    with pytest.raises(CartridgeError, match="no room for 3000 cartridge tokens"):
+        rollout.load_cartridge("huge", room, room)
+    big = [torch.randn(2, 1010, 16) * 0.1, torch.randn(2, 1010, 16) * 0.1]  # context_length is 1024
+    assert rollout.load_cartridge("huge", big, big) == 1010
+    data = dataproto(sglang.model_config, [[17, 99, 1000]], non_tensor={"cartridges": [("huge",)]})
+    with pytest.raises(PromptError, match="do not fit the context"):
+        rollout.generate_sequences(data)
+    assert rollout.unload_cartridge("huge") and not rollout.unload_cartridge("huge")
+    assert "huge" not in rollout.cartridge_ids()
+
+
+def test_the_multi_turn_path_carries_cartridges_to_the_engine_call(engines):
+    """veRL's multi-turn path re-tokenizes each row from raw_prompt (the chat template) and calls the engine per
+    request: the row's cartridge rides along in the request's task context (every call checks it was served
+    from the radix cache), including the final prompt-scoring call of calculate_log_probs (a [1, L] tensor,
+    logprob_start_len=0)."""
+    from final.cartridges.format import load_cartridge
+    from final.prompts import Prompt, build_dataproto, tokenize
+    from final.rollout.sglang import SGLangRollout
+    from sglang_helpers import configs
+
+    sglang, _, files = engines
+    sg_cfg, _, model_cfg = configs({"multi_turn": {"enable": True}, "prompt_length": 256, "response_length": 16})
+    tok = model_cfg.tokenizer
+    prompts = [Prompt(messages=[{"role": "user", "content": QUESTION}])] * 2
+    ids = tokenize(prompts, tok, 256)  # what veRL's multi-turn path computes from raw_prompt
+
+    def data():
+        return build_dataproto(ids, prompts, tok.pad_token_id, [tok.eos_token_id], meta_info={"do_sample": False},
+                               non_tensor={"cartridges": [("doc",), ()]})
+
+    cart = load_cartridge(files["doc"])
+    with SGLangRollout(sg_cfg, model_cfg) as multi_turn:
+        multi_turn.load_cartridge("doc", cart.keys, cart.values)
+        out = multi_turn.generate_sequences(data())
+    assert "response_mask" in out.batch.keys() and "rollout_log_probs" in out.batch.keys()
+    first = out.batch["responses"][:, 0]
+    assert first[0] != first[1]  # the cartridge changed row 0's answer
+    # ... as the batch path answers the same ids (veRL's own tokenization of raw_prompt) after the same cartridge
+    width = out.batch["prompts"].shape[1]
+    mt_ids = out.batch["prompts"][0][out.batch["attention_mask"][0, :width].bool()].tolist()
+    batch = sglang.rollout.generate_sequences(
+        dataproto(model_cfg, [mt_ids], {"do_sample": False}, non_tensor={"cartridges": [("doc",)]}))
+    assert batch.batch["responses"][0, 0] == first[0]

@@ -1,0 +1,146 @@
+"""SGLang backend without an engine: requirements, attention backend choice, config translation, sampling checks."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_helpers import configs, use_fake_sglang
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fake():
+    use_fake_sglang()
+
+
+def test_missing_requirements_name_each_piece():
+    from final.rollout.sglang import missing_requirements
+
+    assert missing_requirements(cuda=True, sglang=True) == []
+    assert missing_requirements(cuda=False, sglang=True, device="cpu") == []
+    both = missing_requirements(cuda=False, sglang=False)
+    assert [m.split(" (")[0] for m in both] == ["a CUDA GPU", "the sglang package"]
+    assert missing_requirements(cuda=True, sglang=False)[0].startswith("the sglang package")
+
+
+def test_this_machine_gets_a_clear_error_with_the_install_command():
+    from final.errors import BackendUnavailableError
+    from final.rollout.sglang import require_sglang
+
+    with pytest.raises(BackendUnavailableError, match=r"CUDA GPU.*pip install -e '\.\[sglang\]'"):
+        require_sglang()
+    require_sglang(device="cpu")  # the fake SGLang is importable here and asks for no GPU
+
+
+def test_preflight_checks_before_any_model_is_fetched():
+    import signal
+
+    from final.config import load_config
+    from final.errors import BackendUnavailableError
+    from final.rollout.sglang import preflight
+
+    with pytest.raises(BackendUnavailableError, match="CUDA GPU"):
+        preflight(load_config(REPO / "configs" / "sglang_qwen3.yaml"))  # Qwen3 cannot be fetched here either
+    preflight(load_config({"model_path": "x", "rollout": {"name": "sglang",
+                                                          "engine_kwargs": {"sglang": {"device": "cpu"}}}}))
+    assert signal.getsignal(signal.SIGQUIT) not in (signal.SIG_DFL, None)  # a dying scheduler won't kill us
+
+
+def test_without_the_package_the_error_names_it(tmp_path):
+    code = ("from final.rollout.sglang import require_sglang\n"
+            "try:\n    require_sglang(device='cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}).stdout
+    assert out.startswith("BackendUnavailableError") and "the sglang package" in out and "[sglang]" in out
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0)])
+def test_fa3_is_the_default_on_ampere_and_hopper(capability):
+    from final.rollout.sglang import choose_attention_backend
+
+    assert choose_attention_backend(None, capability, have_flashinfer=True) == ("fa3", None)
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (10, 0), (12, 0)])
+def test_other_gpus_fall_back_with_a_warning(capability):
+    from final.rollout.sglang import choose_attention_backend
+
+    backend, warning = choose_attention_backend(None, capability, have_flashinfer=True)
+    assert backend == "flashinfer" and f"sm{capability[0]}{capability[1]}" in warning and "sm80-sm90" in warning
+    assert choose_attention_backend(None, capability, have_flashinfer=False)[0] == "triton"
+
+
+def test_an_explicit_backend_is_kept_and_fa3_on_a_wrong_gpu_is_refused():
+    from final.errors import ConfigError
+    from final.rollout.sglang import choose_attention_backend
+
+    assert choose_attention_backend("triton", (7, 5), True) == ("triton", None)
+    assert choose_attention_backend("fa3", (9, 0), True) == ("fa3", None)
+    with pytest.raises(ConfigError, match="sm75") as err:
+        choose_attention_backend("fa3", (7, 5), True)
+    assert err.value.key == "rollout.engine_kwargs.sglang.attention_backend"
+    assert choose_attention_backend(None, None, True) == ("intel_amx", None)  # SGLang's CPU device
+
+
+def test_translate_config_sets_what_verl_needs(caplog):
+    from final.rollout.sglang import translate_config
+
+    sg_cfg, _, _ = configs(sglang_args={"random_seed": 3, "attention_backend": None})
+    with caplog.at_level(logging.WARNING, logger="final.rollout.sglang"):
+        cfg, server_args = translate_config(sg_cfg, (7, 5), have_flashinfer=False)
+    assert cfg.engine_kwargs["sglang"] == {"attention_backend": "triton"} and "sm75" in caplog.text
+    assert server_args["random_seed"] == 3 and server_args["device"] == "cpu"
+    assert server_args["port"] != server_args["nccl_port"] and server_args["port"] != 30000
+    assert sg_cfg.engine_kwargs["sglang"]["random_seed"] == 3  # the caller's config is not modified
+
+
+@pytest.mark.parametrize("rollout,args,key,match", [
+    ({"tensor_model_parallel_size": 2}, {}, "rollout.tensor_model_parallel_size", "must be 1"),
+    ({"skip_tokenizer_init": False, "mode": "sync"}, {}, "rollout.skip_tokenizer_init", "token ids"),
+    ({}, {"mem_fraction_static": 0.3}, "rollout.engine_kwargs.sglang.mem_fraction_static",
+     "rollout.gpu_memory_utilization"),
+    ({}, {"context_lenght": 10}, "rollout.engine_kwargs.sglang.context_lenght", "did you mean 'context_length'"),
+    ({}, {"zzz": 1}, "rollout.engine_kwargs.sglang.zzz", "not an SGLang 0.5.2 ServerArgs field$"),
+])
+def test_translate_config_refuses_what_cannot_work(rollout, args, key, match):
+    from final.errors import ConfigError
+    from final.rollout.sglang import translate_config
+
+    if "tensor_model_parallel_size" in rollout:  # our config refuses it first; veRL's own config does not
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import RolloutConfig
+
+        sg_cfg = omega_conf_to_dataclass({"name": "sglang", **rollout}, dataclass_type=RolloutConfig)
+    else:
+        sg_cfg = configs(rollout, sglang_args=args)[0]
+    with pytest.raises(ConfigError, match=match) as err:
+        translate_config(sg_cfg, None, True)
+    assert err.value.key == key
+
+
+def test_dummy_weights_are_warned_about(caplog):
+    from final.rollout.sglang import translate_config
+
+    sg_cfg = configs({"load_format": "dummy"})[0]
+    with caplog.at_level(logging.WARNING, logger="final.rollout.sglang"):
+        translate_config(sg_cfg, None, True)
+    assert "random weights" in caplog.text
+
+
+def test_sampling_overrides_are_checked_against_sglang():
+    from final.errors import SamplingError
+    from final.rollout.sglang import check_sampling_kwargs
+
+    check_sampling_kwargs({"temperature": 0.5, "top_k": 5, "stop_token_ids": [2], "max_new_tokens": 3, "stop": "x"})
+    with pytest.raises(SamplingError, match="random_seed") as err:
+        check_sampling_kwargs({"seed": 1})
+    assert err.value.field == "seed"
+    with pytest.raises(SamplingError) as err:
+        check_sampling_kwargs({"logprobs": True})
+    assert err.value.field == "logprobs"
