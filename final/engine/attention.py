@@ -167,8 +167,8 @@ class DecodePlan:
         self.rows = torch.arange(B, device=self.lengths.device)
         self.span = int(self.lengths.max()) + 1
         self.mask = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
-        # fp32 on CPU: SDPA's flash kernel costs ~2x two matmuls and a softmax for one query per row (measured,
-        # bench/RESULTS.md); the result agrees to fp32 rounding. bf16 keeps SDPA, whose rounding HF shares.
+        # fp32 on CPU: two matmuls and a softmax beat SDPA's flash kernel for one query per row (43 vs 56 us a
+        # layer at batch 8, bench/RESULTS.md) and agree to fp32 rounding. bf16 keeps SDPA, whose rounding HF shares.
         self.seqlens = (self.lengths + 1).to(torch.int32) if self.flash is not None else None
         self.bias = None
         if self.cache.dtype == torch.float32 and self.cache.device.type == "cpu":
