@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 from final.errors import FinalError
 
 # Feature modules that add subcommands: each has register(subparsers).
-SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.cartridges.cli", "final.evals.cli", "final.server.cli"]
+SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.cartridges.cli", "final.evals.cli", "final.server.cli",
+                                  "final.bench.cli"]
 
 
 def _quiet() -> None:

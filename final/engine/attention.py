@@ -12,6 +12,7 @@ as [B,Hkv,G*T,D] so K/V are never repeated per query head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,17 @@ import torch.nn.functional as F
 from final.engine.kv_cache import KVCache, PrefixKV
 
 _QUERY_CHUNK = 256  # bounds the fp32 score matrix of long prompts in the merged path
+
+
+def flash_attn_for(device: torch.device, dtype: torch.dtype) -> Any:
+    """The flash_attn module (extra [gpu]) where it applies: CUDA, fp16/bf16. None means PyTorch SDPA."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        import flash_attn
+    except ImportError:
+        return None
+    return flash_attn
 
 
 def group_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -49,6 +61,15 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return torch.matmul(p.to(v.dtype), v), lse
 
 
+# PyTorch's CPU flash kernel also returns the log-sum-exp; it reads K/V once in blocks, where attend_lse makes
+# several full passes over an fp32 score matrix (5x slower for a 7k-token cartridge in fp32, 10x in bf16).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_cpu_applies(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _FLASH_CPU is not None and q.dtype in (torch.float32, torch.bfloat16)
+
+
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     """Combine two attention results over disjoint key sets into attention over their union."""
     m = torch.maximum(lse1, lse2)
@@ -61,14 +82,22 @@ def attend_prefix(qg: torch.Tensor, prefix: PrefixKV, layer: int, scale: float) 
     """Rows' grouped queries [n,Hkv,G,T,D] against one shared prefix [Hkv,p,D]: one matmul for all rows."""
     n, Hkv, G, T, D = qg.shape
     flat = qg.permute(1, 0, 2, 3, 4).reshape(Hkv, n * G * T, D)
-    o, lse = attend_lse(flat, prefix.k[layer], prefix.v[layer], scale)
-    o = o.view(Hkv, n, G, T, D).permute(1, 0, 2, 3, 4)
+    if _flash_cpu_applies(flat):  # kv heads as heads, every row's queries of a group along the query axis
+        o, lse = _FLASH_CPU(flat[None], prefix.k[layer][None], prefix.v[layer][None], scale=scale)
+        o, lse = o[0], lse[0]
+    else:
+        o, lse = attend_lse(flat, prefix.k[layer], prefix.v[layer], scale)
+    o = o.reshape(Hkv, n, G, T, D).permute(1, 0, 2, 3, 4)
     return o, lse.view(Hkv, n, G, T).permute(1, 0, 2, 3)
 
 
 def causal_lse(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal self-attention with lse, chunked over queries. qg [n,Hkv,G,T,D], k/v [n,Hkv,T,D]."""
     n, Hkv, G, T, D = qg.shape
+    if _flash_cpu_applies(qg):  # the kernel has no GQA: repeat the rows' own K/V per query head (small)
+        o, lse = _FLASH_CPU(qg.reshape(n, Hkv * G, T, D), k.repeat_interleave(G, dim=1),
+                            v.repeat_interleave(G, dim=1), is_causal=True, scale=scale)
+        return o.reshape(n, Hkv, G, T, D), lse.reshape(n, Hkv, G, T)
     outs, lses = [], []
     idx = torch.arange(T, device=qg.device)
     for t0 in range(0, T, _QUERY_CHUNK):
@@ -90,18 +119,29 @@ class PrefillPlan:
     prefix: PrefixKV | None
     scale: float
     capture: bool = False  # keep each layer's K/V (used to build cartridges from text)
+    flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        lo, hi = self.slots[0], self.slots[0] + len(self.slots)
+        # New rows take consecutive slots (the scheduler appends them): then one slice write per layer.
+        self.slot_range = (lo, hi) if self.slots == list(range(lo, hi)) else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         T = q.shape[1]
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n,Hkv,T,D]
         if self.capture:
             self.captured.append((kt.detach().clone(), vt.detach().clone()))
-        for row, slot in enumerate(self.slots):
-            self.cache.k[layer][slot, :, :T] = kt[row]
-            self.cache.v[layer][slot, :, :T] = vt[row]
+        if self.slot_range is not None:
+            lo, hi = self.slot_range
+            self.cache.k[layer][lo:hi, :, :T] = kt
+            self.cache.v[layer][lo:hi, :, :T] = vt
+        else:
+            for row, slot in enumerate(self.slots):
+                self.cache.k[layer][slot, :, :T] = kt[row]
+                self.cache.v[layer][slot, :, :T] = vt[row]
+        if self.prefix is None and self.flash is not None:
+            return self.flash.flash_attn_func(q, k, v, softmax_scale=self.scale, causal=True)
         if self.prefix is None:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
@@ -120,19 +160,35 @@ class DecodePlan:
     lengths: torch.Tensor  # [B] long
     groups: list[tuple[torch.Tensor, PrefixKV]]  # (row indices, shared prefix) for rows with cartridges
     scale: float
+    flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
         B = self.lengths.shape[0]
         self.rows = torch.arange(B, device=self.lengths.device)
         self.span = int(self.lengths.max()) + 1
         self.mask = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
+        # fp32 on CPU: two matmuls and a softmax beat SDPA's flash kernel for one query per row (43 vs 56 us a
+        # layer at batch 8, bench/RESULTS.md) and agree to fp32 rounding. bf16 keeps SDPA, whose rounding HF shares.
+        self.seqlens = (self.lengths + 1).to(torch.int32) if self.flash is not None else None
+        self.bias = None
+        if self.cache.dtype == torch.float32 and self.cache.device.type == "cpu":
+            self.bias = torch.zeros(self.mask.shape, device=self.lengths.device).masked_fill(~self.mask, float("-inf"))
+            self.bias = self.bias[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B = q.shape[0]
         ck, cv = self.cache.k[layer], self.cache.v[layer]
         ck[self.rows, :, self.lengths] = k[:, 0]
         cv[self.rows, :, self.lengths] = v[:, 0]
+        if not self.groups and self.flash is not None:  # reads the slot cache in place: [S,T,Hkv,D] strides
+            return self.flash.flash_attn_with_kvcache(q, ck.transpose(1, 2), cv.transpose(1, 2),
+                                                      cache_seqlens=self.seqlens, softmax_scale=self.scale,
+                                                      causal=True)
         keys, values = ck[:B, :, : self.span], cv[:B, :, : self.span]
+        if not self.groups and self.bias is not None:
+            qg = q[:, 0].reshape(B, k.shape[2], -1, q.shape[-1])  # [B,Hkv,G,D]
+            s = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale + self.bias
+            return torch.matmul(torch.softmax(s, dim=-1), values).reshape(B, 1, -1, q.shape[-1])
         if not self.groups:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask[:, None, None, :],
                                                scale=self.scale, enable_gqa=True)

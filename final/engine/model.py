@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from final.engine.linear import Linear, packing_enabled
 from final.errors import ModelError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -81,19 +82,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin` in 4 ops instead of 6, bitwise the same.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, D/2) with the first half negated, and -a*b == a*(-b) exactly,
+    so the sign lives in the table: sin_signed = cat(-sin[:D/2], sin[D/2:]).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 @dataclass
 class Layer:
-    split: tuple[int, int, int]
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    wqkv: Linear  # q|k|v fused (with qkv bias where the model has one)
+    wo: Linear
+    w_gate_up: Linear  # gate|up fused
+    w_down: Linear
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -101,26 +104,26 @@ class Layer:
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor,
-                 layers: list[Layer], cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: Linear, norm: torch.Tensor,
+                 layers: list[Layer], cos: torch.Tensor, sin: torch.Tensor, tied: bool = False):
         self.spec = spec
         self.embed, self.lm_head, self.norm = embed, lm_head, norm
+        self.tied = tied  # lm_head is the embedding matrix (a packed lm_head is then a second copy of it)
         self.layers = layers
         self.cos, self.sin = cos, sin
+        half = sin.shape[-1] // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.dtype = embed.dtype
         self.device = embed.device
 
     @property
     def nbytes(self) -> int:
-        seen, total = set(), 0
-        tensors = [self.embed, self.lm_head, self.norm]
+        tensors = [self.embed, self.norm]
+        linears = [self.lm_head] if self.lm_head.weight is None or self.lm_head.weight is not self.embed else []
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+            linears += [t for t in vars(layer).values() if isinstance(t, Linear)]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(lin.nbytes for lin in linears)
 
     # ---- loading -------------------------------------------------------------------------------------
     @classmethod
@@ -135,21 +138,24 @@ class CausalLM:
         def t(x: torch.Tensor) -> torch.Tensor:
             return x.detach().to(device).contiguous()
 
+        pack = packing_enabled(device, dtype)
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+            return Linear(t(w), t(b) if b is not None else None, pack=pack)
+
         base = hf.model
         embed = t(base.embed_tokens.weight)
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
-        lm_head = embed if tied else t(hf.lm_head.weight)
+        lm_head = Linear(embed, pack=pack) if tied else lin(hf.lm_head.weight)
         layers = []
-        q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for theirs in base.layers:
             att, mlp = theirs.self_attn, theirs.mlp
             layers.append(Layer(
-                split=(q_out, kv_out, kv_out),
-                wqkv=t(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
-                bqkv=t(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])) if spec.qkv_bias else None,
-                wo=t(att.o_proj.weight),
-                w_gate_up=t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                w_down=t(mlp.down_proj.weight),
+                wqkv=lin(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+                         torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]) if spec.qkv_bias else None),
+                wo=lin(att.o_proj.weight),
+                w_gate_up=lin(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                w_down=lin(mlp.down_proj.weight),
                 in_norm=t(theirs.input_layernorm.weight),
                 post_norm=t(theirs.post_attention_layernorm.weight),
                 q_norm=t(att.q_norm.weight) if spec.qk_norm else None,
@@ -163,38 +169,40 @@ class CausalLM:
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         cos = (emb.cos() * scale).to(dtype).to(device)
         sin = (emb.sin() * scale).to(dtype).to(device)
-        return cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin)
+        return cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin, tied=tied)
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """ids, positions [B,T] -> final-norm hidden states [B,T,hidden]."""
         spec = self.spec
         B, T = ids.shape
+        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         x = F.embedding(ids, self.embed)
         cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
-        sin = self.sin[positions].unsqueeze(2)
+        sin = self.sin_signed[positions].unsqueeze(2)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, spec.rms_norm_eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)
-            q, k, v = qkv.split(layer.split, dim=-1)
-            q = q.view(B, T, spec.num_heads, spec.head_dim)
-            k = k.view(B, T, spec.num_kv_heads, spec.head_dim)
-            v = v.view(B, T, spec.num_kv_heads, spec.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qkv = layer.wqkv(h)
+            v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
+            if layer.q_norm is None:  # q and k are adjacent in qkv: rotate them as one tensor
+                qk = rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos, sin)
+                q, k = qk[:, :, :H], qk[:, :, H:]
+            else:
+                q = rms_norm(qkv[..., : H * D].view(B, T, H, D), layer.q_norm, spec.rms_norm_eps)
+                k = rms_norm(qkv[..., H * D : (H + Hkv) * D].view(B, T, Hkv, D), layer.k_norm, spec.rms_norm_eps)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
             o = plan.attend(i, q, k, v)
-            x = x + F.linear(o.reshape(B, T, -1), layer.wo)
+            x = layer.wo.add_to(x, o.reshape(B, T, -1))
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.w_gate_up(h).chunk(2, dim=-1)
+            x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N,hidden] -> fp32 logits [N,vocab] (computed in model dtype like HF, then upcast)."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Hidden states [N,hidden] -> logits [N,vocab], computed in the model dtype like HF, then fp32 (or left in
+        the model dtype with upcast=False, for a caller that upcasts only when it needs to)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout.
@@ -205,8 +213,10 @@ class CausalLM:
         tensor = tensor.detach().to(device=self.device, dtype=self.dtype)
         parts = name.split(".")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            target = self.embed if name.startswith("model.") else self.lm_head
-            target.copy_(tensor)
+            if name.startswith("model.") or self.tied:
+                self.embed.copy_(tensor)
+            if name == "lm_head.weight" or self.tied:
+                self.lm_head.set_rows(0, self.lm_head.out_features, tensor)
             return
         if name == "model.norm.weight":
             self.norm.copy_(tensor)
@@ -216,7 +226,7 @@ class CausalLM:
         layer = self.layers[int(parts[2])]
         sub = ".".join(parts[3:])
         q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        inter = layer.w_down.shape[1]
+        inter = layer.w_down.in_features
         slices = {
             "self_attn.q_proj": (0, q_out), "self_attn.k_proj": (q_out, q_out + kv_out),
             "self_attn.v_proj": (q_out + kv_out, q_out + 2 * kv_out),
@@ -224,14 +234,21 @@ class CausalLM:
         module, kind = sub.rsplit(".", 1)
         if module in slices:
             lo, hi = slices[module]
-            (layer.wqkv if kind == "weight" else layer.bqkv)[lo:hi].copy_(tensor)
+            if kind == "weight":
+                layer.wqkv.set_rows(lo, hi, tensor)
+            elif layer.wqkv.bias is not None:
+                layer.wqkv.bias[lo:hi].copy_(tensor)
+            else:
+                raise KeyError(f"unknown parameter name {name!r}")
         elif module in ("mlp.gate_proj", "mlp.up_proj"):
             lo = 0 if module == "mlp.gate_proj" else inter
-            layer.w_gate_up[lo:lo + inter].copy_(tensor)
+            layer.w_gate_up.set_rows(lo, lo + inter, tensor)
+        elif module in ("self_attn.o_proj", "mlp.down_proj") and kind == "weight":
+            target = layer.wo if module == "self_attn.o_proj" else layer.w_down
+            target.set_rows(0, target.out_features, tensor)
         else:
-            direct = {"self_attn.o_proj": "wo", "mlp.down_proj": "w_down", "input_layernorm": "in_norm",
-                      "post_attention_layernorm": "post_norm", "self_attn.q_norm": "q_norm",
-                      "self_attn.k_norm": "k_norm"}
+            direct = {"input_layernorm": "in_norm", "post_attention_layernorm": "post_norm",
+                      "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
             if module not in direct or getattr(layer, direct[module]) is None:
                 raise KeyError(f"unknown parameter name {name!r}")
             getattr(layer, direct[module]).copy_(tensor)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from final.engine.attention import DecodePlan, PrefillPlan
+from final.engine.attention import DecodePlan, PrefillPlan, flash_attn_for
 from final.engine.kv_cache import KVCache, PrefixKV
 from final.engine.model import CausalLM
 from final.engine.sequence import Sequence
@@ -16,12 +16,14 @@ class ModelRunner:
         self.cache = cache
         self.scale = model.spec.head_dim ** -0.5
         self.device = model.device
+        self.flash = flash_attn_for(model.device, model.dtype)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run the prompts of `seqs` (same prefix), fill their slots, return fp32 logits [n,V] of each last token.
+        """Run the prompts of `seqs` (same prefix), fill their slots, return logits [n,V] of each last token
+        (model dtype: the sampler upcasts when it needs to).
 
         Also fills `seq.input_logprobs` for requests that asked for prompt logprobs.
         """
@@ -31,13 +33,13 @@ class ModelRunner:
         ids = self._long([s.prompt_ids + [0] * (T - len(s.prompt_ids)) for s in seqs])
         positions = (torch.arange(T, device=self.device) + (prefix.length if prefix else 0)).expand(len(seqs), T)
         self.cache.reserve(max(s.slot for s in seqs) + 1, T)
-        plan = PrefillPlan(self.cache, [s.slot for s in seqs], prefix, self.scale)
+        plan = PrefillPlan(self.cache, [s.slot for s in seqs], prefix, self.scale, flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
         last = hidden[torch.arange(len(seqs)), self._long(lengths) - 1]
         for row, seq in enumerate(seqs):
             if seq.return_logprob:
                 seq.input_logprobs = self._prompt_logprobs(hidden[row], seq)
-        return self.model.logits(last)
+        return self.model.logits(last, upcast=False)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> list[float | None]:
         """SGLang's input_token_logprobs values: None for the first scored token, then log p(t_j | t_<j)."""
@@ -50,7 +52,7 @@ class ModelRunner:
         return [None] + logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for every running row (seqs[i] lives in slot i). Returns fp32 logits [B,V]."""
+        """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""
         B = len(seqs)
         lengths = self._long([s.cached_len for s in seqs])
         ids = self._long([[s.output_ids[-1]] for s in seqs])
@@ -60,9 +62,10 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
-        plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale)
+        plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
+                          flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
-        return self.model.logits(hidden[:, 0])
+        return self.model.logits(hidden[:, 0], upcast=False)
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -73,7 +76,7 @@ class ModelRunner:
         spec = self.model.spec
         scratch = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.model.dtype, self.device, len(ids))
         scratch.reserve(1, len(ids))
-        plan = PrefillPlan(scratch, [0], prefix, self.scale, capture=capture)
+        plan = PrefillPlan(scratch, [0], prefix, self.scale, capture=capture, flash=self.flash)
         positions = (torch.arange(len(ids), device=self.device) + (prefix.length if prefix else 0))[None]
         hidden = self.model.forward(self._long([ids]), positions, plan)
         return self.model.logits(hidden[0]), [(k[0], v[0]) for k, v in plan.captured]

@@ -50,13 +50,19 @@ def _filtered_draw(probs: torch.Tensor, seq: Sequence) -> int:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
-    """logits [B,V] fp32 (modified in place) -> one token per row, and logprobs if any row asked for them."""
-    apply_penalties(logits, seqs)
-    block_early_stop(logits, seqs)
+    """logits [B,V] (fp32, or the model dtype; may be modified in place) -> one token per row, and logprobs if
+    any row asked for them."""
     want_logprobs = any(s.return_logprob for s in seqs)
     greedy = [s.params.greedy for s in seqs]
+    plain = all(greedy) and not want_logprobs and not any(
+        s.params.has_penalties or len(s.output_ids) < s.params.min_new_tokens for s in seqs)
+    if plain:  # argmax is unchanged by the (exact) bf16 -> fp32 upcast, so skip the [B,V] copy
+        return logits.max(dim=-1).indices.tolist(), None
+    logits = logits.float()
+    apply_penalties(logits, seqs)
+    block_early_stop(logits, seqs)
     if all(greedy):
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.max(dim=-1).indices  # argmax's first-maximum rule at a third of its cost on CPU
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     else:
         temps = torch.tensor([1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)],

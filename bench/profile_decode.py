@@ -1,0 +1,97 @@
+"""Profile the embedded engine's decode step (the evidence behind the changes recorded in bench/RESULTS.md).
+
+    python bench/profile_decode.py --dtype float32 --batch 8              # ms per decode step
+    python bench/profile_decode.py --dtype bfloat16 --batch 32 --profile  # + torch.profiler table by op/shape
+    python bench/profile_decode.py --no-gemm                              # the step without its matmuls
+
+Times are the engine thread's CPU time (time.thread_time), which other processes on a shared machine
+disturb far less than wall time; `--threads 1` makes them comparable across runs. `--no-gemm` swaps every
+weight matmul for a preallocated result, leaving what the step spends outside the GEMMs (Python, small ops,
+attention, sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's table grouped by input shape")
+    ap.add_argument("--no-gemm", action="store_true", help="replace weight matmuls by preallocated outputs")
+    args = ap.parse_args()
+
+    from final.engine import EmbeddedEngine
+    from final.engine.sampler import sample
+    from final.engine.sampling_params import SamplingParams
+    from final.models import resolve_model_path
+
+    if args.no_gemm:
+        from final.engine import linear
+
+        outputs: dict = {}
+
+        def fake(self, x):
+            key = (tuple(x.shape[:-1]), self.out_features, x.dtype)
+            if key not in outputs:
+                outputs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+            return outputs[key]
+
+        linear.Linear.__call__ = fake
+        linear.Linear.add_to = lambda self, residual, x: residual + fake(self, x)
+
+    engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype)
+    params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})
+
+    def body(runner) -> tuple[float, float, str]:
+        torch.set_num_threads(args.threads)
+        seqs = [engine._make_sequence(i, [1] + list(range(100, 130 + i)), params, 0, False, -1, None, ())
+                for i in range(args.batch)]
+        for slot, seq in enumerate(seqs):
+            seq.slot = slot
+
+        def append(logits) -> None:
+            tokens, _ = sample(logits, seqs)
+            for seq, tok in zip(seqs, tokens):
+                seq.append(tok, None, None)
+
+        append(runner.prefill(seqs))
+        for _ in range(5):  # warm-up
+            append(runner.decode(seqs))
+        table = ""
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                for _ in range(10):
+                    append(runner.decode(seqs))
+            table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
+        cpu, wall = [], []
+        for _ in range(args.steps):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            append(runner.decode(seqs))
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        return statistics.median(cpu), statistics.median(wall), table
+
+    try:
+        cpu, wall, table = engine.call(body)
+    finally:
+        engine.shutdown()
+    if table:
+        print(table)
+    print(f"{args.dtype} batch {args.batch}, {args.threads} thread(s){', no GEMM' if args.no_gemm else ''}: "
+          f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""`python -m final.bench [--quick] [--json] ...` (the same as `final bench`)."""
+
+import sys
+
+from final.bench.cli import main
+from final.cli import _quiet
+
+_quiet()
+sys.exit(main())

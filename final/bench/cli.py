@@ -1,0 +1,166 @@
+"""`final bench`: P1-P4 and the roofline note, ours beside the reference in one run (also `python -m final.bench`).
+
+  final bench                 full run on SmolLM2-135M (about 10 minutes on a quiet 2-core CPU)
+  final bench --quick --json  smoke run on the tiny model; one JSON object {"p1", "p2", "p3", "p4", ...}
+  final bench --only p1,p4    a subset
+Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+QUICK_MODEL = "builtin:tiny-random-llama"
+GOALS = {"p1": 2.0, "p2": 20.0, "p2_spread": 1.5, "p3": 1.1, "p4_ms": 1.0}
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `bench` command to an argparse subparsers object."""
+    p = subparsers.add_parser("bench", help="benchmark the embedded engine against HF generate (P1-P4)")
+    p.add_argument("--quick", action="store_true", help="tiny model, small sizes: a smoke run in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--only", default="p1,p2,p3,p4", help="comma-separated subset of p1,p2,p3,p4")
+    p.add_argument("--model", help=f"model for P1-P3 (default {DEFAULT_MODEL}; --quick: {QUICK_MODEL})")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--repeats", type=int, help="timed repeats per figure (default 3; --quick 1)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="P1 dtypes (fp32, bf16)")
+    p.add_argument("--batches", help="P1 batch sizes (default 8,32; --quick 2,4)")
+    p.add_argument("--new-tokens", type=int, help="P1 new tokens per row (default 64; --quick 8)")
+    p.add_argument("--ttft-lengths", help="P2 cartridge lengths (default 512,1024,2048,4096,7168)")
+    p.add_argument("--ttft-dtype", default="auto", help="P2/P3 engine dtype (default auto: fp32 on CPU)")
+    p.add_argument("--p4-prompts", type=int, help="P4 prompts (default 256; --quick 16)")
+    p.set_defaults(func=_main, argv=[])
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the selected measurements and return the result object (what --json prints)."""
+    import torch
+
+    from final.bench.timing import machine
+    from final.models import resolve_model_path
+
+    quick = args.quick
+    only = {x.strip().lower() for x in args.only.split(",")}
+    repeats = args.repeats or (1 if quick else 3)
+    model = resolve_model_path(args.model or (QUICK_MODEL if quick else DEFAULT_MODEL))
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"machine": machine(args.device), "command": " ".join(["final bench", *args.argv]),
+                           "model": args.model or (QUICK_MODEL if quick else DEFAULT_MODEL)}
+    if "p1" in only:
+        from final.bench.throughput import roofline, run_throughput
+
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        batches = _ints(args.batches) if args.batches else ([2, 4] if quick else [8, 32])
+        new_tokens = args.new_tokens or (8 if quick else 64)
+        p1 = run_throughput(model, dtypes, batches, new_tokens, repeats, args.device)
+        rows = p1.pop("_rows")
+        head = next((r for r in rows if r.dtype == "fp32" and r.batch == min(batches)), rows[0])
+        out["p1"] = {"ours": round(head.ours_tok_s, 2), "reference": round(head.reference_tok_s, 2),
+                     "ratio": round(head.ratio, 3), "unit": "tok/s", "headline": f"{head.dtype} batch {head.batch}",
+                     "goal": GOALS["p1"], "met": head.ratio >= GOALS["p1"], "rows": p1["rows"]}
+        out["roofline"] = roofline(p1["decode_steps"], args.device)
+    if "p2" in only:
+        from final.bench.ttft import run_ttft
+
+        lengths = _ints(args.ttft_lengths) if args.ttft_lengths else ([64, 128, 256] if quick
+                                                                      else [512, 1024, 2048, 4096, 7168])
+        p2 = run_ttft(model, lengths, repeats, args.ttft_dtype, args.device)
+        rows = p2["rows"]
+        head = next((r for r in rows if r["p"] == 2048), rows[len(rows) // 2] if rows else None)
+        out["p2"] = {"ours": head and head["ours_ms"], "reference": head and head["reference_ms"],
+                     "ratio": head and head["ratio"], "unit": "ms TTFT", "headline": head and f"p={head['p']}",
+                     "goal": GOALS["p2"], "met": bool(head) and head["ratio"] >= GOALS["p2"],
+                     "spread": p2["cartridge_ttft_spread"], "spread_goal": GOALS["p2_spread"],
+                     "spread_met": p2["cartridge_ttft_spread"] is not None
+                     and p2["cartridge_ttft_spread"] <= GOALS["p2_spread"],
+                     "question_tokens": p2["question_tokens"], "rows": rows}
+    if "p3" in only:
+        from final.bench.memory import run_memory
+
+        p3 = run_memory(model, 256 if quick else 2048, 4 if quick else 32, 16, args.ttft_dtype,
+                        args.device)
+        out["p3"] = {"ours": p3["all_rows"]["cartridge_bytes_held"], "reference": p3["cartridge_bytes"],
+                     "ratio": p3["ratio"], "unit": "bytes", "goal": GOALS["p3"], "met": p3["ratio"] <= GOALS["p3"],
+                     **{k: v for k, v in p3.items() if k not in ("ratio",)}}
+    if "p4" in only:
+        from final.bench.overhead import run_overhead
+
+        # The wrapper's cost is what is measured, so the model is the tiny one and generations are short.
+        # A call lasts a fraction of a second, so more repeats are cheap and steady the small difference.
+        p4 = run_overhead(QUICK_MODEL, args.p4_prompts or (16 if quick else 256), 2, 2 * repeats + 1)
+        out["p4"] = {**p4, "ours": p4["ours_s"], "reference": p4["reference_s"], "unit": "s per call",
+                     "goal_ms_per_prompt": GOALS["p4_ms"], "met": p4["ms_per_prompt"] <= GOALS["p4_ms"]}
+    return out
+
+
+def report(res: dict) -> str:
+    """The human-readable table."""
+    m = res["machine"]
+    lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
+             f"{m['torch_threads']} threads, device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}), "
+             f"load {m.get('loadavg_1min', '?')}, model {res['model']}"]
+    ok = lambda met: "met" if met else "NOT met"  # noqa: E731
+    if "p1" in res:
+        p = res["p1"]
+        lines += ["", f"P1 throughput, greedy, tok/s (goal >= {p['goal']}x at {p['headline']}: {ok(p['met'])})",
+                  f"  {'dtype':6} {'batch':>5} {'ours':>9} {'HF generate':>12} {'ratio':>7} {'same tokens as HF':>18}"]
+        for r in p["rows"]:
+            lines.append(f"  {r['dtype']:6} {r['batch']:>5} {r['ours']:>9.1f} {r['reference']:>12.1f} "
+                         f"{r['ratio']:>6.2f}x {r['greedy_parity']:>18}")
+        rf = res.get("roofline", {})
+        if "copy_bandwidth_gb_s" in rf:
+            lines.append(f"  roofline: copy bandwidth {rf['copy_bandwidth_gb_s']} GB/s")
+            for name, d in rf["dtypes"].items():
+                lines.append(f"    {name} batch {d['batch']}: {d['bytes_per_step_mb']} MB read -> "
+                             f"{d['memory_floor_ms']} ms; {d['gflop_per_step']} GFLOP at "
+                             f"{d['matmul_peak_gflop_s']} GFLOP/s -> "
+                             f"{d['compute_floor_ms']} ms; decode step: ours {d['ours_ms']} ms "
+                             f"({d['ours_over_floor']}x the floor), HF {d['reference_ms']} ms")
+    if "p2" in res:
+        p = res["p2"]
+        lines += ["", f"P2 TTFT, cartridge vs prefill of the same p tokens, ms (+{p['question_tokens']} question "
+                      f"tokens; goal >= {p['goal']}x at {p['headline']}: {ok(p['met'])}; cartridge TTFT spread "
+                      f"{p['spread']}x, goal <= {p['spread_goal']}x: {ok(p['spread_met'])})",
+                  f"  {'p':>6} {'cartridge':>10} {'prefill':>10} {'ratio':>8}"]
+        for r in p["rows"]:
+            lines.append(f"  {r['p']:>6} {r['ours_ms']:>10.1f} {r['reference_ms']:>10.1f} {r['ratio']:>7.1f}x")
+    if "p3" in res:
+        from final.bench.memory import describe
+
+        p = res["p3"]
+        lines += ["", f"P3 memory (goal <= {p['goal']}x: {ok(p['met'])})", "  " + describe(p)]
+    if "p4" in res:
+        p = res["p4"]
+        lines += ["", f"P4 wrapper overhead (goal <= {p['goal_ms_per_prompt']} ms/prompt: {ok(p['met'])})",
+                  f"  {p['prompts']} prompts x {p['new_tokens']} tokens: InferenceEngine.generate "
+                  f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
+                  f"{p['reference_s'] * 1e3:.1f} ms -> "
+                  f"{p['ms_per_prompt']:.3f} ms/prompt"]
+    return "\n".join(lines)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not args.argv and sys.argv[1:2] == ["bench"]:
+        args.argv = sys.argv[2:]
+    res = run(args)
+    print(json.dumps(res) if args.json else report(res))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="final")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(["bench", *argv])
+    args.argv = argv
+    return args.func(args)

@@ -1,0 +1,103 @@
+"""Timing helpers shared by the benchmarks: side-by-side medians, the machine, and its memory bandwidth.
+
+Ours and the reference always run interleaved in one process (ref, ours, ref, ours, ...) so a noisy neighbour
+slows both; each figure is the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Pair:
+    """Median seconds of the reference and of ours, from interleaved repeats."""
+
+    reference_s: float
+    ours_s: float
+    reference_all: list[float]
+    ours_all: list[float]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def side_by_side(reference: Callable[[], Any], ours: Callable[[], Any], repeats: int, warmup: int = 1) -> Pair:
+    """Run reference and ours alternately (after `warmup` untimed runs of each); medians of `repeats` each."""
+    for _ in range(warmup):
+        reference()
+        ours()
+    ref, mine = [], []
+    for i in range(repeats):
+        # Alternate who goes first so a slow start or a warming cache does not always favour one side.
+        order = ((ref, reference), (mine, ours)) if i % 2 == 0 else ((mine, ours), (ref, reference))
+        for sink, fn in order:
+            sink.append(timed(fn)[0])
+    return Pair(statistics.median(ref), statistics.median(mine), ref, mine)
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn)[0] for _ in range(repeats))
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
+    """Bytes per second of a large tensor copy, counting the read and the write (STREAM's copy convention)."""
+    n = megabytes * 2**20
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src))[0] for _ in range(repeats))
+    return 2 * n / best
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of one large square matmul: the compute ceiling the decode-step floor is also bounded by."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.matmul(a, b)
+    best = min(timed(lambda: torch.matmul(a, b))[0] for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: str) -> dict:
+    """What the numbers were measured on (printed with every run and recorded in bench/RESULTS.md)."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(), "device": device,
+    }
+    try:
+        info["loadavg_1min"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()

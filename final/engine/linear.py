@@ -1,0 +1,88 @@
+"""Weight matrices of the embedded engine, prepacked for the CPU's GEMM where that pays.
+
+On CPU, PyTorch's `F.linear` hands a decode step's small-M products (M = running rows) to MKL's sgemm on a
+plain row-major weight, which reaches about 10 GB/s here; oneDNN on a weight reordered once into its blocked
+layout reaches 17-19 GB/s (fp32 and bf16 with AMX), measured in bench/RESULTS.md. So on CPU each weight is
+reordered at load time and the dense copy is dropped (no second copy of the model). Anything unusual (no
+oneDNN, another device, a packed product that disagrees with F.linear) falls back to the dense weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
+
+
+def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN prepacking: CPU, fp32/bf16, oneDNN built in; FINAL_PACK_WEIGHTS=0 turns it off."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and os.environ.get("FINAL_PACK_WEIGHTS", "1") != "0"
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """y = x @ W.T (+ b), W [out, in]. `dense()` gives W back; `set_rows()` updates part of it in place."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        self.weight: torch.Tensor | None = weight  # dense, or None when packed
+        self.packed: torch.Tensor | None = None
+        self._want_pack = pack
+        if pack:
+            self._pack(weight)
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH)
+            x = torch.randn(3, self.in_features, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+            x = x.to(self.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "").float()
+            want = F.linear(x, weight).float()
+            tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+            if not torch.allclose(got, want, rtol=tol, atol=tol):
+                raise RuntimeError(f"packed product differs from F.linear by {(got - want).abs().max().item():.3g}")
+        except Exception as exc:  # noqa: BLE001 - a missing or misbehaving kernel is a speed loss, not an error
+            logger.warning("oneDNN weight prepacking unavailable (%s); using dense F.linear", exc)
+            self.weight, self.packed, self._want_pack = weight, None, False
+            return
+        self.packed, self.weight = packed, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        if self._want_pack:  # updated since the last use: reorder once, not once per streamed slice
+            self._pack(self.weight)
+            return self(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x). In fp32 oneDNN adds in the GEMM's epilogue (one op, bitwise the same result);
+        in bf16 the separate add keeps HF's rounding (product rounded to bf16, then added)."""
+        if self.packed is not None and self.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        return residual + self(x)
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out, in] in the ordinary layout (a fresh tensor when packed)."""
+        return self.weight if self.packed is None else self.packed.to_dense()
+
+    def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
+        """Overwrite rows lo:hi of W (a trainer's weight update streamed into a fused matrix)."""
+        if self.packed is not None:
+            self.weight, self.packed = self.packed.to_dense(), None  # repacked lazily on the next call
+        self.weight[lo:hi].copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.packed if self.packed is not None else self.weight
+        n = t.numel() * t.element_size()
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)

@@ -1,0 +1,65 @@
+"""`final bench --quick --json`: runs every measurement for real on the tiny model and prints one JSON object.
+
+Only the shape and the internal consistency of the figures are checked: tests never assert on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_result() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "final.cli", "bench", "--quick", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout[-2000:]  # exactly one JSON object on stdout
+    return json.loads(lines[0])
+
+
+def test_quick_json_has_every_measurement(quick_result):
+    res = quick_result
+    assert {"p1", "p2", "p3", "p4", "machine", "roofline"} <= set(res)
+    for key in ("p1", "p2", "p3"):
+        assert {"ours", "reference", "ratio", "goal", "met"} <= set(res[key]), key
+    assert {"ms_per_prompt", "ours", "reference", "ratio", "met"} <= set(res["p4"])
+    assert res["machine"]["device"] == "cpu" and res["machine"]["cores"] >= 1
+
+
+def test_quick_figures_are_consistent(quick_result):
+    p1 = quick_result["p1"]
+    assert p1["ours"] > 0 and p1["reference"] > 0
+    assert p1["ratio"] == pytest.approx(p1["ours"] / p1["reference"], rel=1e-2)
+    for row in p1["rows"]:  # greedy parity is part of the benchmark's claim: fp32 must match HF exactly
+        if row["dtype"] == "fp32":
+            assert row["greedy_parity"] == f"{row['batch']}/{row['batch']}"
+    p2 = quick_result["p2"]
+    assert [r["p"] for r in p2["rows"]] == sorted(r["p"] for r in p2["rows"]) and p2["rows"]
+    assert all(r["ours_ms"] > 0 and r["reference_ms"] > 0 for r in p2["rows"])
+    p3 = quick_result["p3"]
+    # rows share the cartridge: the bytes held for all rows are those of one cartridge, not one per row
+    assert p3["all_rows"]["running_rows"] == p3["rows"] > 1
+    assert p3["ours"] == p3["reference"] == p3["cartridge_bytes"] and p3["ratio"] == 1.0
+    p4 = quick_result["p4"]
+    assert p4["prompts"] > 0 and p4["ours"] > 0 and p4["reference"] > 0
+
+
+def test_table_output_names_each_measurement():
+    from final.bench.cli import report
+
+    res = {"machine": {"date": "d", "cpu": "c", "cores": 2, "torch": "t", "torch_threads": 2, "device": "cpu"},
+           "model": "m",
+           "p4": {"prompts": 4, "new_tokens": 2, "ours_s": 0.02, "reference_s": 0.01, "ms_per_prompt": 2.5,
+                  "goal_ms_per_prompt": 1.0, "met": False}}
+    text = report(res)
+    assert "P4 wrapper overhead" in text and "NOT met" in text and "2.500 ms/prompt" in text
