@@ -64,9 +64,13 @@ def run(args: argparse.Namespace) -> dict:
         p1 = run_throughput(model, dtypes, batches, new_tokens, repeats, args.device)
         rows = p1.pop("_rows")
         head = next((r for r in rows if r.dtype == "fp32" and r.batch == min(batches)), rows[0])
+        # the goal is per batch size (batch 8), not per dtype: report it for each dtype measured
+        by_dtype = {r.dtype: round(r.ratio, 3) for r in rows if r.batch == min(batches)}
         out["p1"] = {"ours": round(head.ours_tok_s, 2), "reference": round(head.reference_tok_s, 2),
                      "ratio": round(head.ratio, 3), "unit": "tok/s", "headline": f"{head.dtype} batch {head.batch}",
-                     "goal": GOALS["p1"], "met": head.ratio >= GOALS["p1"], "rows": p1["rows"]}
+                     "goal": GOALS["p1"], "met": head.ratio >= GOALS["p1"], "rows": p1["rows"],
+                     "goal_batch": min(batches), "ratio_by_dtype": by_dtype,
+                     "met_by_dtype": {d: r >= GOALS["p1"] for d, r in by_dtype.items()}}
         out["roofline"] = roofline(p1["decode_steps"], args.device)
     if "p2" in only:
         from final.bench.ttft import run_ttft
@@ -111,7 +115,8 @@ def report(res: dict) -> str:
     ok = lambda met: "met" if met else "NOT met"  # noqa: E731
     if "p1" in res:
         p = res["p1"]
-        lines += ["", f"P1 throughput, greedy, tok/s (goal >= {p['goal']}x at {p['headline']}: {ok(p['met'])})",
+        goals = ", ".join(f"{d} {ok(m)} ({p['ratio_by_dtype'][d]:.2f}x)" for d, m in p["met_by_dtype"].items())
+        lines += ["", f"P1 throughput, greedy, tok/s (goal >= {p['goal']}x at batch {p['goal_batch']}: {goals})",
                   f"  {'dtype':6} {'batch':>5} {'ours':>9} {'HF generate':>12} {'ratio':>7} {'same tokens as HF':>18}"]
         for r in p["rows"]:
             lines.append(f"  {r['dtype']:6} {r['batch']:>5} {r['ours']:>9.1f} {r['reference']:>12.1f} "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from final.bench.timing import copy_bandwidth, matmul_flops, side_by_side, sync
+from final.bench.timing import copy_bandwidth, matmul_flops, on_own_thread, side_by_side, sync
 
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.", "Explain photosynthesis briefly.",
              "Hi!", "List three prime numbers and explain why they are prime.", "Who wrote Hamlet?",
@@ -82,15 +82,17 @@ def run_throughput(model_dir: str, dtypes: list[str], batches: list[int], new_to
     rows: list[ThroughputRow] = []
     steps: dict[str, dict] = {}
     for name in dtypes:
-        ref = HFReference(model_dir, DTYPES[name], device)
         engine = EmbeddedEngine(model_dir, dtype=DTYPES[name], device=device)
+        # HF runs on the engine's own thread: one OpenMP team for both sides. A second thread with parallel torch
+        # work makes libgomp throttle every team (~30% slower on 2 cores), which would handicap both unevenly.
+        ref = engine.call(lambda _runner: HFReference(model_dir, DTYPES[name], device))
         try:
             for batch in batches:
                 prompts = chat_prompts(tokenizer, batch)
                 got: dict[str, Any] = {}
 
                 def theirs(n: int = new_tokens) -> None:
-                    got["ref"] = ref.generate(prompts, n, pad_id)
+                    got["ref"] = engine.call(lambda _runner: ref.generate(prompts, n, pad_id))
 
                 def ours(n: int = new_tokens) -> None:
                     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -148,11 +150,11 @@ def roofline(steps: dict[str, dict], device: str) -> dict:
     """The decode-step floor per dtype: max(bytes that must be read / copy bandwidth, GEMM FLOPs / matmul peak)."""
     if device != "cpu":
         return {"note": "roofline measured on CPU only"}
-    bandwidth = copy_bandwidth()
+    bandwidth = on_own_thread(copy_bandwidth)
     out = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "dtypes": {}}
     for name, s in steps.items():
         nbytes = s["weight_bytes_per_step"] + s["kv_bytes_per_step"]
-        peak = matmul_flops(DTYPES[name])
+        peak = on_own_thread(lambda: matmul_flops(DTYPES[name]))
         memory_ms, compute_ms = nbytes / bandwidth * 1e3, s["flops_per_step"] / peak * 1e3
         floor_ms = max(memory_ms, compute_ms)
         out["dtypes"][name] = {

@@ -10,11 +10,14 @@ import datetime
 import os
 import platform
 import statistics
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,6 +54,25 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(timed(fn)[0] for _ in range(repeats))
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """Run fn on a short-lived thread and return its result: the OpenMP team it starts ends with it, so no team
+    lingers on the caller's thread (a lingering team makes libgomp throttle every later parallel region)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="final-bench-probe")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:

@@ -44,9 +44,8 @@ def run_ttft(model_dir: str, lengths: list[int], repeats: int, dtype: str = "aut
         for p in lengths:
             text = torch.randint(3, vocab, (p,), generator=g).tolist()  # prefill cost does not depend on content
             cid = f"bench-{p}"
-            keys, values = random_cartridge(engine, p, seed=p)
-            engine.load_cartridge(cid, keys, values)
-            del keys, values
+            # made and loaded on the engine thread: no OpenMP team on this one (see EmbeddedEngine.__init__)
+            engine.call(lambda _runner, p=p, cid=cid: engine.load_cartridge(cid, *random_cartridge(engine, p, seed=p)))
 
             def ours() -> None:
                 engine.generate(question, params, cartridges=(cid,))

@@ -72,7 +72,26 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
-        self.model = CausalLM.from_pretrained(model_path, self.dtype, self.device)
+        self._inbox: queue.Queue = queue.Queue()
+        self._closed = False
+        # The model is loaded (and its weights packed) on the engine thread, which then does all of the engine's
+        # tensor work. On CPU this matters: every OS thread that runs parallel torch ops keeps its own OpenMP team,
+        # and once teams outnumber the cores libgomp stops spinning between parallel regions - measured 30% slower
+        # decode when the thread that built the model stayed alive (bench/RESULTS.md).
+        loaded: concurrent.futures.Future = concurrent.futures.Future()
+        self._ready = threading.Event()  # set when the constructor is done (or gave up)
+        self._thread = threading.Thread(target=self._loop, args=(loaded,), name="final-engine", daemon=True)
+        self._thread.start()
+        self.model = loaded.result()
+        try:
+            self._build(max_running_requests, max_model_len, max_prefill_tokens, mem_fraction_static, random_seed,
+                        eos_token_ids)
+        finally:
+            self._ready.set()
+
+    def _build(self, max_running_requests: int, max_model_len: int | None, max_prefill_tokens: int,
+               mem_fraction_static: float, random_seed: int | None, eos_token_ids: Seq[int] | None) -> None:
+        model_path = self.model_path
         spec = self.model.spec
         self.spec = spec
         self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -86,10 +105,6 @@ class EmbeddedEngine:
         self.stats = EngineStats()
         self._rng = random.Random(random_seed)
         self._tokenizer = None
-        self._inbox: queue.Queue = queue.Queue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="final-engine", daemon=True)
-        self._thread.start()
 
     # ---- SGLang dialect ------------------------------------------------------------------------------
     async def async_generate(self, prompt: Any = None, sampling_params: dict | list[dict] | None = None,
@@ -163,7 +178,8 @@ class EmbeddedEngine:
         """Make a cartridge available to requests: per-layer K/V [1,Hkv,T,D] or [Hkv,T,D], post-RoPE."""
         if not isinstance(cartridge_id, str) or not cartridge_id:
             raise CartridgeError("cartridge id must be a non-empty string", field="id")
-        return self.prefixes.add(cartridge_id, keys, values)
+        # the device/dtype copy runs on the engine thread (the one thread that does tensor work)
+        return self.call(lambda _runner: self.prefixes.add(cartridge_id, keys, values))
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Remove a cartridge; running requests that use it finish normally (they hold their own reference)."""
@@ -275,7 +291,15 @@ class EmbeddedEngine:
             if not finished and not self._closed:
                 self._post(("abort", seq.rid, False))
 
-    def _loop(self) -> None:
+    def _loop(self, loaded: concurrent.futures.Future) -> None:
+        try:
+            loaded.set_result(CausalLM.from_pretrained(self.model_path, self.dtype, self.device))
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            loaded.set_exception(exc)
+            return
+        self._ready.wait()  # the constructor builds the scheduler and cache before the first message
+        if not hasattr(self, "runner"):  # the constructor failed after loading: nothing to serve
+            return
         with torch.inference_mode():
             while True:
                 block = not self.scheduler.has_work()

@@ -85,7 +85,8 @@ class LocalRollout(BaseRollout):
         cartridges = row_cartridges(prompts) or [()] * len(idx_list)
         outputs = run_until_complete(self._all(idx_list, row_params, cartridges))
         self.engine.flush_cache()  # veRL flushes after every call; keep the same lifecycle
-        return assemble_batch(prompts, outputs, self.config, self.pad_token_id)
+        # batch-sized tensor work belongs on the engine thread (one OpenMP team: see EmbeddedEngine.__init__)
+        return self.engine.call(lambda _runner: assemble_batch(prompts, outputs, self.config, self.pad_token_id))
 
     async def _all(self, idx_list: list[list[int]], params: list[dict], cartridges: list[tuple[str, ...]]) -> list[dict]:
         tasks = [asyncio.ensure_future(self._one(ids, p, c)) for ids, p, c in zip(idx_list, params, cartridges)]

@@ -98,8 +98,12 @@ class MultiTurnRollout:
             done = await self._rollout_with_over_sampling(rollouts, do_sample, is_validate, **kwargs)
         done = sorted(done, key=lambda r: (r.req.batch_data_id, r.req.rollout_offset))
         await _maybe_await(self.engine.flush_cache())
-        out = collate([r.req for r in done], self.config, self.pad_token_id, prompts.batch["input_ids"].device,
-                      self.tokenizer)
+        reqs = [r.req for r in done]
+        device = prompts.batch["input_ids"].device
+        # batch-sized tensor work belongs on the engine thread (one OpenMP team: see EmbeddedEngine.__init__)
+        call = getattr(self.engine, "call", None)
+        make = lambda _runner=None: collate(reqs, self.config, self.pad_token_id, device, self.tokenizer)  # noqa: E731
+        out = call(make) if call is not None else make()
         if prompts.meta_info.get(TRACE_KEY):
             out.non_tensor_batch["tool_calls"] = _object_array([r.trace for r in done])
         return out
