@@ -248,28 +248,36 @@ def _describe(hint: Any) -> str:
 
 
 def _check_cartridges(value: Any, path: str | None) -> list[dict]:
+    return check_cartridge_specs(value, path)
+
+
+def check_cartridge_specs(value: Any, path: str | None, where: str = "cartridges",
+                          keys: tuple[str, ...] = CARTRIDGE_KEYS, fill_defaults: bool = True) -> list[dict]:
+    """A list of cartridge specs ({id, source, force_redownload, ...}), each key checked and named on error.
+
+    fill_defaults adds source=local and force_redownload=false; without it specs are kept as written (the
+    tokasaurus backend sends them on, and Tokasaurus has defaults of its own)."""
     if value is None:
         return []
     if not isinstance(value, list):
-        raise ConfigError("must be a list of {id, source, path, force_redownload}", key="cartridges", path=path)
+        raise ConfigError(f"must be a list of {{{', '.join(keys)}}}", key=where, path=path)
     out = []
     for i, item in enumerate(value):
-        where = f"cartridges[{i}]"
+        at = f"{where}[{i}]"
         if not isinstance(item, dict):
-            raise ConfigError("must be a mapping", key=where, path=path)
+            raise ConfigError("must be a mapping", key=at, path=path)
         for key in item:
-            if key not in CARTRIDGE_KEYS:
-                raise _unknown(key, CARTRIDGE_KEYS, f"{where}.", path)
+            if key not in keys:
+                raise _unknown(key, keys, f"{at}.", path)
         if not isinstance(item.get("id"), str) or not item["id"]:
-            raise ConfigError("is required (a non-empty string)", key=f"{where}.id", path=path)
-        source = item.get("source", "local")
-        if source not in CARTRIDGE_SOURCES:
-            raise ConfigError(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {source!r}",
-                              key=f"{where}.source", path=path)
+            raise ConfigError("is required (a non-empty string)", key=f"{at}.id", path=path)
+        if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
+            raise ConfigError(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}",
+                              key=f"{at}.source", path=path)
         for key in ("force_redownload", "pin"):
             if key in item and not isinstance(item[key], bool):
-                raise ConfigError("must be true or false", key=f"{where}.{key}", path=path)
+                raise ConfigError("must be true or false", key=f"{at}.{key}", path=path)
         if "path" in item and not isinstance(item["path"], str):
-            raise ConfigError("must be a string", key=f"{where}.path", path=path)
-        out.append({"source": source, "force_redownload": False, **item})
+            raise ConfigError("must be a string", key=f"{at}.path", path=path)
+        out.append({"source": "local", "force_redownload": False, **item} if fill_defaults else dict(item))
     return out

@@ -28,6 +28,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from final.client import RetryPolicy, apost_json
+from final.config import check_cartridge_specs
 from final.errors import BackendUnavailableError, CartridgeError, ConfigError, EngineError, SamplingError
 from final.rollout.batch import (assemble_batch, base_sampling_params, prompt_token_lists, request_sampling_params,
                                  row_cartridges)
@@ -36,7 +37,6 @@ from final.server.fingerprint import read_fingerprint
 
 ENDPOINT = "/custom/cartridge/completions"
 SPEC_KEYS = ("id", "source", "force_redownload")
-SOURCES = ("local", "wandb", "huggingface", "s3")
 # SGLang sampling keys with no Tokasaurus field: refused unless left at their no-op value.
 _NO_FIELD = {"top_k": (-1, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
              "min_new_tokens": (0, None), "stop_token_ids": (None, (), []), "regex": (None,), "json_schema": (None,),
@@ -79,24 +79,7 @@ class TokasaurusSettings:
 
 def check_specs(specs: Any, path: str | None = None) -> list[dict]:
     """Tokasaurus' Cartridge model ({id, source, force_redownload}); sent as written (its default source: wandb)."""
-    where = "rollout.custom.cartridges"
-    if not isinstance(specs, list):
-        raise ConfigError("must be a list of {id, source, force_redownload}", key=where, path=path)
-    for i, spec in enumerate(specs):
-        at = f"{where}[{i}]"
-        if not isinstance(spec, dict):
-            raise ConfigError("must be a mapping {id, source, force_redownload}", key=at, path=path)
-        for key in spec:
-            if key not in SPEC_KEYS:
-                raise ConfigError(f"unknown key; valid keys: {', '.join(SPEC_KEYS)}", key=f"{at}.{key}", path=path)
-        if not isinstance(spec.get("id"), str) or not spec["id"]:
-            raise ConfigError("is required (a non-empty string)", key=f"{at}.id", path=path)
-        if "source" in spec and spec["source"] not in SOURCES:
-            raise ConfigError(f"must be one of {', '.join(SOURCES)}, got {spec['source']!r}", key=f"{at}.source",
-                              path=path)
-        if not isinstance(spec.get("force_redownload", False), bool):
-            raise ConfigError("must be true or false", key=f"{at}.force_redownload", path=path)
-    return [dict(s) for s in specs]
+    return check_cartridge_specs(specs, path, where="rollout.custom.cartridges", keys=SPEC_KEYS, fill_defaults=False)
 
 
 def tokasaurus_body(ids: list[int], params: dict, cartridges: list[dict]) -> dict:
