@@ -176,3 +176,32 @@ def test_cancelled_caller_frees_its_row(tiny_engine):
     out = gen(tiny_engine, {"max_new_tokens": 3})
     assert out["meta_info"]["completion_tokens"] == 3
     assert tiny_engine.scheduler.running == []
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.5}])
+def test_samples_follow_the_model_distribution(tiny_engine, tiny_dir, params):
+    """Empirical first-token frequencies over 2000 seeded draws match softmax(logits/T) after filtering."""
+    import collections
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    probs = torch.softmax(logits / params.get("temperature", 1.0), -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    cum = 0.0
+    for rank, t in enumerate(order.tolist()):  # SGLang's top-k then top-p filter
+        if rank >= params.get("top_k", 10**9) or cum > params.get("top_p", 1.0):
+            break
+        keep[t] = True
+        cum += probs[t].item()
+    target = torch.where(keep, probs, torch.zeros_like(probs))
+    target /= target.sum()
+    outs = tiny_engine.generate(PROMPT, {"max_new_tokens": 1, "n": 2000, "seed": 11, **params})
+    seen = collections.Counter(o["output_ids"][0] for o in outs)
+    assert set(seen) <= set(keep.nonzero().flatten().tolist())  # nothing outside the filter is ever drawn
+    for t in target.argsort(descending=True)[:5].tolist():
+        assert abs(seen[t] / 2000 - target[t].item()) < 0.04  # > 3 sigma at n=2000
