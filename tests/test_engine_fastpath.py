@@ -7,6 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from final.engine import EmbeddedEngine
+from final.engine.attention import attend_lse, attend_prefix
+from final.engine.kv_cache import PrefixKV
 from final.engine.linear import Linear, packing_enabled
 from final.engine.model import rms_norm, rope
 
@@ -57,6 +59,26 @@ def test_fused_residual_is_bitwise_in_fp32():
     lin = Linear(torch.randn(64, 128), pack=True)
     x, r = torch.randn(7, 1, 128), torch.randn(7, 1, 64)
     assert torch.equal(lin.add_to(r, x), r + lin(x))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("p", [100, 512, 1001])  # one chunk; chunks of equal size; chunks plus a tail
+def test_prefix_attention_split_by_keys_is_exact(p, threads, dtype, tol):
+    g = torch.Generator().manual_seed(p)
+    qg = torch.randn(2, 3, 3, 5, 64, generator=g).to(dtype)  # [rows, kv heads, group, tokens, head dim]
+    k, v = (torch.randn(3, p, 64, generator=g).to(dtype) for _ in range(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # one chunk of keys per thread
+    try:
+        o, lse = attend_prefix(qg, PrefixKV(("c",), [k], [v]), 0, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    flat = qg.float().permute(1, 0, 2, 3, 4).reshape(3, 30, 64)
+    want_o, want_lse = attend_lse(flat, k.float(), v.float(), 0.125)
+    assert o.dtype == dtype
+    torch.testing.assert_close(o.float().permute(1, 0, 2, 3, 4).reshape(3, 30, 64), want_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.permute(1, 0, 2, 3).reshape(3, 30), want_lse, atol=1e-4, rtol=1e-4)
 
 
 def test_unpacked_engine_gives_the_same_greedy_tokens(tiny_dir, monkeypatch):
