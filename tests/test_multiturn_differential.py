@@ -12,6 +12,7 @@ the fake package under tests/fake_sglang (SGLang 0.5.2's surface, including its 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import socket
@@ -86,7 +87,13 @@ def env(tmp_path_factory):
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     path = make_tool_model(resolve_model_path("builtin:tiny-random-llama"), tmp_path_factory.mktemp("tm") / "m")
+    # veRL's rollout takes asyncio.get_event_loop() on the calling thread, as a veRL worker's main thread has one;
+    # an earlier asyncio.run() in this process leaves the main thread with none (and get_event_loop then raises).
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     yield sglang_rollout, AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), path
+    asyncio.set_event_loop(None)
+    loop.close()
     if created:
         dist.destroy_process_group()
 
