@@ -37,11 +37,6 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def bytes_for(self, rows: int, tokens: int) -> int:
-        """Bytes the cache would hold after `reserve(rows, tokens)`."""
-        r, t = self._grown(rows, tokens)
-        return r * t * self.bytes_per_token
-
     def _grown(self, rows: int, tokens: int) -> tuple[int, int]:
         r = self.rows if rows <= self.rows else max(rows, 2 * self.rows, 4)
         if tokens <= self.tokens:
@@ -146,6 +141,15 @@ class PrefixTable:
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._single)
+
+    def length_of(self, ids: tuple[str, ...]) -> int:
+        """Tokens of the composition of `ids` (no tensor work: the request's own thread may ask)."""
+        with self._lock:
+            missing = [i for i in ids if i not in self._single]
+            if missing:
+                raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(self._single)}",
+                                     field="cartridges")
+            return sum(self._single[i].length for i in ids)
 
     def get(self, ids: tuple[str, ...]) -> PrefixKV | None:
         """The prefix for a request's cartridges in order (None for none); unknown ids raise CartridgeError."""
