@@ -195,7 +195,7 @@ def register(subparsers: Any) -> None:
 
 def overrides_from_args(args: Any) -> dict:
     """The command's flags as config overrides (deep-merged over the config file)."""
-    rollout: dict[str, Any] = {}
+    rollout: dict[str, Any] = {"calculate_log_probs": False}  # scoring reads text: no logprob pass per conversation
     if args.prompt_length is not None:
         rollout["prompt_length"] = args.prompt_length
     if args.response_length is not None:

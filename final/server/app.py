@@ -35,7 +35,7 @@ from final.server.responses import Renderer
 from final.server.streaming import sse
 
 logger = logging.getLogger(__name__)
-# path -> (body model, how to prepare it, chat or not)
+# path -> (body model, how to prepare it)
 ROUTES = {
     "/v1/completions": (bodies.CompletionsRequest, prepare.completion_call),
     "/v1/chat/completions": (bodies.ChatCompletionRequest, prepare.chat_call),
@@ -59,7 +59,7 @@ class Service:
 
     async def handle(self, raw: Request, model: type[BaseModel], make_call: Any) -> Any:
         body = await _parse(raw, model)
-        param = "messages" if hasattr(body, "messages") else "prompt"
+        param = "messages" if make_call is prepare.chat_call else "prompt"
         try:
             loaded = self.inference.cartridges.ids() if self.inference.cartridges is not None else None
             call = make_call(self.inference, body, prepare.cartridge_specs(body, loaded, self.cartridge_dir))
