@@ -95,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     quiet()
     args = build_parser().parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
+    return run_command(args.func, args)
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a subcommand: a typed error is printed (it names the cause) and exits with status 2."""
     try:
         return func(args)
     except FinalError as exc:

@@ -61,13 +61,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from final.errors import FinalError
+    from final.cli import run_command
 
-    try:
-        return args.cartridge_func(args)
-    except FinalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args.cartridge_func, args)
 
 
 def _open_engine(args: argparse.Namespace):

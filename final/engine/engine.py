@@ -79,16 +79,13 @@ class EmbeddedEngine:
         started.set_result(core)
         core.run()
 
-    # the engine thread's state, for inspection (read it on that thread: engine.call(...))
-    model = property(lambda self: self.core.model)
-    spec = property(lambda self: self.core.spec)
-    max_model_len = property(lambda self: self.core.max_model_len)
-    eos_token_ids = property(lambda self: self.core.eos_token_ids)
-    cache = property(lambda self: self.core.cache)
-    prefixes = property(lambda self: self.core.prefixes)
-    scheduler = property(lambda self: self.core.scheduler)
-    runner = property(lambda self: self.core.runner)
-    stats = property(lambda self: self.core.stats)
+    def __getattr__(self, name: str) -> Any:
+        """The engine thread's state (model, spec, max_model_len, cache, prefixes, scheduler, runner, stats, ...),
+        for inspection: read what changes on that thread with engine.call(...)."""
+        core = self.__dict__.get("core")
+        if core is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(core, name)
 
     # ---- SGLang dialect ------------------------------------------------------------------------------
     async def async_generate(self, prompt: Any = None, sampling_params: dict | list[dict] | None = None,

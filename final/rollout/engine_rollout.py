@@ -24,9 +24,19 @@ from final.rollout.batch import assemble_batch, base_sampling_params, pad_token_
 
 
 class EngineRollout(Backend):
-    def __init__(self, config: Any, model_config: Any, engine: Any, device_mesh: Any = None):
+    def __init__(self, config: Any, model_config: Any, engine: Any, device_mesh: Any = None, own_engine: bool = True):
+        """own_engine: the rollout stops the engine on shutdown, and at once if this constructor fails."""
         super().__init__(config, model_config, device_mesh)
         self.engine = engine
+        self._own_engine = own_engine
+        try:
+            self._setup(config, model_config)
+        except BaseException:
+            if own_engine:
+                engine.shutdown()
+            raise
+
+    def _setup(self, config: Any, model_config: Any) -> None:
         self.processing_class = model_config.get_processor()
         self.tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         self.pad_token_id = pad_token_id(self.tokenizer)
@@ -39,7 +49,7 @@ class EngineRollout(Backend):
                 raise ToolConfigError(f"multi-turn with calculate_log_probs scores each conversation's tokens, "
                                       f"which the {self.name} backend cannot (no prompt logprobs)",
                                       key="rollout.calculate_log_probs")
-            self.multi_turn = MultiTurnRollout(engine, config, self.processing_class)
+            self.multi_turn = MultiTurnRollout(self.engine, config, self.processing_class)
 
     # ---- Backend ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -75,7 +85,8 @@ class EngineRollout(Backend):
         return self.multi_turn.tools.schemas() if self.multi_turn is not None else []
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self._own_engine:
+            self.engine.shutdown()
 
     # ---- the batch path --------------------------------------------------------------------------------
     def _submit(self, prompts: Any, observer: Observer | None, kwargs: dict) -> Any:

@@ -32,12 +32,7 @@ class LocalRollout(EngineRollout):
             mem_fraction_static=config.gpu_memory_utilization,
             random_seed=local.get("random_seed"),
         )
-        try:
-            super().__init__(config, model_config, engine, device_mesh)
-        except BaseException:
-            if own:
-                engine.shutdown()
-            raise
+        super().__init__(config, model_config, engine, device_mesh, own_engine=own)
 
     @property
     def cartridge_target(self) -> CartridgeTarget:

@@ -240,11 +240,7 @@ class TokasaurusRollout(EngineRollout):
 
     def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
         engine = TokasaurusEngine(settings, config.max_num_seqs, bool(config.calculate_log_probs))
-        try:
-            super().__init__(config, model_config, engine, device_mesh)
-        except BaseException:
-            engine.shutdown()
-            raise
+        super().__init__(config, model_config, engine, device_mesh)
 
     @property
     def settings(self) -> TokasaurusSettings:

@@ -70,7 +70,7 @@ class Service:
             raise from_final(exc, param) from exc
         if make_call is prepare.generate_call:
             return self.renderer.generate(call, out)
-        return self.renderer.chat(call, out) if call.chat else self.renderer.completion(call, out)
+        return self.renderer.completion(call, out)
 
     async def _stream(self, call: prepare.Call) -> StreamingResponse:
         updates = self.inference.astream(call.request)

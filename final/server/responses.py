@@ -33,19 +33,18 @@ class Renderer:
 
     # ---- bodies ----------------------------------------------------------------------------------------
     def completion(self, call: Call, out: GenerationOutput) -> dict:
+        """A text_completion, or with call.chat a chat.completion."""
         rows = rows_of(out)
-        choices = [{"index": r.index, "text": text, "finish_reason": r.finish_reason,
-                    "logprobs": self.completion_logprobs(r.output_ids, r.logprobs) if call.logprobs else None}
-                   for r, text in zip(rows, out.completions)]
+        choices = []
+        for r, text in zip(rows, out.completions):
+            logprobs = None
+            if call.logprobs:
+                logprobs = (self.chat_logprobs if call.chat else self.completion_logprobs)(r.output_ids, r.logprobs)
+            content = {"message": {"role": "assistant", "content": text}} if call.chat else {"text": text}
+            choices.append({"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": logprobs})
+        if call.chat:
+            return self._envelope("chat.completion", "chatcmpl", call, choices, rows)
         return self._envelope("text_completion", "cmpl", call, choices, rows)
-
-    def chat(self, call: Call, out: GenerationOutput) -> dict:
-        rows = rows_of(out)
-        choices = [{"index": r.index, "message": {"role": "assistant", "content": text},
-                    "finish_reason": r.finish_reason,
-                    "logprobs": self.chat_logprobs(r.output_ids, r.logprobs) if call.logprobs else None}
-                   for r, text in zip(rows, out.completions)]
-        return self._envelope("chat.completion", "chatcmpl", call, choices, rows)
 
     def generate(self, call: Call, out: GenerationOutput) -> dict:
         """Seed 001's /generate answer: {text, finish_reason, usage, model}."""
