@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from final.cli import add_sampling_args, sampling_from_args
+from final.cli import add_sampling_args, open_engine, sampling_from_args
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,7 +25,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    from final.inf import InferenceEngine
     from final.tools.outputs import describe_event
 
     overrides: dict = {"progress": False}
@@ -34,14 +33,13 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
     if args.tools:
         overrides["rollout"] = {"multi_turn": {"enable": True, "tool_config_path": args.tools}}
     sampling = sampling_from_args(args)
-    with InferenceEngine(args.config, **overrides) as engine:
-        if args.tools and hasattr(engine.rollout, "on_tool_event"):
-            def show(event: dict) -> None:
-                line = describe_event(event)
-                if line:
-                    print(line, file=stdout, flush=True)
+    def show(event: dict) -> None:
+        line = describe_event(event)
+        if line:
+            print(line, file=stdout, flush=True)
 
-            engine.rollout.on_tool_event = show
+    with open_engine(args, **overrides) as engine:
+        live = show if args.tools and engine.capabilities.tool_events else None
         system = [{"role": "system", "content": args.system}] if args.system else []
         messages = list(system)
         print("final chat — /exit to leave, /reset to start over", file=stdout, flush=True)
@@ -56,7 +54,7 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            out = engine.generate([messages], **sampling)
+            out = engine.generate([messages], on_event=live, **sampling)
             meta = out.metadata[0]
             # with tools the rollout returns the whole conversation (tool turns included); continue from it
             messages = meta["messages"] if "messages" in meta else messages + [

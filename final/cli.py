@@ -7,16 +7,19 @@ import json
 import logging
 import os
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from final.errors import FinalError
+
+if TYPE_CHECKING:
+    from final.inf import InferenceEngine
 
 # Feature modules that add subcommands: each has register(subparsers).
 SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.cartridges.cli", "final.evals.cli", "final.server.cli",
                                   "final.bench.cli"]
 
 
-def _quiet() -> None:
+def quiet() -> None:
     # Library chatter (veRL, transformers) would drown the answer a CLI user asked for.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,7 +30,8 @@ def _quiet() -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="config.yaml", help="config file (default: config.yaml)")
+    p.add_argument("--config", default=None,
+                   help="config file (default: $FINAL_CONFIG, else ./config.yaml, else the package's default)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
@@ -41,11 +45,19 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in keys.items() if v is not None}
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
+    """The command's InferenceEngine; says which config file it uses when the command did not name one."""
     from final.inf import InferenceEngine
 
+    engine = InferenceEngine(args.config, **overrides)
+    if args.config is None:
+        print(f"final: config {engine.config.source}", file=sys.stderr)
+    return engine
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"model_path": args.model} if args.model else {}
-    with InferenceEngine(args.config, **overrides) as engine:
+    with open_engine(args, **overrides) as engine:
         for cid in args.cartridge or []:  # a cartridge file given by path is loaded under that path as its id
             if os.path.isfile(cid):
                 engine.load_cartridge(path=cid)
@@ -81,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _quiet()
+    quiet()
     args = build_parser().parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
+    return run_command(args.func, args)
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a subcommand: a typed error is printed (it names the cause) and exits with status 2."""
     try:
         return func(args)
     except FinalError as exc:

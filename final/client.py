@@ -1,4 +1,4 @@
-"""The client side of the Tokasaurus protocol: retries with backoff, and seed 001's agent LM client.
+"""Seed 001's agent LM client for Tokasaurus-protocol servers (retries: final.protocol.http).
 
     from final.client import get_lm_client
     lm = get_lm_client({"model": "toka:meta-llama/Llama-3.2-3B-Instruct", "base_url": "http://127.0.0.1:10210",
@@ -16,7 +16,6 @@ the `final.client` logger (and the prompt and reply with log_calls).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -25,91 +24,16 @@ from typing import Any, Mapping
 
 import httpx
 
-from final.errors import BackendUnavailableError, ConfigError, FinalError, PromptError
+from final.errors import BackendUnavailableError, ConfigError, PromptError
+from final.protocol.fingerprint import read_fingerprint
+from final.protocol.http import RequestRejectedError, RetryPolicy, post_json
+
+__all__ = ["LMConfig", "LMResponse", "RequestRejectedError", "TokasaurusClient", "get_lm_client"]
 
 logger = logging.getLogger("final.client")
 
 PREFIX = "toka:"
 PROTOCOLS = ("openai", "toka")
-
-
-class RequestRejectedError(FinalError, ValueError):
-    """The server answered 4xx: the request itself is wrong, so it is not retried. `param` names the field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.param, self.code = status, param, code
-        super().__init__(f"HTTP {status}{f' (param {param!r})' if param else ''}: {message}")
-
-
-class _Retryable(Exception):
-    """A 5xx answer: the server may recover."""
-
-
-@dataclass
-class RetryPolicy:
-    max_retries: int = 3          # retries after the first attempt
-    starting_delay: float = 1.0   # seconds before the first retry
-    backoff_factor: float = 2.0
-    max_delay: float = 60.0
-
-    def delay(self, retry: int) -> float:
-        return min(self.starting_delay * self.backoff_factor ** retry, self.max_delay)
-
-
-def _checked(resp: httpx.Response) -> dict:
-    if resp.status_code >= 500:
-        raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
-    if resp.status_code >= 400:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {}
-        err = body.get("error") if isinstance(body, dict) else None
-        if isinstance(err, dict):  # OpenAI-style ({"error": {...}}), as final serve answers
-            raise RequestRejectedError(resp.status_code, str(err.get("message")), err.get("param"), err.get("code"))
-        detail = body.get("detail") if isinstance(body, dict) else None  # FastAPI's, as Tokasaurus answers
-        raise RequestRejectedError(resp.status_code, str(detail if detail is not None else resp.text[:300]))
-    return resp.json()
-
-
-_TRANSIENT = (httpx.TransportError, _Retryable)  # connect/read errors, timeouts, dropped connections, 5xx
-
-
-def _gave_up(url: str, attempts: int, exc: BaseException) -> BackendUnavailableError:
-    return BackendUnavailableError(f"POST {url} failed after {attempts} attempt(s); last error: "
-                                   f"{type(exc).__name__}: {exc}. Is the server running and healthy?")
-
-
-def post_json(http: httpx.Client, url: str, payload: dict, policy: RetryPolicy) -> dict:
-    """POST with retries (blocking)."""
-    for retry in range(policy.max_retries + 1):
-        try:
-            return _checked(http.post(url, json=payload))
-        except _TRANSIENT as exc:
-            if retry == policy.max_retries:
-                raise _gave_up(url, retry + 1, exc) from exc
-            logger.warning("POST %s failed (%s: %s); retry %d/%d in %.2fs", url, type(exc).__name__, exc,
-                           retry + 1, policy.max_retries, policy.delay(retry))
-            time.sleep(policy.delay(retry))
-    raise AssertionError("unreachable")
-
-
-async def apost_json(http: httpx.AsyncClient, url: str, payload: dict, policy: RetryPolicy,
-                     timeout_growth: float = 1.0) -> dict:
-    """POST with retries (awaitable). Attempt i waits up to the client's timeout * timeout_growth**i."""
-    for retry in range(policy.max_retries + 1):
-        try:
-            timeout = http.timeout
-            if timeout.read is not None:  # waiting for a pooled connection is not the server's slowness
-                timeout = httpx.Timeout(timeout.read * timeout_growth ** retry, pool=None)
-            return _checked(await http.post(url, json=payload, timeout=timeout))
-        except _TRANSIENT as exc:
-            if retry == policy.max_retries:
-                raise _gave_up(url, retry + 1, exc) from exc
-            logger.warning("POST %s failed (%s: %s); retry %d/%d in %.2fs", url, type(exc).__name__, exc,
-                           retry + 1, policy.max_retries, policy.delay(retry))
-            await asyncio.sleep(policy.delay(retry))
-    raise AssertionError("unreachable")
 
 
 # ---- seed 001's LM client -------------------------------------------------------------------------------
@@ -249,8 +173,6 @@ class TokasaurusClient:
             if not isinstance(text, str):
                 raise BackendUnavailableError(f"the /generate answer has no text: {str(data)[:200]}")
             return LMResponse(text, data.get("finish_reason"), usage, latency)
-        from final.server.fingerprint import read_fingerprint
-
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict):
             raise BackendUnavailableError(f"the server's answer has no choices: {str(data)[:200]}")

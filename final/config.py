@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,11 +24,14 @@ from typing import Any
 import yaml
 
 from final.errors import ConfigError
+from final.sampling import Limits
+from final.protocol.bodies import CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
-TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress")
-CARTRIDGE_KEYS = ("id", "source", "path", "force_redownload", "pin")
-CARTRIDGE_SOURCES = ("local", "huggingface", "s3", "wandb")
+TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits")
+PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
+PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
+CARTRIDGE_KEYS = WIRE_CARTRIDGE_KEYS + ("path", "pin")  # a config's spec: the wire's plus a local path and pinning
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
@@ -53,6 +57,7 @@ class EngineConfig:
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
     progress: bool = True
+    limits: Limits = field(default_factory=Limits)
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -102,8 +107,20 @@ class EngineConfig:
         return max_model_len
 
 
-def load_config(source: str | Path | dict, overrides: dict[str, Any] | None = None) -> EngineConfig:
-    """Read and validate a config file (or dict); `overrides` are deep-merged on top (same shape)."""
+def default_config_path() -> Path:
+    """The config used when none is named: $FINAL_CONFIG, else ./config.yaml, else the one in the package."""
+    named = os.environ.get("FINAL_CONFIG")
+    if named:
+        return Path(named)
+    local = Path("config.yaml")
+    return local if local.exists() else PACKAGE_CONFIG
+
+
+def load_config(source: str | Path | dict | None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read and validate a config file (or dict; None: default_config_path()); `overrides` are deep-merged on
+    top (same shape)."""
+    if source is None:
+        source = default_config_path()
     path = None
     if isinstance(source, (str, Path)):
         path = str(source)
@@ -168,8 +185,23 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         model_path=model_path, rollout=rollout, custom=custom,
         cartridges=_check_cartridges(raw.get("cartridges"), path),
         tokenizer_path=raw.get("tokenizer_path"), trust_remote_code=bool(raw.get("trust_remote_code", False)),
-        progress=raw.get("progress", True), source=path,
+        progress=raw.get("progress", True), limits=_check_limits(raw.get("limits"), path), source=path,
     )
+
+
+def _check_limits(value: Any, path: str | None) -> Limits:
+    """`limits:` — bounds on one call's work (final.sampling.Limits); each a positive integer."""
+    if value is None:
+        return Limits()
+    if not isinstance(value, dict):
+        raise ConfigError(f"must be a mapping, got {type(value).__name__}", key="limits", path=path)
+    names = [f.name for f in dataclasses.fields(Limits)]
+    for key, item in value.items():
+        if key not in names:
+            raise _unknown(key, names, "limits.", path)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
+    return Limits(**value)
 
 
 def _check_rollout(rollout: dict, path: str | None) -> None:
@@ -253,7 +285,7 @@ def _check_cartridges(value: Any, path: str | None) -> list[dict]:
 
 def check_cartridge_specs(value: Any, path: str | None, where: str = "cartridges",
                           keys: tuple[str, ...] = CARTRIDGE_KEYS, fill_defaults: bool = True) -> list[dict]:
-    """A list of cartridge specs ({id, source, force_redownload, ...}), each key checked and named on error.
+    """A list of cartridge specs ({id, source, force_redownload, ...}) in a config, each key checked.
 
     fill_defaults adds source=local and force_redownload=false; without it specs are kept as written (the
     tokasaurus backend sends them on, and Tokasaurus has defaults of its own)."""
@@ -261,23 +293,35 @@ def check_cartridge_specs(value: Any, path: str | None, where: str = "cartridges
         return []
     if not isinstance(value, list):
         raise ConfigError(f"must be a list of {{{', '.join(keys)}}}", key=where, path=path)
-    out = []
-    for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError("must be a mapping", key=at, path=path)
-        for key in item:
-            if key not in keys:
-                raise _unknown(key, keys, f"{at}.", path)
-        if not isinstance(item.get("id"), str) or not item["id"]:
-            raise ConfigError("is required (a non-empty string)", key=f"{at}.id", path=path)
-        if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
-            raise ConfigError(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}",
-                              key=f"{at}.source", path=path)
-        for key in ("force_redownload", "pin"):
-            if key in item and not isinstance(item[key], bool):
-                raise ConfigError("must be true or false", key=f"{at}.{key}", path=path)
-        if "path" in item and not isinstance(item["path"], str):
-            raise ConfigError("must be a string", key=f"{at}.path", path=path)
-        out.append({"source": "local", "force_redownload": False, **item} if fill_defaults else dict(item))
-    return out
+    out = [check_cartridge_spec(item, f"{where}[{i}]", keys, path=path) for i, item in enumerate(value)]
+    return [{"source": "local", "force_redownload": False, **item} for item in out] if fill_defaults else out
+
+
+def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str | None = None,
+                         request: bool = False) -> dict:
+    """One cartridge spec: the rules of the config, the tokasaurus backend and requests (CartridgeService).
+    A config's spec needs an id; a request's may give a path instead. Errors: ConfigError naming the key path,
+    or for a request (request=True) CartridgeError naming the field."""
+    from final.errors import CartridgeError
+
+    def error(message: str, key: str) -> Exception:
+        return CartridgeError(message, field=key) if request else ConfigError(message, key=key, path=path)
+
+    if not isinstance(item, dict):
+        raise error(f"must be a mapping with id and source, got {type(item).__name__}", at)
+    for key in item:
+        if key not in keys:
+            near = difflib.get_close_matches(str(key), list(keys), n=1)
+            raise error(f"unknown key; {f'did you mean {near[0]!r}?' if near else 'valid keys: ' + ', '.join(keys)}",
+                        f"{at}.{key}")
+    for key in ("id", "path"):
+        if item.get(key) is not None and (not isinstance(item[key], str) or not item[key]):
+            raise error("must be a non-empty string", f"{at}.{key}")
+    if not item.get("id") and not (request and item.get("path")):
+        raise error("is required (a non-empty string)", f"{at}.id")
+    if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
+        raise error(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}", f"{at}.source")
+    for key in ("force_redownload", "pin", "allow_nonfinite"):
+        if key in item and not isinstance(item[key], bool):
+            raise error(f"must be true or false, got {item[key]!r}", f"{at}.{key}")
+    return dict(item)

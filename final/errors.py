@@ -66,3 +66,13 @@ class CartridgeError(FinalError, ValueError):
 
 class EngineError(FinalError, RuntimeError):
     """The engine cannot serve a request (shut down, internal failure)."""
+
+
+class UnsupportedError(SamplingError):
+    """The chosen backend cannot serve what a request asks for (a capability it lacks). Raised before any work;
+    `backend` and `field` name the cause (a sampling key, or `cartridge` / `tools_kwargs`)."""
+
+    def __init__(self, backend: str, field: str, message: str | None = None):
+        self.backend = backend
+        self.field = field
+        ValueError.__init__(self, f"'{field}': {message or f'not supported by the {backend} backend'}")

@@ -4,96 +4,143 @@
     out = engine.generate("What is the capital of France?", temperature=0)
     print(out.completions[0])
 
-normalize -> tokenize into a DataProto -> rollout.generate_sequences (on the rollout thread) -> decode.
+The only composition root: the CLI, chat, the server, evals and bench all build on it. A call is
+prepare (final/request.py: validate, tokenize, refuse what the backend cannot serve) -> the veRL DataProto ->
+backend.generate_sequences (final/rollout/base.py's interface) -> one record per row (final/outputs.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
+import threading
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping
 
 from final.config import EngineConfig, load_config
-from final.errors import CartridgeError, ConfigError, EngineError, PromptError, SamplingError
-from final.models import cache_dir, model_eos_token_ids, resolve_model_path
-from final.prompts import build_dataproto, decode_outputs, normalize_prompts, tokenize
-from final.rollout import build_rollout
-from final.rollout.multi_turn import TRACE_KEY
+from final.errors import CartridgeError, EngineError
+from final.models import cache_dir, eos_token_ids, resolve_model_path
+from final.outputs import ROW_INFO, Completion, GenerationOutput, completion_text, completions_of
+from final.request import Request, prepare
+from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
 from final.tools.outputs import conversation_rows
 
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_new_tokens", "n", "do_sample", "seed",
-                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_new_tokens"}
+__all__ = ["GenerationOutput", "InferenceEngine", "Request"]
 PROGRESS_MIN_ROWS = 32
 
 
-@dataclass
-class GenerationOutput:
-    """Rows are prompt-major: with n samples per prompt, rows i*n .. i*n+n-1 belong to prompt i."""
-
-    completions: list[str]
-    token_ids: list[list[int]]
-    metadata: list[dict] = field(default_factory=list)
-    n: int = 1
-
-    def grouped(self) -> list[list[str]]:
-        """Completions as one list of n samples per prompt."""
-        return [self.completions[i:i + self.n] for i in range(0, len(self.completions), self.n)]
-
-
 class InferenceEngine:
-    def __init__(self, config: str | Path | dict = "config.yaml", **overrides: Any):
+    def __init__(self, config: str | Path | dict | None = None, **overrides: Any):
+        """config: a YAML file or a dict; None: $FINAL_CONFIG, else ./config.yaml, else the package's default.
+        Keyword overrides are deep-merged on top (same shape as the file)."""
         self.config: EngineConfig = load_config(config, overrides)
         self.backend = self.config.backend
-        if self.backend == "sglang":  # missing CUDA/sglang is reported before any model download
-            from final.rollout.sglang import preflight
-
-            preflight(self.config)
+        backend_class(self.backend, self.config.source).preflight(self.config)  # before any model download
         self.model_dir = resolve_model_path(self.config.model_path)
         self.max_model_len = self.config.check_against_model(self.model_dir)
-        self._thread = RolloutThread()
+        self.rollout_config = self.config.rollout_config()
+        self.model_config = self.config.model_config(self.model_dir)
+        self.rollout: Backend = build_backend(self.config, self.rollout_config, self.model_config)
         self._closed = False
+        self._side: RolloutThread | None = None  # for blocking calls made inside a running event loop
         try:
-            self.rollout_config = self.config.rollout_config()
-            self.model_config = self.config.model_config(self.model_dir)
-            self.rollout = self._thread.run(build_rollout, self.config, self.rollout_config, self.model_config)
+            self.capabilities = self.rollout.capabilities
+            self.tokenizer = getattr(self.model_config.tokenizer, "tokenizer", self.model_config.tokenizer)
+            self.pad_token_id = self.rollout.pad_token_id
+            self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+            self.cartridges = self._cartridge_service()
         except BaseException:
-            self._thread.close()
+            self.rollout.shutdown()
             raise
-        self.tokenizer = getattr(self.model_config.tokenizer, "tokenizer", self.model_config.tokenizer)
-        self.pad_token_id = self.rollout.pad_token_id
-        eos = set(model_eos_token_ids(self.model_dir))
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
-        self.cartridges = self._cartridge_service()
         _live.add(self)
 
     # ---- public API ----------------------------------------------------------------------------------
     @property
-    def engine(self):
-        """The embedded engine when the backend is local (else None)."""
-        return getattr(self.rollout, "engine", None)
+    def engine(self) -> Any:
+        """The embedded engine when the backend is local (else None): for building cartridges and benchmarks."""
+        from final.engine import EmbeddedEngine
+
+        target = self.rollout.cartridge_target
+        return target if isinstance(target, EmbeddedEngine) else None
 
     def generate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                 progress: bool | None = None, **sampling: Any) -> GenerationOutput:
+                 progress: bool | None = None, on_event: Callable[[dict], None] | None = None,
+                 **sampling: Any) -> GenerationOutput:
         """Generate for a str, list[str], a message list, a list of message lists, or token ids.
 
         Sampling keys (seed 003 plus ours): temperature, top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop,
         stop_token_ids, ignore_eos, logprobs, presence/frequency/repetition_penalty, min_new_tokens.
-        """
-        job = self._prepare(prompts, cartridge, tools_kwargs, raw, progress, sampling)
-        return self._finish(job, self._thread.run(self._run, job))
+        on_event sees each tool call and result of a multi-turn call as it happens."""
+        request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
+                               **sampling)
+        return self.run(request, on_event=on_event)
 
     async def agenerate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                        progress: bool | None = None, **sampling: Any) -> GenerationOutput:
+                        progress: bool | None = None, on_event: Callable[[dict], None] | None = None,
+                        **sampling: Any) -> GenerationOutput:
         """Awaitable generate(); safe inside a running event loop (a Jupyter cell, a server)."""
-        job = self._prepare(prompts, cartridge, tools_kwargs, raw, progress, sampling)
-        return self._finish(job, await self._thread.arun(self._run, job))
+        request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
+                               **sampling)
+        return await self.arun(request, on_event=on_event)
+
+    def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
+                progress: bool | None = None, **sampling: Any) -> Request:
+        """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both).
+        Raises the typed errors of final.errors; nothing has run when it does."""
+        if self._closed:
+            raise EngineError("this InferenceEngine has been shut down")
+        request = prepare(prompts, tokenizer=self.tokenizer, prompt_length=self.rollout_config.prompt_length,
+                          response_length=self.rollout_config.response_length, limits=self.config.limits,
+                          sampling=sampling, raw=raw, cartridge=cartridge, tools_kwargs=tools_kwargs,
+                          tool_names=self.tool_names() if self.rollout_config.multi_turn.enable else None)
+        self.capabilities.check(self.backend, request.sampling, cartridges=request.cartridges is not None,
+                                tools=request.tools_kwargs is not None)
+        self._check_cartridges(request)
+        show = self.config.progress if progress is None else progress
+        request.show_progress = bool(show) and request.rows >= PROGRESS_MIN_ROWS
+        return request
+
+    def run(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
+        """Run a prepared request and wait."""
+        if _loop_running():  # veRL's blocking calls refuse a running loop (a notebook cell): run on a side thread
+            return self._side_thread().run(self.run, request, on_event=on_event)
+        with self._holding(request) as carts, _Observer.open(request, on_event) as observer:
+            data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
+            out = self.rollout.generate_sequences(data, observer=observer, **request.sampling.params)
+        return self._output(request, out)
+
+    async def arun(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
+        """Run a prepared request from a running event loop; cancelling it aborts its rows."""
+        async with self._aholding(request) as carts:
+            with _Observer.open(request, on_event) as observer:
+                data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
+                out = await self.rollout.agenerate_sequences(data, observer=observer, **request.sampling.params)
+        return self._output(request, out)
+
+    async def astream(self, request: Request) -> AsyncIterator[Completion]:
+        """Row updates of a prepared request as they come (every token where capabilities.streaming, else each
+        row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason."""
+        async with self._aholding(request) as carts:
+            data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
+            async for row in self.rollout.astream(data, **request.sampling.params):
+                yield row
+
+    def tool_names(self) -> list[str]:
+        return [s["function"]["name"] for s in self.tool_schemas()]
+
+    def tool_schemas(self) -> list[dict]:
+        """The OpenAI schemas of the tools a multi-turn call offers by default (tools.yaml's)."""
+        return self.rollout.tool_schemas()
+
+    def text(self, completion: Completion, request: Request) -> str:
+        """What a user reads of a row: up to the first eos, special tokens skipped, cut before a stop string."""
+        params = request.sampling.params
+        return completion_text(self.tokenizer, completion.output_ids,
+                               eos_ids=set(self.eos_token_ids) | set(params.get("stop_token_ids") or []),
+                               stop=request.sampling.stop, ignore_eos=bool(params.get("ignore_eos")))
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
                        force_redownload: bool = False, pin: bool = False) -> str:
@@ -111,11 +158,10 @@ class InferenceEngine:
         self._closed = True
         _live.discard(self)
         try:
-            closer = getattr(self.rollout, "shutdown", None)
-            if closer is not None:
-                self._thread.run(closer)
+            self.rollout.shutdown()
         finally:
-            self._thread.close()
+            if self._side is not None:
+                self._side.close()
 
     def __enter__(self) -> "InferenceEngine":
         return self
@@ -123,146 +169,40 @@ class InferenceEngine:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- internals -----------------------------------------------------------------------------------
-    def _prepare(self, prompts, cartridge, tools_kwargs, raw, progress, sampling) -> dict:
-        if self._closed:
-            raise EngineError("this InferenceEngine has been shut down")
-        kwargs, meta, n, stop_ids = self._sampling_kwargs(sampling)
-        logprobs = meta.pop("_logprobs")
-        items = normalize_prompts(prompts, raw=raw)
-        carts = self._cartridges_per_prompt(cartridge, len(items))
-        ids = tokenize(items, self.tokenizer, self.rollout_config.prompt_length,
-                       after_cartridge=[bool(c) for c in carts] if carts else None)
-        non_tensor: dict[str, list] = {}
-        if carts is not None:
-            non_tensor["cartridges"] = carts
-        if self.rollout_config.multi_turn.enable:
-            if any(p.messages is None for p in items):
-                raise PromptError("multi-turn tool calling needs chat prompts (strings or message lists), "
-                                  "not raw text or token ids")
-            # each row offers the tools named in its tools_kwargs (veRL); default: every tool, no kwargs
-            default = {name: {} for name in self._tool_names()}
-            non_tensor["tools_kwargs"] = _per_prompt(default if tools_kwargs is None else tools_kwargs,
-                                                     len(items), "tools_kwargs")
-            meta[TRACE_KEY] = True
-        elif tools_kwargs is not None:
-            raise ConfigError("tools_kwargs needs tool calling: set rollout.multi_turn.enable: true and "
-                              "tool_config_path", key="rollout.multi_turn.enable", path=self.config.source)
-        if n > 1:  # veRL's ray_trainer repeats prompts (interleaved) rather than asking the engine for n
-            ids = [x for x in ids for _ in range(n)]
-            items = [x for x in items for _ in range(n)]
-            non_tensor = {k: [x for x in v for _ in range(n)] for k, v in non_tensor.items()}
-        data = build_dataproto(ids, items, self.pad_token_id, sorted(set(self.eos_token_ids) | set(stop_ids)),
-                               meta_info=meta, non_tensor=non_tensor)
-        show = self.config.progress if progress is None else progress
-        return {"data": data, "kwargs": kwargs, "n": n, "stop_ids": stop_ids, "rows": len(ids),
-                "progress": bool(show) and len(ids) >= PROGRESS_MIN_ROWS, "logprobs": logprobs,
-                "cartridge_ids": sorted({c for row in carts or [] for c in row})}
-
-    def _run(self, job: dict):
-        bar = None
-        if job["progress"] and hasattr(self.rollout, "on_request_done"):
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=job["rows"], desc="generate", unit="seq")
-            self.rollout.on_request_done = bar.update
-        # Backends without a local cartridge store (tokasaurus) resolve cartridge ids themselves.
-        held = self.cartridges.using(job["cartridge_ids"]) if job["cartridge_ids"] and self.cartridges is not None \
-            else contextlib.nullcontext()
-        try:
-            with held:  # the store cannot evict a cartridge while this call uses it
-                return self.rollout.generate_sequences(job["data"], **job["kwargs"])
-        finally:
-            if bar is not None:
-                self.rollout.on_request_done = None
-                bar.close()
-
-    def _finish(self, job: dict, output) -> GenerationOutput:
-        if "messages" in output.non_tensor_batch:  # multi-turn: whole conversations, tool turns included
-            conv = conversation_rows(output, self.tokenizer)
-            meta = [{**r.to_metadata(), "prompt_index": i // job["n"], "sample_index": i % job["n"]}
-                    for i, r in enumerate(conv)]
-            return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, job["n"])
-        rows = decode_outputs(output, self.tokenizer, set(self.eos_token_ids) | set(job["stop_ids"]),
-                              job["kwargs"]["max_new_tokens"])
+    # ---- results ---------------------------------------------------------------------------------------
+    def _output(self, request: Request, out: Any) -> GenerationOutput:
+        n = request.n
+        where = [{"prompt_index": i // n, "sample_index": i % n} for i in range(len(out))]
+        if "messages" in out.non_tensor_batch:  # multi-turn: whole conversations, tool turns included
+            conv = conversation_rows(out, self.tokenizer)
+            infos = out.non_tensor_batch[ROW_INFO]
+            meta = [{**r.to_metadata(), "finish_reason": info["finish_reason"], "prompt_tokens": info["prompt_tokens"],
+                     "cached_tokens": info["cached_tokens"], **w} for r, info, w in zip(conv, infos, where)]
+            return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n)
+        rows = completions_of(out)
+        prompt_width = out.batch["prompts"].shape[1]
         meta = []
-        for i, r in enumerate(rows):
-            m = {"response_ids": r.response_ids, "response_mask": r.response_mask, "finish_reason": r.finish_reason,
-                 "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                 "prompt_index": i // job["n"], "sample_index": i % job["n"]}
-            if job["logprobs"]:
-                m["logprobs"] = r.logprobs
+        for r, w in zip(rows, where):
+            mask = out.batch["attention_mask"][r.index, prompt_width:prompt_width + r.completion_tokens].tolist()
+            m = {"response_ids": r.output_ids, "response_mask": mask, "finish_reason": r.finish_reason,
+                 "matched": r.matched, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                 "completion_tokens": r.completion_tokens, **w}
+            if request.sampling.logprobs:
+                m["logprobs"] = self._logprobs(r)
             meta.append(m)
-        return GenerationOutput([r.text for r in rows], [r.response_ids for r in rows], meta, job["n"])
+        return GenerationOutput([self.text(r, request) for r in rows], [r.output_ids for r in rows], meta, n)
 
-    def _sampling_kwargs(self, sampling: dict) -> tuple[dict, dict, int, list[int]]:
-        """Seed 003's sampling kwargs -> (generate_sequences kwargs, meta_info, n, extra stop ids)."""
-        from final.engine.sampling_params import SamplingParams
+    def _logprobs(self, row: Completion) -> list[float]:
+        values = row.logprobs
+        if values is None or len(values) != row.completion_tokens or any(v != v for v in values):  # NaN: missing
+            raise EngineError(f"the {self.backend} backend returned no logprobs for row {row.index} (a Tokasaurus "
+                              "server needs enable_chosen_logprobs=True)")
+        return list(values)
 
-        unknown = set(sampling) - SAMPLING_KEYS
-        if unknown:
-            raise SamplingError(f"unknown sampling argument; valid: {', '.join(sorted(SAMPLING_KEYS))}",
-                                sorted(unknown)[0])
-        s = dict(sampling)
-        if "max_tokens" in s and "max_new_tokens" in s:
-            raise SamplingError("give max_tokens or max_new_tokens, not both", "max_tokens")
-        max_tokens = s.pop("max_tokens", s.pop("max_new_tokens", self.rollout_config.response_length))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise SamplingError(f"must be a positive integer, got {max_tokens!r}", "max_tokens")
-        if max_tokens > self.rollout_config.response_length:
-            raise SamplingError(f"{max_tokens} exceeds rollout.response_length={self.rollout_config.response_length}",
-                                "max_tokens")
-        n = s.pop("n", 1)
-        logprobs = s.pop("logprobs", False)
-        if logprobs and not self.rollout_config.calculate_log_probs:
-            raise SamplingError("needs rollout.calculate_log_probs: true in the config", "logprobs")
-        do_sample = s.pop("do_sample", True)
-        if not isinstance(do_sample, bool):
-            raise SamplingError(f"must be true or false, got {do_sample!r}", "do_sample")
-        SamplingParams.from_dict({**s, "n": n, "max_new_tokens": max_tokens})  # range checks, typed errors
-        if s.get("temperature", 1.0) == 0:
-            do_sample = False
-        if not do_sample:  # veRL's greedy settings apply; don't let sampling knobs undo them
-            for key in ("temperature", "top_p", "top_k", "min_p"):
-                s.pop(key, None)
-        kwargs = {**s, "max_new_tokens": max_tokens}
-        meta = {"do_sample": do_sample, "_logprobs": bool(logprobs)}
-        return kwargs, meta, n, list(s.get("stop_token_ids") or [])
-
-    def _cartridges_per_prompt(self, cartridge: Any, n_prompts: int) -> list[tuple[str, ...]] | None:
-        """"id" | ["a", "b"] (composed, for every prompt) | one entry per prompt (str, list or None)."""
-        if cartridge is None:
-            return None
-        if isinstance(cartridge, str):
-            rows = [(cartridge,)] * n_prompts
-        elif isinstance(cartridge, (list, tuple)) and all(isinstance(c, str) for c in cartridge):
-            rows = [tuple(cartridge)] * n_prompts
-        elif isinstance(cartridge, (list, tuple)):
-            if len(cartridge) != n_prompts:
-                raise CartridgeError(f"has {len(cartridge)} entries for {n_prompts} prompts", field="cartridge")
-            rows = [() if c is None else (c,) if isinstance(c, str) else tuple(c) for c in cartridge]
-        else:
-            raise CartridgeError(f"must be an id, a list of ids or one entry per prompt, got {cartridge!r}",
-                                 field="cartridge")
-        known = self._known_cartridges()
-        if known is not None:
-            missing = sorted({c for row in rows for c in row} - set(known))
-            if missing:
-                raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(known)}", field="cartridge")
-        return rows
-
-    def _tool_names(self) -> list[str]:
-        multi_turn = getattr(self.rollout, "multi_turn", None)
-        if multi_turn is not None:
-            return multi_turn.tools.names()
-        return sorted(getattr(self.rollout, "_tool_map", {}))  # veRL's SGLangRollout
-
-    def _known_cartridges(self) -> list[str] | None:
-        return self.cartridges.ids() if self.cartridges is not None else None
-
+    # ---- cartridges ------------------------------------------------------------------------------------
     def _cartridge_service(self):
-        """Cartridges need a backend that can hold KV: the embedded engine or the SGLang injector."""
-        target = getattr(self.rollout, "cartridge_backend", None) or self.engine
+        """A store for cartridges where the backend holds their KV (the embedded engine, SGLang's radix cache)."""
+        target = self.rollout.cartridge_target
         if target is None:
             return None
         from final.cartridges.service import CartridgeService
@@ -278,13 +218,117 @@ class InferenceEngine:
                                  "(use the local or sglang backend)", field="backend")
         return self.cartridges
 
+    def _check_cartridges(self, request: Request) -> None:
+        """Unknown ids and malformed specs are refused before any work; specs are loaded when the call runs."""
+        refs = request.cartridge_refs()
+        if not refs:
+            return
+        known = self.cartridges.ids() if self.cartridges is not None else self.rollout.cartridge_ids()
+        specs = [r for r in refs if isinstance(r, Mapping)]
+        if specs and self.cartridges is None:
+            raise CartridgeError(f"the {self.backend} backend loads no cartridges from requests; name the ids of "
+                                 f"its configured cartridges", field="cartridges")
+        from final.cartridges.service import parse_spec
 
-def _per_prompt(value: Any, n: int, name: str) -> list:
-    if isinstance(value, dict):
-        return [value] * n
-    if isinstance(value, list) and len(value) == n:
-        return value
-    raise SamplingError(f"must be a dict (same for every prompt) or a list with one dict per prompt ({n})", name)
+        for i, spec in enumerate(specs):
+            parse_spec(spec, f"cartridges[{i}]")
+        missing = sorted({r for r in refs if isinstance(r, str)} - set(known or []))
+        if missing:
+            raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(known or [])}",
+                                 field="cartridge")
+
+    @contextlib.contextmanager
+    def _holding(self, request: Request) -> Iterator[list[tuple[str, ...]] | None]:
+        """The request's cartridge ids per prompt, loaded (specs) and held so the store cannot evict them."""
+        if request.cartridges is None or self.cartridges is None:
+            yield _ids(request.cartridges)
+            return
+        with self.cartridges.using(request.cartridge_refs()):
+            yield _ids(request.cartridges)
+
+    @contextlib.asynccontextmanager
+    async def _aholding(self, request: Request):
+        """_holding for event loops: loading reads files, so it runs on a worker thread."""
+        if request.cartridges is None or self.cartridges is None:
+            yield _ids(request.cartridges)
+            return
+        using = self.cartridges.using(request.cartridge_refs())
+        loading = asyncio.ensure_future(asyncio.to_thread(using.__enter__))
+        try:
+            await asyncio.shield(loading)
+        except asyncio.CancelledError:  # the caller left mid-load: release what the load thread takes
+            loading.add_done_callback(lambda f: f.cancelled() or f.exception() or using.__exit__(None, None, None))
+            raise
+        try:
+            yield _ids(request.cartridges)
+        finally:
+            using.__exit__(None, None, None)
+
+    def _side_thread(self) -> RolloutThread:
+        if self._side is None:
+            self._side = RolloutThread("final-call")
+        return self._side
+
+
+def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
+                 progress: bool = False) -> InferenceEngine:
+    """An InferenceEngine on the embedded engine over the model's whole context window: what the tools that work
+    on the engine itself build on (cartridge build/verify, benchmarks); its `.engine` is the EmbeddedEngine."""
+    import json
+
+    model_dir = resolve_model_path(model)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    positions = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    response = min(512, positions // 4)
+    return InferenceEngine({"model_path": model, "progress": progress, "rollout": {
+        "name": "local", "dtype": dtype, "max_num_seqs": max_num_seqs, "prompt_length": positions - response,
+        "response_length": response, "engine_kwargs": {"local": {"device": device}}}})
+
+
+def _ids(cartridges: list[tuple[Any, ...]] | None) -> list[tuple[str, ...]] | None:
+    """Per-prompt cartridge ids: a spec's id is its `id` (or its path)."""
+    if cartridges is None:
+        return None
+    return [tuple(c if isinstance(c, str) else (c.get("id") or c.get("path")) for c in row) for row in cartridges]
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Observer:
+    """Per call: a tqdm bar over finished rows, and the caller's tool-event callback."""
+
+    def __init__(self, bar: Any, on_event: Callable[[dict], None] | None):
+        self.bar, self.on_event = bar, on_event
+        self._lock = threading.Lock()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, request: Request, on_event: Callable[[dict], None] | None) -> Iterator["_Observer | None"]:
+        bar = None
+        if request.show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=request.rows, desc="generate", unit="seq")
+        try:
+            yield cls(bar, on_event) if bar is not None or on_event is not None else None
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def row_done(self) -> None:
+        if self.bar is not None:
+            with self._lock:
+                self.bar.update()
+
+    def tool_event(self, event: dict) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
 
 
 _live: "weakref.WeakSet[InferenceEngine]" = weakref.WeakSet()

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from final.errors import ModelError
 
@@ -205,13 +205,6 @@ def _download_from_hub(repo_id: str) -> str:
         ) from exc
 
 
-def model_fingerprint(local_dir: str) -> str:
-    """A short id of a model folder's config (used to match cartridges to models)."""
-    cfg = json.loads((Path(local_dir) / "config.json").read_text())
-    keys = ("model_type", "num_hidden_layers", "num_key_value_heads", "hidden_size", "vocab_size")
-    return hashlib.sha256(json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def model_eos_token_ids(local_dir: str) -> list[int]:
     """EOS ids as SGLang reads them: config.json's eos_token_id plus generation_config.json's."""
     ids: set[int] = set()
@@ -220,4 +213,12 @@ def model_eos_token_ids(local_dir: str) -> list[int]:
         if f.exists():
             eos = json.loads(f.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
+
+
+def eos_token_ids(local_dir: str, tokenizer: Any) -> list[int]:
+    """The ids that end a response in veRL's masks (meta_info["eos_token_id"]): the model's and the tokenizer's."""
+    ids = set(model_eos_token_ids(local_dir))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
     return sorted(ids)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from final.errors import PromptError
+from final.errors import CartridgeError, PromptError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -89,13 +89,11 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
     """Token ids per prompt (chat template with generation prompt for conversations).
 
     A prompt that follows a cartridge continues the cartridge's token stream: no BOS, and in chat form the
-    conversation after the document's system turn (final.cartridges.build.continuation_ids).
+    conversation after the document's system turn (continuation_ids).
     """
     out = []
     for i, p in enumerate(prompts):
         if after_cartridge is not None and after_cartridge[i] and p.ids is None:
-            from final.cartridges.build import continuation_ids
-
             chat = p.messages is not None
             ids = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
         elif p.ids is not None:
@@ -112,6 +110,46 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
             raise PromptError(f"has {len(ids)} tokens, over rollout.prompt_length={prompt_length}", i)
         out.append(ids)
     return out
+
+
+# ---- the token stream that follows a cartridge ---------------------------------------------------------------
+# In chat mode a cartridge's document is a system turn (`<|im_start|>system\n{text}<|im_end|>\n` for ChatML) and
+# a question is the rest of the conversation rendered after it, tokenized without special tokens: no second BOS
+# follows the cartridge, whose first token is the attention sink.
+_PLACEHOLDER = "\x00DOCUMENT\x00"
+
+
+def _split_chat(tokenizer: Any, messages: list[dict]) -> tuple[str, str]:
+    """Render [system: placeholder] + messages and return (system part, the rest)."""
+    sys_msg = [{"role": "system", "content": _PLACEHOLDER}]
+    head = tokenizer.apply_chat_template(sys_msg, tokenize=False)
+    full = tokenizer.apply_chat_template(sys_msg + messages, tokenize=False, add_generation_prompt=True)
+    if not full.startswith(head):
+        raise CartridgeError("the chat template does not render a system turn as a fixed prefix; use chat=False",
+                             field="chat_template")
+    return head, full[len(head):]
+
+
+def document_ids(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """The token ids a cartridge of `text` stands for (what would otherwise be prefilled)."""
+    if not text.strip():
+        raise CartridgeError("document text is empty", field="text")
+    if not chat:
+        return tokenizer(text).input_ids  # with the tokenizer's BOS, if it adds one
+    head, _ = _split_chat(tokenizer, [])
+    return tokenizer(head.replace(_PLACEHOLDER, text), add_special_tokens=False).input_ids
+
+
+def continuation_ids(tokenizer: Any, messages: str | list[dict], chat: bool = True) -> list[int]:
+    """Prompt ids that follow a cartridge: the conversation after the document's system turn, no BOS."""
+    if not chat:
+        if not isinstance(messages, str):
+            raise CartridgeError("raw (chat=False) continuations must be text", field="prompt")
+        return tokenizer(messages, add_special_tokens=False).input_ids
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    _, rest = _split_chat(tokenizer, messages)
+    return tokenizer(rest, add_special_tokens=False).input_ids
 
 
 def build_dataproto(prompt_ids: list[list[int]], prompts: list[Prompt], pad_token_id: int,
@@ -150,43 +188,3 @@ def object_array(values: list) -> np.ndarray:
     for i, v in enumerate(values):
         arr[i] = v
     return arr
-
-
-@dataclass
-class DecodedRow:
-    text: str
-    response_ids: list[int]
-    response_mask: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[float] | None
-
-
-def decode_outputs(output, tokenizer, stop_ids: Sequence[int], max_new_tokens: int) -> list[DecodedRow]:
-    """Output DataProto -> per-row text, ids and masks.
-
-    The response is what veRL's response attention mask keeps (tokens up to and including the first eos),
-    capped at max_new_tokens: when pad == eos, veRL's mask also keeps the first pad of a length-truncated row.
-    finish_reason is "stop" when the last kept token is a stop token, else "length"."""
-    batch = output.batch
-    prompt_width = batch["prompts"].shape[1]
-    responses = batch["responses"]
-    attn = batch["attention_mask"]
-    loss_mask = batch["response_mask"] if "response_mask" in batch.keys() else None
-    logprobs = batch["rollout_log_probs"] if "rollout_log_probs" in batch.keys() else None
-    stop = set(stop_ids)
-    rows = []
-    for row in range(responses.shape[0]):
-        keep = min(int(attn[row, prompt_width:].sum()), max_new_tokens)
-        ids = responses[row, :keep].tolist()
-        mask = loss_mask[row, :keep].tolist() if loss_mask is not None else [1] * keep
-        rows.append(DecodedRow(
-            text=tokenizer.decode(ids, skip_special_tokens=True),
-            response_ids=ids, response_mask=mask,
-            finish_reason="stop" if ids and ids[-1] in stop else "length",
-            prompt_tokens=int(attn[row, :prompt_width].sum()),
-            completion_tokens=sum(mask),
-            logprobs=logprobs[row, :keep].tolist() if logprobs is not None else None,
-        ))
-    return rows

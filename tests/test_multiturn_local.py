@@ -34,15 +34,19 @@ def test_local_rollout_runs_the_multi_turn_path(tool_dir):
     config = rollout_config(multi_turn={"tool_config_path": str(ROOT / "tools.yaml")})
     rollout = LocalRollout(config, HFModelConfig(path=tool_dir), engine=engine)
     done, events = [], []
-    rollout.on_request_done = lambda: done.append(1)
-    rollout.on_tool_event = events.append
+
+    class Observer:  # final.rollout.base.Observer, per call
+        row_done = staticmethod(lambda: done.append(1))
+        tool_event = staticmethod(events.append)
+
     kwargs = [{"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}, {}]
     out = rollout.generate_sequences(chat_batch(tok, [[{"role": "user", "content": "ALPHA"}],
-                                                      [{"role": "user", "content": "BETA"}]], kwargs))
+                                                      [{"role": "user", "content": "BETA"}]], kwargs),
+                                     observer=Observer())
     assert set(out.non_tensor_batch) == {"messages", "reward_scores", "request_id"}
     assert out.non_tensor_batch["reward_scores"][0]["calc_gsm8k_reward"] == 1.0
     assert 0 in out.batch["response_mask"][0][: int(out.batch["attention_mask"][0, -128:].sum())].tolist()
-    assert len(done) == 2  # the progress hook fires once per finished row
+    assert len(done) == 2  # the observer hears of each finished row
     assert [e["type"] for e in events if e["row"] == 0] == ["assistant", "tool_call", "tool_result", "assistant",
                                                             "done"]
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serve_helpers import DOC_A, spec
-from final.server.fingerprint import read_fingerprint
+from final.protocol.fingerprint import read_fingerprint
 
 pytest_plugins = ["serve_helpers"]  # the served / carts fixtures
 

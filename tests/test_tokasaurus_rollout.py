@@ -43,8 +43,9 @@ def _same_batch(a, b) -> None:
 
 def test_same_dataproto_as_the_local_backend(served, toka):
     def rollout(eng, **sampling):  # what InferenceEngine.generate hands to rollout.generate_sequences
-        job = eng._prepare(PROMPTS, None, None, False, False, {"max_tokens": 12, **sampling})
-        return eng.rollout.generate_sequences(job["data"], **job["kwargs"])
+        request = eng.prepare(PROMPTS, max_tokens=12, **sampling)
+        data = request.dataproto(eng.pad_token_id, eng.eos_token_ids, None)
+        return eng.rollout.generate_sequences(data, **request.sampling.params)
 
     _same_batch(rollout(toka, temperature=0), rollout(served.inference, temperature=0))
     # sampled rows are reproducible across backends too: row i is seeded seed+i on both

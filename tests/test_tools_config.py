@@ -113,9 +113,11 @@ def test_missing_tool_config_path_is_a_typed_error(tokenizer, tmp_path):
 def test_verl_defaults_are_filled_in(tokenizer):
     config = rollout_config(multi_turn={"tool_config_path": str(ROOT / "tools.yaml")})
     rollout = MultiTurnRollout(ScriptedEngine(tokenizer, {}), config, tokenizer)
-    # SGLangRollout._verify_config: max_model_len = prompt + response, turns = max_model_len // 3
-    assert config.max_model_len == 256 + 128
-    assert config.multi_turn.max_assistant_turns == config.multi_turn.max_user_turns == 384 // 3
+    # SGLangRollout._verify_config: max_model_len = prompt + response, turns = max_model_len // 3; kept on the
+    # rollout, not written into the config (veRL mutates it; ours may be shared with other rollouts)
+    assert rollout.max_model_len == 256 + 128
+    assert rollout.max_assistant_turns == rollout.max_user_turns == 384 // 3
+    assert config.max_model_len is None and config.multi_turn.max_assistant_turns is None
     # SGLangRollout._init_sampling_params for this config (shared with the batch path: final/rollout/batch.py)
     assert rollout.sampling_params == {"n": 1, "max_new_tokens": 128, "presence_penalty": 0.0,
                                        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,

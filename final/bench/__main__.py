@@ -3,7 +3,7 @@
 import sys
 
 from final.bench.cli import main
-from final.cli import _quiet
+from final.cli import quiet
 
-_quiet()
+quiet()
 sys.exit(main())

@@ -48,62 +48,75 @@ def run(args: argparse.Namespace) -> dict:
     from final.bench.timing import machine
     from final.models import resolve_model_path
 
-    quick = args.quick
     only = {x.strip().lower() for x in args.only.split(",")}
-    repeats = args.repeats or (1 if quick else 3)
-    model = resolve_model_path(args.model or (QUICK_MODEL if quick else DEFAULT_MODEL))
+    repeats = args.repeats or (1 if args.quick else 3)
+    name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
+    model = resolve_model_path(name)
     torch.manual_seed(0)
     out: dict[str, Any] = {"machine": machine(args.device), "command": " ".join(["final bench", *args.argv]),
-                           "model": args.model or (QUICK_MODEL if quick else DEFAULT_MODEL)}
-    if "p1" in only:
-        from final.bench.throughput import roofline, run_throughput
-
-        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        batches = _ints(args.batches) if args.batches else ([2, 4] if quick else [8, 32])
-        new_tokens = args.new_tokens or (8 if quick else 64)
-        p1 = run_throughput(model, dtypes, batches, new_tokens, repeats, args.device)
-        rows = p1.pop("_rows")
-        head = next((r for r in rows if r.dtype == "fp32" and r.batch == min(batches)), rows[0])
-        # the goal is per batch size (batch 8), not per dtype: report it for each dtype measured
-        by_dtype = {r.dtype: round(r.ratio, 3) for r in rows if r.batch == min(batches)}
-        out["p1"] = {"ours": round(head.ours_tok_s, 2), "reference": round(head.reference_tok_s, 2),
-                     "ratio": round(head.ratio, 3), "unit": "tok/s", "headline": f"{head.dtype} batch {head.batch}",
-                     "goal": GOALS["p1"], "met": head.ratio >= GOALS["p1"], "rows": p1["rows"],
-                     "goal_batch": min(batches), "ratio_by_dtype": by_dtype,
-                     "met_by_dtype": {d: r >= GOALS["p1"] for d, r in by_dtype.items()}}
-        out["roofline"] = roofline(p1["decode_steps"], args.device)
-    if "p2" in only:
-        from final.bench.ttft import run_ttft
-
-        lengths = _ints(args.ttft_lengths) if args.ttft_lengths else ([64, 128, 256] if quick
-                                                                      else [512, 1024, 2048, 4096, 7168])
-        p2 = run_ttft(model, lengths, repeats, args.ttft_dtype, args.device)
-        rows = p2["rows"]
-        head = next((r for r in rows if r["p"] == 2048), rows[len(rows) // 2] if rows else None)
-        out["p2"] = {"ours": head and head["ours_ms"], "reference": head and head["reference_ms"],
-                     "ratio": head and head["ratio"], "unit": "ms TTFT", "headline": head and f"p={head['p']}",
-                     "goal": GOALS["p2"], "met": bool(head) and head["ratio"] >= GOALS["p2"],
-                     "spread": p2["cartridge_ttft_spread"], "spread_goal": GOALS["p2_spread"],
-                     "spread_met": p2["cartridge_ttft_spread"] is not None
-                     and p2["cartridge_ttft_spread"] <= GOALS["p2_spread"],
-                     "question_tokens": p2["question_tokens"], "rows": rows}
-    if "p3" in only:
-        from final.bench.memory import run_memory
-
-        p3 = run_memory(model, 256 if quick else 2048, 4 if quick else 32, 16, args.ttft_dtype,
-                        args.device)
-        out["p3"] = {"ours": p3["all_rows"]["cartridge_bytes_held"], "reference": p3["cartridge_bytes"],
-                     "ratio": p3["ratio"], "unit": "bytes", "goal": GOALS["p3"], "met": p3["ratio"] <= GOALS["p3"],
-                     **{k: v for k, v in p3.items() if k not in ("ratio",)}}
-    if "p4" in only:
-        from final.bench.overhead import run_overhead
-
-        # The wrapper's cost is what is measured, so the model is the tiny one and generations are short.
-        # A call lasts a fraction of a second, so more repeats are cheap and steady the small difference.
-        p4 = run_overhead(QUICK_MODEL, args.p4_prompts or (16 if quick else 256), 2, 2 * repeats + 1)
-        out["p4"] = {**p4, "ours": p4["ours_s"], "reference": p4["reference_s"], "unit": "s per call",
-                     "goal_ms_per_prompt": GOALS["p4_ms"], "met": p4["ms_per_prompt"] <= GOALS["p4_ms"]}
+                           "model": name}
+    for key, measure in MEASUREMENTS.items():
+        if key in only:
+            out.update(measure(args, model, repeats))
     return out
+
+
+def _p1(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.throughput import roofline, run_throughput
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    batches = _ints(args.batches) if args.batches else ([2, 4] if args.quick else [8, 32])
+    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    p1 = run_throughput(model, dtypes, batches, new_tokens, repeats, args.device)
+    rows = p1.pop("_rows")
+    head = next((r for r in rows if r.dtype == "fp32" and r.batch == min(batches)), rows[0])
+    # the goal is per batch size (batch 8), not per dtype: report it for each dtype measured
+    by_dtype = {r.dtype: round(r.ratio, 3) for r in rows if r.batch == min(batches)}
+    return {"p1": {"ours": round(head.ours_tok_s, 2), "reference": round(head.reference_tok_s, 2),
+                   "ratio": round(head.ratio, 3), "unit": "tok/s", "headline": f"{head.dtype} batch {head.batch}",
+                   "goal": GOALS["p1"], "met": head.ratio >= GOALS["p1"], "rows": p1["rows"],
+                   "goal_batch": min(batches), "ratio_by_dtype": by_dtype,
+                   "met_by_dtype": {d: r >= GOALS["p1"] for d, r in by_dtype.items()}},
+            "roofline": roofline(p1["decode_steps"], args.device)}
+
+
+def _p2(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.ttft import run_ttft
+
+    lengths = _ints(args.ttft_lengths) if args.ttft_lengths else ([64, 128, 256] if args.quick
+                                                                  else [512, 1024, 2048, 4096, 7168])
+    p2 = run_ttft(model, lengths, repeats, args.ttft_dtype, args.device)
+    rows = p2["rows"]
+    head = next((r for r in rows if r["p"] == 2048), rows[len(rows) // 2] if rows else None)
+    spread = p2["cartridge_ttft_spread"]
+    return {"p2": {"ours": head and head["ours_ms"], "reference": head and head["reference_ms"],
+                   "ratio": head and head["ratio"], "unit": "ms TTFT", "headline": head and f"p={head['p']}",
+                   "goal": GOALS["p2"], "met": bool(head) and head["ratio"] >= GOALS["p2"],
+                   "spread": spread, "spread_goal": GOALS["p2_spread"],
+                   "spread_met": spread is not None and spread <= GOALS["p2_spread"],
+                   "question_tokens": p2["question_tokens"], "rows": rows}}
+
+
+def _p3(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.memory import run_memory
+
+    p3 = run_memory(model, 256 if args.quick else 2048, 4 if args.quick else 32, 16, args.ttft_dtype, args.device)
+    return {"p3": {"ours": p3["all_rows"]["cartridge_bytes_held"], "reference": p3["cartridge_bytes"],
+                   "ratio": p3["ratio"], "unit": "bytes", "goal": GOALS["p3"], "met": p3["ratio"] <= GOALS["p3"],
+                   **{k: v for k, v in p3.items() if k not in ("ratio",)}}}
+
+
+def _p4(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.overhead import run_overhead
+
+    # The wrapper's cost is what is measured, so the model is the tiny one and generations are short.
+    # A call lasts a fraction of a second, so more repeats are cheap and steady the small difference.
+    p4 = run_overhead(QUICK_MODEL, args.p4_prompts or (16 if args.quick else 256), 2, 2 * repeats + 1)
+    return {"p4": {**p4, "ours": p4["ours_s"], "reference": p4["reference_s"], "unit": "s per call",
+                   "goal_ms_per_prompt": GOALS["p4_ms"], "met": p4["ms_per_prompt"] <= GOALS["p4_ms"]}}
+
+
+MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4}
 
 
 def report(res: dict) -> str:

@@ -18,11 +18,12 @@ def run_memory(model_dir: str, cartridge_tokens: int, rows: int, new_tokens: int
     from transformers import AutoTokenizer
 
     from final.cartridges.footprint import measure_sharing
-    from final.engine import EmbeddedEngine
+    from final.inf import local_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
-    engine = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_running_requests=max(rows, 1))
+    inference = local_engine(model_dir, dtype=dtype, device=device, max_num_seqs=max(rows, 1))
+    engine = inference.engine
     try:
         keys, values = random_cartridge(engine, cartridge_tokens)
         prefix = engine.load_cartridge("bench-shared", keys, values)
@@ -42,7 +43,7 @@ def run_memory(model_dir: str, cartridge_tokens: int, rows: int, new_tokens: int
         out["total_ratio_pool"] = round((held["cartridge_bytes_held"] + held["row_pool_bytes"]) / one_cartridge, 4)
         out["copy_per_row_ratio"] = float(held["running_rows"])  # what a per-row copy of the prefix would hold
     finally:
-        engine.shutdown()
+        inference.shutdown()
     return out
 
 

@@ -75,14 +75,15 @@ def run_throughput(model_dir: str, dtypes: list[str], batches: list[int], new_to
     """P1 rows for every dtype x batch, plus per-step decode times (for the roofline) at the smallest batch."""
     from transformers import AutoTokenizer
 
-    from final.engine import EmbeddedEngine
+    from final.inf import local_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows: list[ThroughputRow] = []
     steps: dict[str, dict] = {}
     for name in dtypes:
-        engine = EmbeddedEngine(model_dir, dtype=DTYPES[name], device=device)
+        inference = local_engine(model_dir, dtype=str(DTYPES[name]).removeprefix("torch."), device=device)
+        engine = inference.engine
         # HF runs on the engine's own thread: one OpenMP team for both sides. A second thread with parallel torch
         # work makes libgomp throttle every team (~30% slower on 2 cores), which would handicap both unevenly.
         ref = engine.call(lambda _runner: HFReference(model_dir, DTYPES[name], device))
@@ -116,7 +117,7 @@ def run_throughput(model_dir: str, dtypes: list[str], batches: list[int], new_to
                                    "flops_per_step": _flops_per_step(engine, batch),
                                    "kv_bytes_per_step": _kv_bytes_per_step(engine, prompts, new_tokens)}
         finally:
-            engine.shutdown()
+            inference.shutdown()
             del ref
             gc.collect()
     return {"rows": [r.as_dict() for r in rows], "decode_steps": steps, "_rows": rows}

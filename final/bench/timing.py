@@ -50,12 +50,6 @@ def side_by_side(reference: Callable[[], Any], ours: Callable[[], Any], repeats:
     return Pair(statistics.median(ref), statistics.median(mine), ref, mine)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn)[0] for _ in range(repeats))
-
-
 def on_own_thread(fn: Callable[[], T]) -> T:
     """Run fn on a short-lived thread and return its result: the OpenMP team it starts ends with it, so no team
     lingers on the caller's thread (a lingering team makes libgomp throttle every later parallel region)."""

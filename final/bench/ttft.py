@@ -30,11 +30,12 @@ def random_cartridge(engine: Any, tokens: int, seed: int = 0) -> tuple[list[torc
 def run_ttft(model_dir: str, lengths: list[int], repeats: int, dtype: str = "auto", device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
 
-    from final.engine import EmbeddedEngine
+    from final.inf import local_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
-    engine = EmbeddedEngine(model_dir, dtype=dtype, device=device)
+    inference = local_engine(model_dir, dtype=dtype, device=device)
+    engine = inference.engine
     rows = []
     try:
         lengths = [p for p in lengths if p + len(question) + 1 < engine.max_model_len]
@@ -72,7 +73,7 @@ def run_ttft(model_dir: str, lengths: list[int], repeats: int, dtype: str = "aut
             rows.append({"p": p, "ours_ms": round(our_s * 1e3, 2), "reference_ms": round(ref_s * 1e3, 2),
                          "ratio": round(ref_s / our_s, 2)})
     finally:
-        engine.shutdown()
+        inference.shutdown()
     ours_ms = [r["ours_ms"] for r in rows]
     return {"question_tokens": len(question), "rows": rows,
             "cartridge_ttft_spread": round(max(ours_ms) / min(ours_ms), 3) if ours_ms else None}

@@ -4,9 +4,9 @@
 (the KV of the document's first tokens, the first token frozen as the attention sink). `verify` checks the
 exactness of serving: (cartridge + question) must give the logits and greedy tokens of (text + question).
 
-Token layout: in chat mode the document is a system turn, `<|im_start|>system\\n{text}<|im_end|>\\n` for
-ChatML, and a question is the rest of the conversation rendered after it, tokenized without special tokens so
-no second BOS follows the cartridge (its first token is the sink).
+Token layout (final.prompts.document_ids / continuation_ids): in chat mode the document is a system turn and a
+question is the rest of the conversation rendered after it, with no second BOS (the cartridge's first token is
+the sink).
 """
 
 from __future__ import annotations
@@ -17,43 +17,10 @@ from typing import Any, Sequence
 
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
+from final.prompts import continuation_ids, document_ids  # noqa: F401 - re-exported: build and verify use them
 
 DEFAULT_QUESTIONS = ("What is this document about?", "Summarize the document in one sentence.",
                      "List one specific fact stated in the document.")
-_PLACEHOLDER = "\x00DOCUMENT\x00"
-
-
-def _split_chat(tokenizer: Any, messages: list[dict]) -> tuple[str, str]:
-    """Render [system: placeholder] + messages and return (system part, the rest)."""
-    sys_msg = [{"role": "system", "content": _PLACEHOLDER}]
-    head = tokenizer.apply_chat_template(sys_msg, tokenize=False)
-    full = tokenizer.apply_chat_template(sys_msg + messages, tokenize=False, add_generation_prompt=True)
-    if not full.startswith(head):
-        raise CartridgeError("the chat template does not render a system turn as a fixed prefix; use chat=False",
-                             field="chat_template")
-    return head, full[len(head):]
-
-
-def document_ids(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
-    """The token ids a cartridge of `text` stands for (what would otherwise be prefilled)."""
-    if not text.strip():
-        raise CartridgeError("document text is empty", field="text")
-    if not chat:
-        return tokenizer(text).input_ids  # with the tokenizer's BOS, if it adds one
-    head, _ = _split_chat(tokenizer, [])
-    return tokenizer(head.replace(_PLACEHOLDER, text), add_special_tokens=False).input_ids
-
-
-def continuation_ids(tokenizer: Any, messages: str | list[dict], chat: bool = True) -> list[int]:
-    """Prompt ids that follow a cartridge: the conversation after the document's system turn, no BOS."""
-    if not chat:
-        if not isinstance(messages, str):
-            raise CartridgeError("raw (chat=False) continuations must be text", field="prompt")
-        return tokenizer(messages, add_special_tokens=False).input_ids
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    _, rest = _split_chat(tokenizer, messages)
-    return tokenizer(rest, add_special_tokens=False).input_ids
 
 
 def build_from_text(engine: Any, ids: Sequence[int], num_frozen_tokens: int = 1) -> CartridgeKV:

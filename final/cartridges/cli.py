@@ -61,23 +61,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from final.errors import FinalError
+    from final.cli import run_command
 
-    try:
-        return args.cartridge_func(args)
-    except FinalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args.cartridge_func, args)
 
 
 def _open_engine(args: argparse.Namespace):
-    from transformers import AutoTokenizer
+    """The embedded engine (through InferenceEngine, the one composition root) and its tokenizer."""
+    from final.inf import local_engine
 
-    from final.engine.engine import EmbeddedEngine
-    from final.models import resolve_model_path
-
-    model_dir = resolve_model_path(args.model)
-    return EmbeddedEngine(model_dir, dtype=args.dtype), AutoTokenizer.from_pretrained(model_dir)
+    inference = local_engine(args.model, dtype=args.dtype)
+    return inference, inference.engine, inference.tokenizer
 
 
 def _read_text(path: Path) -> str:
@@ -97,11 +91,11 @@ def _build(args: argparse.Namespace) -> int:
     from final.engine.engine import resolve_dtype
 
     text = _read_text(args.text)
-    engine, tok = _open_engine(args)
+    inference, engine, tok = _open_engine(args)
     try:
         cart = build_from_text(engine, document_ids(tok, text, chat=not args.raw), args.frozen_tokens)
     finally:
-        engine.shutdown()
+        inference.shutdown()
     if args.save_dtype:
         cart = cart.to(resolve_dtype(args.save_dtype, torch.device("cpu")))
     out = save_cartridge(cart, args.out)
@@ -148,7 +142,7 @@ def _verify(args: argparse.Namespace) -> int:
     from final.cartridges.service import CartridgeService
 
     text = _read_text(args.text)
-    engine, tok = _open_engine(args)
+    inference, engine, tok = _open_engine(args)
     try:
         cart, _ = CartridgeService(engine).read(args.path, _manifest_of(args.path))
         chat = not args.raw
@@ -156,7 +150,7 @@ def _verify(args: argparse.Namespace) -> int:
         report = verify(engine, cart, document_ids(tok, text, chat=chat),
                         [continuation_ids(tok, q, chat=chat) for q in questions], args.max_new_tokens)
     finally:
-        engine.shutdown()
+        inference.shutdown()
     if args.json:
         print(json.dumps({"max_logit_diff": report.max_logit_diff, "token_agreement": report.token_agreement,
                           "same_answers": report.same_answers, "questions": len(report.checks),

@@ -20,13 +20,14 @@ from typing import Any, Iterable, Iterator, Mapping
 from final.cartridges.format import CartridgeKV, load_cartridge
 from final.cartridges.manifest import (ModelShape, check_matches_manifest, check_matches_model, read_manifest,
                                        verify_checksum)
-from final.cartridges.sources import SOURCES, fetch
+from final.cartridges.sources import fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
+from final.config import CARTRIDGE_KEYS, check_cartridge_spec
 from final.errors import CartridgeError
 
 logger = logging.getLogger(__name__)
 
-SPEC_KEYS = {"id", "source", "force_redownload", "path", "pin", "allow_nonfinite"}
+SPEC_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request may also accept non-finite values
 
 
 class CartridgeService:
@@ -156,22 +157,6 @@ class CartridgeService:
 
 def parse_spec(spec: Mapping[str, Any], where: str = "cartridges") -> dict[str, Any]:
     """Validate one `{id, source, force_redownload, path}` dict (seed 000's shape) into load() arguments."""
-    if not isinstance(spec, Mapping):
-        raise CartridgeError(f"must be a mapping with id and source, got {type(spec).__name__}", field=where)
-    unknown = sorted(set(spec) - SPEC_KEYS)
-    if unknown:
-        raise CartridgeError(f"unknown keys {unknown}; allowed: {sorted(SPEC_KEYS)}", field=f"{where}.{unknown[0]}")
-    out = dict(spec)
+    out = check_cartridge_spec(dict(spec) if isinstance(spec, Mapping) else spec, where, SPEC_KEYS, request=True)
     out.setdefault("source", "local")
-    if not out.get("id") and not out.get("path"):
-        raise CartridgeError("needs an id (or a path)", field=f"{where}.id")
-    for key in ("id", "path"):
-        if out.get(key) is not None and not isinstance(out[key], str):
-            raise CartridgeError(f"must be a string, got {type(out[key]).__name__}", field=f"{where}.{key}")
-    if out["source"] not in SOURCES:
-        raise CartridgeError(f"unknown source {out['source']!r}; choose one of {', '.join(SOURCES)}",
-                             file=out.get("id"), field=f"{where}.source")
-    for key in ("force_redownload", "pin", "allow_nonfinite"):
-        if key in out and not isinstance(out[key], bool):
-            raise CartridgeError(f"must be true or false, got {out[key]!r}", field=f"{where}.{key}")
     return out

@@ -19,8 +19,9 @@ from typing import Callable
 
 from final.cartridges.manifest import MANIFEST_SUFFIX
 from final.errors import CartridgeError
+from final.protocol.bodies import CARTRIDGE_SOURCES
 
-SOURCES = ("local", "huggingface", "s3", "wandb")
+SOURCES = CARTRIDGE_SOURCES  # final.protocol.bodies: the sources a request may name
 # Hugging Face repos are searched for these names (in order) when no `path` names the file.
 HF_DEFAULT_FILES = ("cartridge.pt", "cartridge.safetensors", "cache_last.pt")
 _EXTRAS = {"boto3": "s3", "huggingface_hub": "hf", "wandb": "wandb"}

@@ -1,37 +1,32 @@
 """EmbeddedEngine: the subset of SGLang 0.5.2's `Engine` that veRL uses, in plain PyTorch.
 
-One background thread owns the model, the KV cache and the running batch; callers on any thread or event loop
-submit requests and await their futures. Requests join the running batch between steps and leave it when they
-finish (continuous batching). Beyond SGLang it serves cartridges: per-request prefilled KV prefixes.
+One background thread (final/engine/core.py) owns the model, the KV cache and the running batch; callers on any
+thread or event loop make requests here, which are validated on the caller's thread and then sent in one typed
+message. Requests join the running batch between steps and leave it when they finish (continuous batching).
+Beyond SGLang it serves cartridges (per-request prefilled KV prefixes) and `submit`, a batch call that returns a
+concurrent future and can run a `finish` function over all the outputs on the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
-import os
-import queue
 import random
 import threading
 import uuid
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 import torch
 
-from final.engine.kv_cache import KVCache, PrefixKV, PrefixTable
+from final.engine.core import EngineCore
+from final.engine.kv_cache import PrefixKV
+from final.engine.messages import Abort, Batch, Call, Stop, Submission, Submit
 from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
-from final.engine.sampler import sample
 from final.engine.sampling_params import SamplingParams
-from final.engine.scheduler import Scheduler
 from final.engine.sequence import Sequence
 from final.errors import CartridgeError, EngineError, PromptError, SamplingError
 from final.models import model_eos_token_ids
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -48,22 +43,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def total_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-@dataclass
-class EngineStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    aborted: int = 0
-
-
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  max_running_requests: int = 256, max_model_len: int | None = None,
@@ -72,39 +51,41 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
-        self._inbox: queue.Queue = queue.Queue()
         self._closed = False
+        self._rng = random.Random(random_seed)
+        eos = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_token_ids(model_path))
         # The model is loaded (and its weights packed) on the engine thread, which then does all of the engine's
         # tensor work. On CPU this matters: every OS thread that runs parallel torch ops keeps its own OpenMP team,
         # and once teams outnumber the cores libgomp stops spinning between parallel regions - measured 30% slower
         # decode when the thread that built the model stayed alive (bench/RESULTS.md).
-        loaded: concurrent.futures.Future = concurrent.futures.Future()
-        self._ready = threading.Event()  # set when the constructor is done (or gave up)
-        self._thread = threading.Thread(target=self._loop, args=(loaded,), name="final-engine", daemon=True)
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        options = dict(max_running_requests=max_running_requests, max_model_len=max_model_len,
+                       max_prefill_tokens=max_prefill_tokens, mem_fraction_static=mem_fraction_static,
+                       eos_token_ids=eos)
+        self._thread = threading.Thread(target=self._main, args=(started, options), name="final-engine",
+                                        daemon=True)
         self._thread.start()
-        self.model = loaded.result()
-        try:
-            self._build(max_running_requests, max_model_len, max_prefill_tokens, mem_fraction_static, random_seed,
-                        eos_token_ids)
-        finally:
-            self._ready.set()
+        self.core: EngineCore = started.result()
 
-    def _build(self, max_running_requests: int, max_model_len: int | None, max_prefill_tokens: int,
-               mem_fraction_static: float, random_seed: int | None, eos_token_ids: Seq[int] | None) -> None:
-        model_path = self.model_path
-        spec = self.model.spec
-        self.spec = spec
-        self.max_model_len = min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_token_ids(model_path))
-        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device,
-                             self.max_model_len)
-        self.prefixes = PrefixTable(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
-        budget = int(mem_fraction_static * total_memory_bytes(self.device)) - self.model.nbytes
-        self.scheduler = Scheduler(self.cache, max_running_requests, max_prefill_tokens, max(budget, 0))
-        self.runner = ModelRunner(self.model, self.cache)
-        self.stats = EngineStats()
-        self._rng = random.Random(random_seed)
-        self._tokenizer = None
+    def _main(self, started: concurrent.futures.Future, options: dict) -> None:
+        try:
+            model = CausalLM.from_pretrained(self.model_path, self.dtype, self.device)
+            max_len = options.pop("max_model_len") or model.spec.max_position_embeddings
+            core = EngineCore(model, self.model_path, max_model_len=min(max_len, model.spec.max_position_embeddings),
+                              **options)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            started.set_exception(exc)
+            return
+        started.set_result(core)
+        core.run()
+
+    def __getattr__(self, name: str) -> Any:
+        """The engine thread's state (model, spec, max_model_len, cache, prefixes, scheduler, runner, stats, ...),
+        for inspection: read what changes on that thread with engine.call(...)."""
+        core = self.__dict__.get("core")
+        if core is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(core, name)
 
     # ---- SGLang dialect ------------------------------------------------------------------------------
     async def async_generate(self, prompt: Any = None, sampling_params: dict | list[dict] | None = None,
@@ -123,55 +104,83 @@ class EmbeddedEngine:
             raise PromptError("the embedded engine is token-in-token-out (skip_tokenizer_init): pass input_ids")
         if top_logprobs_num:
             raise SamplingError("top logprobs are not supported by the embedded engine", "top_logprobs_num")
-        if image_data is not None and any(x is not None for x in (image_data if isinstance(image_data, list) else [image_data])):
+        if image_data is not None and any(x is not None for x in (image_data if isinstance(image_data, list)
+                                                                   else [image_data])):
             raise PromptError("the embedded engine is text-only; image_data must be None")
         single = bool(input_ids) and isinstance(input_ids[0], int)
-        batch = [input_ids] if single else input_ids
-        if not isinstance(batch, list) or not batch:
-            raise PromptError("input_ids must be a non-empty list of token ids or a list of such lists")
-        n_items = len(batch)
-        per = lambda value, name: _per_item(value, n_items, name)  # noqa: E731
-        params = [SamplingParams.from_dict(p) for p in per(sampling_params, "sampling_params")]
-        logprob_flags = per(return_logprob, "return_logprob")
-        starts = per(logprob_start_len, "logprob_start_len")
-        rids = per(rid, "rid")
-        carts = _per_cartridge(cartridges, n_items)
-        seqs = []
-        for i, ids in enumerate(batch):
-            for j in range(params[i].n):
-                seqs.append(self._make_sequence(i, ids, params[i], j, bool(logprob_flags[i]),
-                                                -1 if starts[i] is None else starts[i], rids[i], carts[i]))
+        seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
+                              logprob_start_len=logprob_start_len, rid=rid, cartridges=cartridges)
         if stream:
             if len(seqs) != 1:
                 raise SamplingError("streaming takes one prompt with n=1", "stream")
             return self._stream(seqs[0])
-        outs = await asyncio.gather(*(self._submit(seq) for seq in seqs))
+        outs = await self.submit(seqs).wait()
         return outs[0] if single and len(outs) == 1 else outs
 
     def generate(self, input_ids: list[int] | list[list[int]], sampling_params: dict | list[dict] | None = None,
                  **kwargs: Any) -> dict | list[dict]:
         """Blocking form of async_generate (for scripts; from a running event loop use async_generate)."""
-        return _run_blocking(self.async_generate(input_ids=input_ids, sampling_params=sampling_params, **kwargs))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.async_generate(input_ids=input_ids, sampling_params=sampling_params, **kwargs))
+        raise EngineError("generate() was called inside a running event loop; await async_generate() instead")
 
     def flush_cache(self) -> bool:
-        """SGLang clears its radix cache here. We keep no prompt cache; drop composed cartridge concatenations."""
-        self._post(("flush",))
+        """SGLang clears its radix cache here. We keep no prompt cache (compositions of cartridges are dropped
+        when their last row finishes), so there is nothing to clear."""
         return True
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        self._post(("abort", rid, abort_all))
+        self._post(Abort(rid, abort_all))
 
     def release_memory_occupation(self) -> None:
         """Free the KV pool (veRL's release()); it is rebuilt on the next request."""
-        self.call(lambda _runner: self.cache.release())
+        self.call(lambda _runner: self.core.cache.release())
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._post(("stop",))
+        self.core.inbox.put(Stop())
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
+
+    # ---- batches -------------------------------------------------------------------------------------
+    def sequences(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
+                  logprob_start_len: Any = None, rid: Any = None, cartridges: Any = None) -> list[Sequence]:
+        """Validate SGLang-style arguments (one value or one per prompt) into sequences, n expanded
+        prompt-major. Raises PromptError / SamplingError / CartridgeError naming the prompt and field."""
+        batch = [input_ids] if bool(input_ids) and isinstance(input_ids[0], int) else input_ids
+        if not isinstance(batch, list) or not batch:
+            raise PromptError("input_ids must be a non-empty list of token ids or a list of such lists")
+        n = len(batch)
+        params = [SamplingParams.from_dict(p) for p in _per_item(sampling_params, n, "sampling_params")]
+        flags, starts = _per_item(return_logprob, n, "return_logprob"), _per_item(logprob_start_len, n,
+                                                                                  "logprob_start_len")
+        rids, carts = _per_item(rid, n, "rid"), _per_cartridge(cartridges, n)
+        return [self._make_sequence(i, ids, params[i], j, bool(flags[i]), -1 if starts[i] is None else starts[i],
+                                    rids[i], carts[i])
+                for i, ids in enumerate(batch) for j in range(params[i].n)]
+
+    def submit_generate(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
+                        logprob_start_len: Any = None, rid: Any = None, cartridges: Any = None,
+                        finish: Callable[[list[dict]], Any] | None = None,
+                        on_row: Callable[[int, dict], None] | None = None) -> Submission:
+        """async_generate's batch form for callers without an event loop: validate now, send the rows in one
+        message, and return at once. The submission's future resolves when every row has finished, with their
+        output dicts in order, or with finish(outputs) run on the engine thread; on_row(i, out) sees each row."""
+        seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
+                              logprob_start_len=logprob_start_len, rid=rid, cartridges=cartridges)
+        return self.submit(seqs, finish, on_row)
+
+    def submit(self, seqs: list[Sequence], finish: Callable[[list[dict]], Any] | None = None,
+               on_row: Callable[[int, dict], None] | None = None) -> Submission:
+        batch = Batch(len(seqs), finish, on_row)
+        for row, seq in enumerate(seqs):
+            seq.batch, seq.row = batch, row
+        self._post(Submit(seqs))
+        return Submission(batch.future, lambda: [self.abort_request(s.rid) for s in seqs if not self._closed])
 
     # ---- cartridges ----------------------------------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> PrefixKV:
@@ -179,92 +188,65 @@ class EmbeddedEngine:
         if not isinstance(cartridge_id, str) or not cartridge_id:
             raise CartridgeError("cartridge id must be a non-empty string", field="id")
         # the device/dtype copy runs on the engine thread (the one thread that does tensor work)
-        return self.call(lambda _runner: self.prefixes.add(cartridge_id, keys, values))
+        return self.call(lambda _runner: self.core.prefixes.add(cartridge_id, keys, values))
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Remove a cartridge; running requests that use it finish normally (they hold their own reference)."""
-        return self.prefixes.remove(cartridge_id)
+        return self.core.prefixes.remove(cartridge_id)
 
     def cartridge_ids(self) -> list[str]:
-        return self.prefixes.ids()
+        return self.core.prefixes.ids()
 
     # ---- running work on the engine thread -----------------------------------------------------------
     def call(self, fn: Callable[[ModelRunner], Any]) -> Any:
         """Run fn(runner) on the engine thread between steps and return its result (e.g. building a cartridge)."""
         if threading.current_thread() is self._thread:
-            return fn(self.runner)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, fut))
-        return fut.result()
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes held by the row KV pool plus loaded cartridges."""
-        return self.cache.nbytes + self.prefixes.nbytes
+            return fn(self.core.runner)
+        msg = Call(fn)
+        self._post(msg)
+        return msg.future.result()
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _post(self, msg: tuple) -> None:
-        if self._closed and msg[0] != "stop":
+    def _post(self, msg: Any) -> None:
+        if self._closed:
             raise EngineError("the engine has been shut down")
-        self._inbox.put(msg)
+        if not self._thread.is_alive():
+            raise EngineError("the engine thread is not running")
+        self.core.inbox.put(msg)
 
     def _make_sequence(self, index: int, ids: Any, params: SamplingParams, sample_index: int, return_logprob: bool,
                        logprob_start_len: int, rid: str | None, cartridges: tuple[str, ...]) -> Sequence:
+        spec, max_len = self.core.spec, self.core.max_model_len
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise PromptError("input_ids must be a non-empty list of integers", index)
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        bad = [t for t in ids if not 0 <= t < spec.vocab_size]
         if bad:
-            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})", index)
-        prefix = self.prefixes.get(cartridges)
-        context = len(ids) + (prefix.length if prefix else 0)
-        if context >= self.max_model_len and prefix is not None and len(ids) < self.max_model_len:
-            raise CartridgeError(f"prompt {index}: {context} tokens (cartridge {prefix.length} + prompt {len(ids)}) do "
-                                 f"not fit the context window of {self.max_model_len} (max_model_len)",
-                                 file=",".join(prefix.ids), field="max_model_len")
-        if context >= self.max_model_len:
-            raise PromptError(f"{context} tokens (prompt {len(ids)} + cartridge {context - len(ids)}) do not fit the "
-                              f"context window of {self.max_model_len} (max_model_len)", index)
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {spec.vocab_size})", index)
+        prefix_len = self.core.prefixes.length_of(cartridges)
+        context = len(ids) + prefix_len
+        if context >= max_len and prefix_len and len(ids) < max_len:
+            raise CartridgeError(f"prompt {index}: {context} tokens (cartridge {prefix_len} + prompt {len(ids)}) do "
+                                 f"not fit the context window of {max_len} (max_model_len)",
+                                 file=",".join(cartridges), field="max_model_len")
+        if context >= max_len:
+            raise PromptError(f"{context} tokens (prompt {len(ids)} + cartridge {prefix_len}) do not fit the "
+                              f"context window of {max_len} (max_model_len)", index)
         if logprob_start_len >= len(ids):
             raise SamplingError(f"{logprob_start_len} must be below the prompt length {len(ids)}", "logprob_start_len")
         seed = splitmix64(params.seed + sample_index) if params.seed is not None else self._rng.randrange(2**63)
-        generator = None if params.greedy else torch.Generator(device="cpu").manual_seed(seed)
         seq = Sequence(
             rid=(rid if params.n == 1 else f"{rid}-{sample_index}") if rid else uuid.uuid4().hex,
-            prompt_ids=list(ids), params=params,
-            max_new_tokens=min(params.max_new_tokens, self.max_model_len - context - 1),
-            stop_ids=frozenset() if params.ignore_eos else self.eos_token_ids | frozenset(params.stop_token_ids),
-            prefix=prefix, generator=generator, on_done=lambda s: None, on_error=lambda e: None,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-        )
-        if self.scheduler.too_big(seq):
+            prompt_ids=list(ids), params=params, max_new_tokens=min(params.max_new_tokens, max_len - context - 1),
+            stop_ids=frozenset() if params.ignore_eos else self.core.eos_token_ids | frozenset(params.stop_token_ids),
+            generator=None if params.greedy else torch.Generator(device="cpu").manual_seed(seed),
+            cartridges=cartridges, prefix_len=prefix_len, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len)
+        if self.core.scheduler.too_big(seq):
             raise PromptError(f"needs {seq.reserved_tokens} tokens of KV memory, more than the engine's budget", index)
         return seq
 
-    async def _submit(self, seq: Sequence) -> dict:
-        if not self._thread.is_alive():
-            raise EngineError("the engine thread is not running")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def deliver(set_value) -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: fut.done() or set_value())
-            except RuntimeError:  # the caller's loop is closed: nobody is waiting for this result
-                pass
-
-        seq.on_done = lambda s: deliver(partial(fut.set_result, s.to_output()))
-        seq.on_error = lambda exc: deliver(partial(fut.set_exception, exc))
-        self._post(("add", seq))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._post(("abort", seq.rid, False))
-            raise
-
     async def _stream(self, seq: Sequence) -> AsyncIterator[dict]:
         """Yield seq's output after every token; closing the iterator early aborts the request."""
-        if not self._thread.is_alive():
-            raise EngineError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
 
@@ -275,9 +257,8 @@ class EmbeddedEngine:
                 pass
 
         seq.on_token = lambda s: put(s.to_output())  # snapshot taken on the engine thread
-        seq.on_done = lambda s: put(s.to_output())
-        seq.on_error = put
-        self._post(("add", seq))
+        future = self.submit([seq], on_row=lambda _row, out: put(out)).future
+        future.add_done_callback(lambda f: not f.cancelled() and f.exception() is not None and put(f.exception()))
         finished = False
         try:
             while not finished:
@@ -289,123 +270,7 @@ class EmbeddedEngine:
                 yield item
         finally:
             if not finished and not self._closed:
-                self._post(("abort", seq.rid, False))
-
-    def _loop(self, loaded: concurrent.futures.Future) -> None:
-        try:
-            loaded.set_result(CausalLM.from_pretrained(self.model_path, self.dtype, self.device))
-        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
-            loaded.set_exception(exc)
-            return
-        self._ready.wait()  # the constructor builds the scheduler and cache before the first message
-        if not hasattr(self, "runner"):  # the constructor failed after loading: nothing to serve
-            return
-        with torch.inference_mode():
-            while True:
-                block = not self.scheduler.has_work()
-                try:
-                    while True:
-                        msg = self._inbox.get(block=block, timeout=None)
-                        block = False
-                        try:
-                            if not self._handle(msg):
-                                return
-                        except Exception:  # a bad message must not take the engine down
-                            logger.exception("engine failed to handle %s", msg[0])
-                except queue.Empty:
-                    pass
-                if self.scheduler.has_work():
-                    try:
-                        self._step()
-                    except Exception as exc:  # keep serving: fail what was in flight, not the engine
-                        logger.exception("engine step failed")
-                        self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
-
-    def _handle(self, msg: tuple) -> bool:
-        kind = msg[0]
-        if kind == "add":
-            self.stats.requests += 1
-            self.stats.prompt_tokens += len(msg[1].prompt_ids)
-            self.scheduler.add(msg[1])
-        elif kind == "abort":
-            self._abort(msg[1], msg[2])
-        elif kind == "flush":
-            self.prefixes.prune_composed({s.prefix for s in self.scheduler.running})
-        elif kind == "call":
-            fn, fut = msg[1], msg[2]
-            try:
-                fut.set_result(fn(self.runner))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
-        elif kind == "stop":
-            self._fail_all(EngineError("the engine has been shut down"))
-            self.cache.release()
-            return False
-        return True
-
-    def _abort(self, rid: str, abort_all: bool) -> None:
-        match = (lambda s: True) if abort_all else (lambda s: s.rid == rid)
-        for seq in self.scheduler.drop_waiting(match):
-            seq.abort("aborted")
-            self.stats.aborted += 1
-            seq.on_done(seq)
-        gone = [s for s in self.scheduler.running if match(s)]
-        for seq in gone:
-            seq.abort("aborted")
-            self.stats.aborted += 1
-        self._finish(gone)
-
-    def _step(self) -> None:
-        batch = self.scheduler.next_prefill()
-        if batch:
-            logits = self.runner.prefill(batch)
-            self.stats.prefill_steps += 1
-            active = [s for s in batch if s.max_new_tokens > 0]
-            for s in batch:
-                if s.max_new_tokens <= 0:
-                    s.finish_reason = {"type": "length", "length": 0}
-            if active:
-                rows = [i for i, s in enumerate(batch) if s.max_new_tokens > 0]
-                self._append(logits[rows], active)
-            self._finish([s for s in batch if s.finish_reason is not None])
-            return
-        running = list(self.scheduler.running)
-        if not running:
-            return
-        logits = self.runner.decode(running)
-        self.stats.decode_steps += 1
-        self._append(logits, running)
-        self._finish([s for s in running if s.finish_reason is not None])
-
-    def _append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        tokens, logprobs = sample(logits, seqs)
-        stop_texts = self._stop_matcher if any(s.params.stop for s in seqs) else None
-        for i, seq in enumerate(seqs):
-            seq.append(tokens[i], logprobs[i] if logprobs is not None else None, stop_texts)
-        self.stats.generated_tokens += len(seqs)
-
-    def _stop_matcher(self, output_ids: list[int], stops: list[str]) -> str | None:
-        """SGLang's stop-string check: decode the tail of the output and look for any stop string."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        window = max(len(s) for s in stops) + 8  # a token is at least one character
-        tail = self._tokenizer.decode(output_ids[-window:])
-        return next((s for s in stops if s in tail), None)
-
-    def _finish(self, done: list[Sequence]) -> None:
-        if not done:
-            return
-        self.scheduler.remove([s for s in done if s.slot >= 0])
-        for seq in done:
-            seq.on_done(seq)
-
-    def _fail_all(self, exc: EngineError) -> None:
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            seq.on_error(exc)
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
+                self.abort_request(seq.rid)
 
 
 def splitmix64(x: int) -> int:
@@ -436,12 +301,3 @@ def _per_cartridge(cartridges: Any, n: int) -> list[tuple[str, ...]]:
     if len(items) != n:
         raise CartridgeError(f"has {len(items)} entries for {n} prompts", field="cartridges")
     return [() if c is None else (c,) if isinstance(c, str) else tuple(c) for c in items]
-
-
-def _run_blocking(coro):
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise EngineError("generate() was called inside a running event loop; await async_generate() instead")

@@ -37,11 +37,6 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def bytes_for(self, rows: int, tokens: int) -> int:
-        """Bytes the cache would hold after `reserve(rows, tokens)`."""
-        r, t = self._grown(rows, tokens)
-        return r * t * self.bytes_per_token
-
     def _grown(self, rows: int, tokens: int) -> tuple[int, int]:
         r = self.rows if rows <= self.rows else max(rows, 2 * self.rows, 4)
         if tokens <= self.tokens:
@@ -147,19 +142,27 @@ class PrefixTable:
         with self._lock:
             return list(self._single)
 
+    def length_of(self, ids: tuple[str, ...]) -> int:
+        """Tokens of the composition of `ids` (no tensor work: the request's own thread may ask)."""
+        with self._lock:
+            return sum(p.length for p in self._parts(ids))
+
+    def _parts(self, ids: tuple[str, ...]) -> list[PrefixKV]:
+        missing = [i for i in ids if i not in self._single]
+        if missing:
+            raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(self._single)}",
+                                 field="cartridges")
+        return [self._single[i] for i in ids]
+
     def get(self, ids: tuple[str, ...]) -> PrefixKV | None:
         """The prefix for a request's cartridges in order (None for none); unknown ids raise CartridgeError."""
         if not ids:
             return None
         with self._lock:
-            missing = [i for i in ids if i not in self._single]
-            if missing:
-                raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(self._single)}",
-                                     field="cartridges")
+            parts = self._parts(ids)
             if len(ids) == 1:
                 return self._single[ids[0]]
             if ids not in self._composed:
-                parts = [self._single[i] for i in ids]
                 k = [torch.cat([p.k[layer] for p in parts], dim=1) for layer in range(self.num_layers)]
                 v = [torch.cat([p.v[layer] for p in parts], dim=1) for layer in range(self.num_layers)]
                 self._composed[ids] = PrefixKV(ids, k, v)

@@ -8,9 +8,9 @@ SGLang does not know are refused as SGLang would refuse them. `seed` is our addi
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from final.errors import SamplingError
+from final.sampling import check_params
 
 GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperature below this means greedy
 
@@ -38,43 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        def num(name: str, kinds=(int, float)) -> Any:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                raise SamplingError(f"must be a number, got {value!r}", name)
-            return value
-
-        if num("max_new_tokens", int) < 0:
-            raise SamplingError(f"must be >= 0, got {self.max_new_tokens}", "max_new_tokens")
-        if num("min_new_tokens", int) < 0 or self.min_new_tokens > self.max_new_tokens:
-            raise SamplingError(f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
-                                "min_new_tokens")
-        if num("temperature") < 0:
-            raise SamplingError(f"must be >= 0, got {self.temperature}", "temperature")
-        if not 0.0 < num("top_p") <= 1.0:
-            raise SamplingError(f"must be in (0, 1], got {self.top_p}", "top_p")
-        if num("top_k", int) == 0 or self.top_k < -1:
-            raise SamplingError(f"must be -1 (off) or >= 1, got {self.top_k}", "top_k")
-        if not 0.0 <= num("min_p") <= 1.0:
-            raise SamplingError(f"must be in [0, 1], got {self.min_p}", "min_p")
-        if num("n", int) < 1:
-            raise SamplingError(f"must be >= 1, got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= num(name) <= 2.0:
-                raise SamplingError(f"must be in [-2, 2], got {getattr(self, name)}", name)
-        if not 0.0 < num("repetition_penalty") <= 2.0:
-            raise SamplingError(f"must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise SamplingError(f"must be an integer, got {self.seed!r}", "seed")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise SamplingError(f"must be a string or a list of non-empty strings, got {self.stop!r}", "stop")
-        self.stop = list(self.stop)
-        ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(i, int) and i >= 0 for i in ids):
-            raise SamplingError(f"must be a list of token ids, got {ids!r}", "stop_token_ids")
-        self.stop_token_ids = sorted(set(ids))
+        check_params({f.name: getattr(self, f.name) for f in fields(self)})  # final.sampling: one set of rules
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop_token_ids = sorted(set(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -26,10 +26,12 @@ class Sequence:
     params: SamplingParams
     max_new_tokens: int  # params.max_new_tokens clipped to the context window
     stop_ids: frozenset[int]
-    prefix: PrefixKV | None
     generator: torch.Generator | None
-    on_done: Callable[["Sequence"], None]
-    on_error: Callable[[BaseException], None]
+    cartridges: tuple[str, ...] = ()  # composed in order into `prefix` when the engine admits the request
+    prefix: PrefixKV | None = None
+    prefix_len: int = 0  # known before admission, so the context check happens where the request is made
+    batch: Any = None  # the engine.messages.Batch it reports to, and its row there
+    row: int = 0
     return_logprob: bool = False
     logprob_start_len: int = -1
     output_ids: list[int] = field(default_factory=list)
@@ -39,16 +41,7 @@ class Sequence:
     slot: int = -1
     finish_reason: dict | None = None
     created: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
     on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
-
-    @property
-    def prefix_len(self) -> int:
-        return self.prefix.length if self.prefix is not None else 0
-
-    @property
-    def cartridges(self) -> tuple[str, ...]:
-        return self.prefix.ids if self.prefix is not None else ()
 
     @property
     def cached_len(self) -> int:
@@ -62,8 +55,6 @@ class Sequence:
     def append(self, token: int, logprob: float | None,
                stop_texts: Callable[[list[int], list[str]], str | None] | None) -> None:
         """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order)."""
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         if self.return_logprob:
             self.output_logprobs.append(logprob)

@@ -21,17 +21,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from final.errors import FinalError
+    from final.cli import run_command
 
     parser = argparse.ArgumentParser(prog="python -m final.evals.cli")
     sub = parser.add_subparsers(dest="eval_name", required=True)
     gsm8k.register(sub)
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except FinalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from final.errors import ConfigError, PromptError
-if TYPE_CHECKING:  # the CLI imports this module; veRL loads only when an eval runs
-    from final.tools.outputs import ConversationRow
+if TYPE_CHECKING:  # the CLI imports this module; veRL and torch load only when an eval runs
+    from final.outputs import GenerationOutput
 
 DATA_SOURCE = "openai/gsm8k"
 TOOL_NAME = "calc_gsm8k_reward"
@@ -39,8 +39,9 @@ HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist wit
                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
                 "<args-json-object>}}\n</tool_call>")
 
-# generate(messages per problem, tools_kwargs per problem or None) -> one ConversationRow per problem
-Generate = Callable[[list[list[dict]], "list[dict] | None"], "list[ConversationRow]"]
+# generate(messages per problem, tools_kwargs per problem or None) -> one row per problem
+# (InferenceEngine.generate, or a pool of replicas with the same API)
+Generate = Callable[[list[list[dict]], "list[dict] | None"], "GenerationOutput"]
 
 
 @dataclass
@@ -97,19 +98,22 @@ def template_renders_tools(tokenizer: Any, tool_schemas: Sequence[dict]) -> bool
                                                   add_generation_prompt=True)
 
 
-def score_row(problem: Problem, row: ConversationRow) -> dict:
+def score_row(problem: Problem, messages: list[dict], completion: str, meta: dict) -> dict:
+    """One problem's record. Multi-turn rows carry the whole conversation; a plain row is one assistant turn."""
     from verl.utils.reward_score import default_compute_score
     from verl.utils.reward_score.gsm8k import compute_score, extract_solution
 
-    calls = [c for c in row.tool_calls if "turn" in c]
+    response = meta.get("response_text", completion)  # veRL's NaiveRewardManager: all response tokens, decoded
+    calls = [c for c in meta.get("tool_calls", []) if "turn" in c]
     return {
         "index": problem.index, "question": problem.question, "ground_truth": problem.ground_truth,
-        "response": row.response_text, "final_text": row.final_text,
-        "extracted": extract_solution(row.response_text, method="strict"),
-        "score": float(default_compute_score(DATA_SOURCE, row.response_text, problem.ground_truth)),
-        "flexible_score": float(compute_score(row.response_text, problem.ground_truth, method="flexible")),
-        "tool_reward": row.rewards.get(TOOL_NAME), "num_turns": row.num_turns, "tool_calls": calls,
-        "completion_tokens": row.completion_tokens, "messages": row.messages,
+        "response": response, "final_text": completion,
+        "extracted": extract_solution(response, method="strict"),
+        "score": float(default_compute_score(DATA_SOURCE, response, problem.ground_truth)),
+        "flexible_score": float(compute_score(response, problem.ground_truth, method="flexible")),
+        "tool_reward": meta.get("rewards", {}).get(TOOL_NAME), "num_turns": meta.get("num_turns", 1),
+        "tool_calls": calls, "completion_tokens": meta["completion_tokens"], "finish_reason": meta["finish_reason"],
+        "messages": meta.get("messages", [*messages, {"role": "assistant", "content": completion}]),
     }
 
 
@@ -125,10 +129,10 @@ def evaluate(generate: Generate, problems: list[Problem], tool_schemas: Sequence
             tools_kwargs = ([{TOOL_NAME: {"create_kwargs": {"ground_truth": p.ground_truth}}} for p in chunk]
                             if tool_schemas else None)
             t0 = time.perf_counter()
-            rows = generate(messages, tools_kwargs)
+            result = generate(messages, tools_kwargs)
             seconds += time.perf_counter() - t0
-            for problem, row in zip(chunk, rows, strict=True):
-                record = score_row(problem, row)
+            for problem, msgs, text, meta in zip(chunk, messages, result.completions, result.metadata, strict=True):
+                record = score_row(problem, msgs, text, meta)
                 records.append(record)
                 if out:
                     out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
@@ -173,13 +177,15 @@ def format_table(summary: dict) -> str:
 def register(subparsers: Any) -> None:
     """Add `gsm8k` to the subparsers of `final eval`."""
     p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
+    p.add_argument("--config", default=None, help="config file (default: $FINAL_CONFIG, ./config.yaml, or the "
+                                                 "package's): any backend")
     p.add_argument("--data", required=True, help="GSM8K JSONL with question/answer per line")
     p.add_argument("--limit", type=int, default=None, help="first N problems")
-    p.add_argument("--tools", nargs="?", const="tools.yaml", default=None, metavar="TOOLS_YAML",
-                   help="enable tool calling with this tools.yaml (default: ./tools.yaml)")
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    p.add_argument("--prompt-length", type=int, default=1024)
-    p.add_argument("--response-length", type=int, default=512)
+    p.add_argument("--tools", nargs="?", const="", default=None, metavar="TOOLS_YAML",
+                   help="enable tool calling with this tools.yaml (default: ./tools.yaml, else the package's)")
+    p.add_argument("--model", default=None, help="override model_path")
+    p.add_argument("--prompt-length", type=int, default=None, help="override rollout.prompt_length")
+    p.add_argument("--response-length", type=int, default=None, help="override rollout.response_length")
     p.add_argument("--max-assistant-turns", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=64)
@@ -187,23 +193,46 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_cli)
 
 
+def overrides_from_args(args: Any) -> dict:
+    """The command's flags as config overrides (deep-merged over the config file)."""
+    rollout: dict[str, Any] = {"calculate_log_probs": False}  # scoring reads text: no logprob pass per conversation
+    if args.prompt_length is not None:
+        rollout["prompt_length"] = args.prompt_length
+    if args.response_length is not None:
+        rollout["response_length"] = args.response_length
+    if args.tools is not None:
+        from final.config import PACKAGE_TOOLS
+
+        path = args.tools or ("tools.yaml" if Path("tools.yaml").exists() else str(PACKAGE_TOOLS))
+        rollout["multi_turn"] = {"enable": True, "tool_config_path": path,
+                                 # the tokenization sanity check only logs template diffs: skip its extra work
+                                 "tokenization_sanity_check_mode": "disable"}
+        if args.max_assistant_turns is not None:
+            rollout["multi_turn"]["max_assistant_turns"] = args.max_assistant_turns
+    out: dict[str, Any] = {"progress": False, "rollout": rollout}
+    if args.model:
+        out["model_path"] = args.model
+    return out
+
+
 def run_cli(args: Any) -> int:
-    from final.evals.backend import local_backend
+    from final.cli import open_engine
 
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
     problems = load_problems(args.data, args.limit)
-    backend = local_backend(args.model, args.tools, args.prompt_length, args.response_length, args.temperature,
-                            args.max_assistant_turns)
-    try:
-        schemas = backend.tool_schemas if args.tools else None
-        renders = bool(schemas) and template_renders_tools(backend.tokenizer, schemas)
-        if args.tools and TOOL_NAME not in [s["function"]["name"] for s in schemas]:
-            raise ConfigError(f"the GSM8K eval needs the {TOOL_NAME} tool in {args.tools}", key="--tools")
-        out = args.out or ("gsm8k_tools_results.jsonl" if args.tools else "gsm8k_results.jsonl")
-        summary = evaluate(backend.generate, problems, schemas, renders, args.batch_size, out)
-    finally:
-        backend.close()
+    with open_engine(args, **overrides_from_args(args)) as engine:
+        schemas = engine.tool_schemas() if args.tools is not None else None
+        if schemas is not None and TOOL_NAME not in [s["function"]["name"] for s in schemas]:
+            raise ConfigError(f"the GSM8K eval needs the {TOOL_NAME} tool in the tools file", key="--tools")
+        renders = bool(schemas) and template_renders_tools(engine.tokenizer, schemas)
+        out = args.out or ("gsm8k_tools_results.jsonl" if schemas else "gsm8k_results.jsonl")
+
+        def generate(messages: list[list[dict]], tools_kwargs: list[dict] | None) -> "GenerationOutput":
+            return engine.generate(messages, tools_kwargs=tools_kwargs, temperature=args.temperature)
+
+        summary = evaluate(generate, problems, schemas, renders, args.batch_size, out)
+    print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}")
     print(format_table(summary))
     print(f"per-problem results: {out}")
     return 0

@@ -1,18 +1,22 @@
 """veRL 0.6.0 SGLangRollout's batch path without SGLang: sampling params in, DataProto out.
 
-Every non-SGLang backend (local, tokasaurus) builds its engine requests and its output DataProto here, so they
+The engine rollouts (local, tokasaurus) plan their engine requests and build their output DataProto here, so they
 produce exactly what `SGLangRollout._batch_level_generate_sequences` produces (keys, shapes, dtypes, padding
 values — including veRL's padding of rollout_log_probs with pad_token_id).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from final.errors import PromptError
+from final.outputs import ROW_INFO, row_infos
+from final.prompts import object_array
+from final.sampling import row_seed
 
 # Attributes of SGLang 0.5.2's SamplingParams() (sglang/srt/sampling/sampling_params.py). veRL copies every
 # RolloutConfig key that is one of these (or contains "stop") into the request's sampling params.
@@ -59,11 +63,50 @@ def prompt_token_lists(prompts, pad_token_id: int) -> list[list[int]]:
         raise PromptError("multi-modal prompts are not supported by this backend")
     if "raw_prompt_ids" in prompts.non_tensor_batch:
         return [list(map(int, ids)) for ids in prompts.non_tensor_batch["raw_prompt_ids"]]
-    out = []
-    for row in prompts.batch["input_ids"]:
-        start = int(torch.nonzero(row != pad_token_id, as_tuple=False)[0][0])
-        out.append(row[start:].tolist())
-    return out
+    return [strip_left(row, pad_token_id).tolist() for row in prompts.batch["input_ids"]]
+
+
+def strip_left(row: torch.Tensor, pad: int) -> torch.Tensor:
+    """veRL's _pre_process_inputs: one row without its left padding."""
+    return row[int(torch.nonzero(row != pad, as_tuple=False)[0][0]):]
+
+
+def sequence_batch(prompts: torch.Tensor, responses: torch.Tensor, attention: tuple[torch.Tensor, torch.Tensor],
+                   positions: tuple[torch.Tensor, torch.Tensor], **extra: torch.Tensor):
+    """The TensorDict both veRL paths return: prompts, responses, and input_ids / attention_mask / position_ids
+    as prompt and response halves side by side (plus the path's own tensors, e.g. response_mask)."""
+    from tensordict import TensorDict
+
+    return TensorDict({
+        "prompts": prompts, "responses": responses, **extra,
+        "input_ids": torch.cat((prompts, responses), dim=-1),
+        "attention_mask": torch.cat(attention, dim=-1),
+        "position_ids": torch.cat(positions, dim=-1),
+    }, batch_size=prompts.size(0))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The pad id every backend uses: the tokenizer's, else its eos (as veRL's HFModelConfig falls back)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+@dataclass
+class Rows:
+    """A batch-path call's engine requests: token ids, sampling params and cartridge ids, one of each per row."""
+
+    ids: list[list[int]]
+    params: list[dict[str, Any]]
+    cartridges: list[tuple[str, ...]] | None  # None: the call names none (a backend may add its defaults)
+
+
+def plan_rows(prompts, base: dict, config, kwargs: dict, pad: int) -> Rows:
+    """The engine requests of SGLangRollout's batch path, one per row, each with its own seed (row i of a call
+    samples with seed + i: reproducible, and rows repeated for n > 1 still differ)."""
+    ids = prompt_token_lists(prompts, pad)
+    params = request_sampling_params(base, config, prompts.meta_info, kwargs)
+    seed = params.pop("seed", None)
+    per_row = [dict(params, seed=row_seed(seed, i)) if seed is not None else params for i in range(len(ids))]
+    return Rows(ids, per_row, row_cartridges(prompts))
 
 
 def row_cartridges(prompts) -> list[tuple[str, ...]] | None:
@@ -76,7 +119,6 @@ def row_cartridges(prompts) -> list[tuple[str, ...]] | None:
 
 def assemble_batch(prompts, outputs: list[dict], config, pad_token_id: int):
     """Engine outputs (SGLang dicts) -> SGLangRollout's batch-path DataProto. The input is not modified."""
-    from tensordict import TensorDict
     from verl import DataProto
     from verl.utils.torch_functional import get_response_mask, pad_sequence_to_length
 
@@ -99,19 +141,14 @@ def assemble_batch(prompts, outputs: list[dict], config, pad_token_id: int):
         response = pad_sequence_to_length(response, config.response_length, pad_token_id)
         rollout_log_probs = pad_sequence_to_length(rollout_log_probs, config.response_length, pad_token_id)
 
-    seq = torch.cat([idx, response], dim=-1)
     delta = torch.arange(1, response.size(1) + 1, device=position_ids.device).unsqueeze(0).repeat(batch_size, 1)
-    position_ids = torch.cat([position_ids, position_ids[..., -1:] + delta], dim=-1)
     response_attention_mask = get_response_mask(response_id=response, eos_token=eos_token_id,
                                                 dtype=attention_mask.dtype)
-    batch = TensorDict({
-        "prompts": idx,
-        "responses": response,
-        "input_ids": seq,
-        "attention_mask": torch.cat((attention_mask, response_attention_mask), dim=-1),
-        "position_ids": position_ids,
-    }, batch_size=batch_size)
+    batch = sequence_batch(idx, response, (attention_mask, response_attention_mask),
+                           (position_ids, position_ids[..., -1:] + delta))
     if config.calculate_log_probs:
         batch["rollout_log_probs"] = rollout_log_probs
     non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k != "raw_prompt_ids"}
+    if prompts.meta_info.get(ROW_INFO):  # each row's engine record, for InferenceEngine and the server
+        non_tensor[ROW_INFO] = object_array(row_infos(outputs))
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={})

@@ -21,7 +21,7 @@ import inspect
 import logging
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from uuid import uuid4
 
 import numpy as np
@@ -31,7 +31,10 @@ from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolCall
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum, FinishReasonTypeEnum
 
 from final.errors import EngineError, PromptError, ToolConfigError
-from final.rollout.batch import base_sampling_params, request_sampling_params, row_cartridges
+from final.outputs import ROW_INFO, TRACE_KEY
+from final.prompts import object_array
+from final.rollout.batch import (base_sampling_params, pad_token_id, request_sampling_params, row_cartridges,
+                                 strip_left)
 from final.rollout.multi_turn_batch import collate, padding_request
 from final.rollout.thread import run_until_complete
 from final.tools.executor import ToolExecutor
@@ -42,14 +45,29 @@ logger = logging.getLogger(__name__)
 
 State = AsyncRolloutRequestStateEnum
 Finish = FinishReasonTypeEnum
-TRACE_KEY = "final_tool_trace"  # meta_info flag: add non_tensor_batch["tool_calls"] (per-row call records)
 
 
 @dataclass
 class _Rollout:
+    """One conversation: veRL's request, its cartridges, and what the loop keeps beside it."""
+
     req: AsyncRolloutRequest
     cartridges: Any = None
-    trace: list[dict] = field(default_factory=list)
+    trace: list[dict] = field(default_factory=list)  # tool calls and results, for people (TRACE_KEY)
+    turns: int = 0
+    tool_rounds: int = 0
+    pending: list[ParsedCall] = field(default_factory=list)  # the last turn's calls, broken ones included
+    info: dict = field(default_factory=lambda: {"finish_reason": None, "matched": None, "prompt_tokens": 0,
+                                                "cached_tokens": 0, "completion_tokens": 0, "logprobs": None,
+                                                "message": None})
+
+    def record(self, meta: dict) -> None:
+        """The engine's record (final.outputs.ROW_INFO): the first turn's prompt, the last turn's finish."""
+        reason = meta.get("finish_reason") or {}
+        if not self.turns:
+            self.info.update(prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                             cached_tokens=int(meta.get("cached_tokens") or 0))
+        self.info.update(finish_reason=reason.get("type"), matched=reason.get("matched"))
 
 
 class MultiTurnRollout:
@@ -68,48 +86,41 @@ class MultiTurnRollout:
         self.parser = ToolCallParser.for_tokenizer(mt.format, processing_class) if len(self.tools) else None
         self.executor = ToolExecutor(self.tools, mt.max_parallel_calls, mt.max_tool_response_length,
                                      mt.tool_response_truncate_side)
-        # SGLangRollout._verify_config's defaults (it mutates the config the same way)
-        if not config.get("max_model_len", None):
-            config.max_model_len = config.prompt_length + config.response_length
-        if mt.max_assistant_turns is None:
-            mt.max_assistant_turns = config.max_model_len // 3
-        if mt.max_user_turns is None:
-            mt.max_user_turns = config.max_model_len // 3
+        # SGLangRollout._verify_config's defaults, kept here: veRL writes them into the config, which may be shared
+        self.max_model_len = config.get("max_model_len", None) or config.prompt_length + config.response_length
+        self.max_assistant_turns = mt.max_assistant_turns or self.max_model_len // 3
+        self.max_user_turns = mt.max_user_turns or self.max_model_len // 3
         self.sampling_params = base_sampling_params(config)
-        # on_event(dict) sees each assistant turn, tool call, tool result and finished row as it happens
-        self.on_event: Callable[[dict], None] | None = None
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            raise ToolConfigError("the tokenizer has no pad token", key="model_path")
+        self.pad_token_id = pad_token_id(self.tokenizer)
 
     # ---- batch ---------------------------------------------------------------------------------------
-    def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
+    def generate_sequences(self, prompts: DataProto, *, observer: Any = None, **kwargs: Any) -> DataProto:
         """Blocking form, on the calling thread's event loop as veRL does (`loop.run_until_complete`)."""
-        return run_until_complete(self.agenerate_sequences(prompts, **kwargs))
+        return run_until_complete(self.agenerate_sequences(prompts, observer=observer, **kwargs))
 
-    async def agenerate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
-        """SGLangRollout._req_level_generate_sequences on this engine."""
-        do_sample = prompts.meta_info.get("do_sample", True)
-        is_validate = prompts.meta_info.get("validate", False)
+    async def agenerate_sequences(self, prompts: DataProto, *, observer: Any = None, **kwargs: Any) -> DataProto:
+        """SGLangRollout._req_level_generate_sequences on this engine. `observer` (final.rollout.base.Observer)
+        sees each assistant turn, tool call, tool result and finished row as it happens."""
+        meta = prompts.meta_info
+        call = _Call(request_sampling_params(self.sampling_params, self.config, meta, kwargs), observer)
         rollouts = self._preprocess(prompts)
-        if is_validate:
-            done = await asyncio.gather(*(self._rollout(r, do_sample, is_validate, **kwargs) for r in rollouts))
+        if meta.get("validate", False):
+            done = await asyncio.gather(*(self._rollout(r, call) for r in rollouts))
         else:
-            done = await self._rollout_with_over_sampling(rollouts, do_sample, is_validate, **kwargs)
+            done = await self._rollout_with_over_sampling(rollouts, call)
         done = sorted(done, key=lambda r: (r.req.batch_data_id, r.req.rollout_offset))
-        await _maybe_await(self.engine.flush_cache())
-        reqs = [r.req for r in done]
-        device = prompts.batch["input_ids"].device
-        # batch-sized tensor work belongs on the engine thread (one OpenMP team: see EmbeddedEngine.__init__)
-        call = getattr(self.engine, "call", None)
-        make = lambda _runner=None: collate(reqs, self.config, self.pad_token_id, device, self.tokenizer)  # noqa: E731
-        out = call(make) if call is not None else make()
-        if prompts.meta_info.get(TRACE_KEY):
-            out.non_tensor_batch["tool_calls"] = _object_array([r.trace for r in done])
+        flushed = self.engine.flush_cache()  # veRL's lifecycle (SGLang's is a coroutine, the embedded engine's not)
+        if inspect.isawaitable(flushed):
+            await flushed
+        out = collate([r.req for r in done], self.config, self.pad_token_id, prompts.batch["input_ids"].device,
+                      self.tokenizer, self.max_model_len)
+        if meta.get(TRACE_KEY):
+            out.non_tensor_batch["tool_calls"] = object_array([r.trace for r in done])
+        if meta.get(ROW_INFO):
+            out.non_tensor_batch[ROW_INFO] = object_array([r.info for r in done])
         return out
 
-    async def _rollout_with_over_sampling(self, rollouts: list[_Rollout], do_sample: bool, is_validate: bool,
-                                          **kwargs: Any) -> list[_Rollout]:
+    async def _rollout_with_over_sampling(self, rollouts: list[_Rollout], call: "_Call") -> list[_Rollout]:
         """veRL's training path: stop once (1 - over_sample_rate) of the requests finished; pad the rest.
 
         veRL then calls engine.abort_request(abort_all=True); cancelling a task already aborts its own engine
@@ -118,7 +129,7 @@ class MultiTurnRollout:
 
         async def guarded(r: _Rollout) -> _Rollout:
             try:
-                return await self._rollout(r, do_sample, is_validate, **kwargs)
+                return await self._rollout(r, call)
             except asyncio.CancelledError:
                 return _Rollout(padding_request(r.req, self.config.response_length, self.pad_token_id))
 
@@ -158,8 +169,8 @@ class MultiTurnRollout:
                 schemas = [self.tools[k].get_openai_tool_schema() for k in tools_kwargs]
                 input_ids = attention_mask = None
             else:
-                input_ids = _strip_left(self.pad_token_id, prompts.batch["input_ids"][i])
-                attention_mask = _strip_left(0, prompts.batch["attention_mask"][i])
+                input_ids = strip_left(prompts.batch["input_ids"][i], self.pad_token_id)
+                attention_mask = strip_left(prompts.batch["attention_mask"][i], 0)
                 tools_kwargs, schemas = {}, None
             try:
                 req = AsyncRolloutRequest(
@@ -169,7 +180,7 @@ class MultiTurnRollout:
                     attention_mask=attention_mask, response_attention_mask=None, response_position_ids=None,
                     response_loss_mask=None, reward_scores={}, max_prompt_len=self.config.prompt_length,
                     max_response_len=self.config.response_length,
-                    max_model_len=min(self.config.max_model_len,
+                    max_model_len=min(self.max_model_len,
                                       self.config.prompt_length + self.config.response_length),
                     use_inference_chat_template=self.config.multi_turn.use_inference_chat_template,
                     tokenization_sanity_check_mode=self.config.multi_turn.tokenization_sanity_check_mode,
@@ -197,90 +208,87 @@ class MultiTurnRollout:
         return value
 
     # ---- one request ---------------------------------------------------------------------------------
-    async def _rollout(self, r: _Rollout, do_sample: bool, is_validate: bool, **kwargs: Any) -> _Rollout:
-        """SGLangRollout._async_rollout_a_request."""
-        req, pc, mt = deepcopy(r.req), self.processing_class, self.config.multi_turn
-        run = _Rollout(req, r.cartridges)
-        params = request_sampling_params(self.sampling_params, self.config,
-                                         {"do_sample": do_sample, "validate": is_validate}, kwargs)
+    async def _rollout(self, r: _Rollout, call: "_Call") -> _Rollout:
+        """SGLangRollout._async_rollout_a_request: PENDING -> RUNNING <-> TOOL_CALLING -> COMPLETED."""
+        run = _Rollout(deepcopy(r.req), r.cartridges)
+        req = run.req
         finish: Finish | None = None
-        turns = tool_rounds = 0
-        pending: list[ParsedCall] = []  # this turn's calls, broken ones included (veRL keeps only valid ones)
-        while turns < mt.max_assistant_turns:
+        while finish is None and run.turns < self.max_assistant_turns:
             if req.state == State.PENDING:
-                if req.tool_schemas is not None:
-                    names = [s.function.name for s in req.tool_schemas]
-                    req.add_tool_response_messages(pc, await self.executor.create_all(req.request_id, names,
-                                                                                      req.tools_kwargs))
-                req.state = State.RUNNING
+                await self._pending(req)
             elif req.state == State.TOOL_CALLING:
-                if self.config.skip_tokenizer_init:
-                    req.messages[-1].tool_calls = None
-                if tool_rounds >= mt.max_user_turns:
-                    finish = Finish.STOP
-                    break
-                tool_rounds += 1
-                assistant_index = len(req.messages) - 1
-                for c in pending:
-                    self._emit("tool_call", req, turn=turns, name=c.name, arguments=c.arguments, error=c.error)
-                outcomes = await self.executor.execute_turn(req.request_id, pending, req.tools_kwargs, turns)
-                req.add_tool_response_messages(pc, [o.response for o in outcomes])
-                for o in outcomes:
-                    run.trace.append({**o.trace, "message_index": assistant_index})
-                    self._emit("tool_result", req, **o.trace)
-                    if o.executed:
-                        req.update_metrics(o.metrics, o.trace["name"])
-                if req.input_ids.shape[-1] >= self.config.max_model_len:
-                    finish = Finish.STOP
-                    break
-                req.state = State.RUNNING
+                finish = await self._call_tools(run, call)
             elif req.state == State.RUNNING:
-                ids = req.get_generation_prompt_ids(pc)
-                if len(ids) + 1 >= self.config.max_model_len:
-                    finish = Finish.LENGTH
-                    break
-                output = await self._generate(ids, params, r.cartridges)
-                content_ids = output["output_ids"]
-                content = self.tokenizer.decode(content_ids, skip_special_tokens=True)
-                content_ids = torch.tensor(content_ids, dtype=req.input_ids.dtype).unsqueeze(0)
-                finish = _finish_reason(output)
-                turns += 1
-                self._emit("assistant", req, turn=turns, text=content)
-                if finish == Finish.LENGTH:
-                    req.add_assistant_message(pc, content=content, content_ids=content_ids)
-                    break
-                parsed = self._parse(content)
-                pending = parsed.calls if parsed else []
-                if pending:
-                    finish, req.state = Finish.TOOL_CALL, State.TOOL_CALLING
-                    runnable = [c for c in pending if c.ok and c.name in self.tools]
-                    if runnable:  # veRL re-renders the turn from the template with the parsed calls
-                        calls = [OpenAIFunctionToolCall(id="-1", function=OpenAIFunctionCallSchema(
-                            name=c.name, arguments=c.arguments)) for c in runnable]  # id: SGLang's tool_index -1
-                        req.add_assistant_message(pc, content=parsed.normal_text, tool_calls=calls)
-                    else:  # only broken calls: keep the model's own tokens so it sees what it wrote
-                        req.add_assistant_message(pc, content=content, content_ids=content_ids)
-                else:
-                    req.add_assistant_message(pc, content=content, content_ids=content_ids)
-                    finish, req.state = Finish.STOP, State.COMPLETED
-                    break
-        if turns >= mt.max_assistant_turns:
+                finish = await self._assistant_turn(run, call)
+        if finish is None or run.turns >= self.max_assistant_turns:  # veRL: out of turns is a stop
             finish = Finish.STOP
         rewards, errors = await self.executor.finish(req.request_id, req.tools_kwargs)
         run.trace.extend(errors)
-        req.finalize(pc, {**rewards, "user_turn_rewards": []}, finish)
+        req.finalize(self.processing_class, {**rewards, "user_turn_rewards": []}, finish)
         if self.config.calculate_log_probs:
             await self._score(req, r.cartridges)
-        self._emit("done", req, turns=turns)
+        run.info["completion_tokens"] = int(req.response_loss_mask.sum())
+        call.emit("done", req, turns=run.turns)
         return run
 
-    def _emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
-        if self.on_event is None:
-            return
-        try:
-            self.on_event({"type": kind, "row": req.batch_data_id, "request_id": req.request_id, **fields})
-        except Exception:  # noqa: BLE001 - a display callback must not break the rollout
-            logger.exception("multi-turn on_event callback failed")
+    async def _pending(self, req: AsyncRolloutRequest) -> None:
+        if req.tool_schemas is not None:
+            names = [s.function.name for s in req.tool_schemas]
+            created = await self.executor.create_all(req.request_id, names, req.tools_kwargs)
+            req.add_tool_response_messages(self.processing_class, created)
+        req.state = State.RUNNING
+
+    async def _call_tools(self, run: _Rollout, call: "_Call") -> Finish | None:
+        """Run the last assistant turn's calls; their results (or errors) become tool messages."""
+        req = run.req
+        if self.config.skip_tokenizer_init:
+            req.messages[-1].tool_calls = None
+        if run.tool_rounds >= self.max_user_turns:
+            return Finish.STOP
+        run.tool_rounds += 1
+        assistant_index = len(req.messages) - 1
+        for c in run.pending:
+            call.emit("tool_call", req, turn=run.turns, name=c.name, arguments=c.arguments, error=c.error)
+        outcomes = await self.executor.execute_turn(req.request_id, run.pending, req.tools_kwargs, run.turns)
+        req.add_tool_response_messages(self.processing_class, [o.response for o in outcomes])
+        for o in outcomes:
+            run.trace.append({**o.trace, "message_index": assistant_index})
+            call.emit("tool_result", req, **o.trace)
+            if o.executed:
+                req.update_metrics(o.metrics, o.trace["name"])
+        if req.input_ids.shape[-1] >= self.max_model_len:
+            return Finish.STOP
+        req.state = State.RUNNING
+        return None
+
+    async def _assistant_turn(self, run: _Rollout, call: "_Call") -> Finish | None:
+        """Generate one assistant turn; parse its tool calls (veRL keeps only valid ones, we keep all)."""
+        req, pc = run.req, self.processing_class
+        ids = req.get_generation_prompt_ids(pc)
+        if len(ids) + 1 >= self.max_model_len:
+            return Finish.LENGTH
+        output = await self._generate(ids, call.params, run.cartridges)
+        run.record(output["meta_info"])
+        content = self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
+        content_ids = torch.tensor(output["output_ids"], dtype=req.input_ids.dtype).unsqueeze(0)
+        finish = _finish_reason(output)
+        run.turns += 1
+        call.emit("assistant", req, turn=run.turns, text=content)
+        parsed = self._parse(content) if finish != Finish.LENGTH else None
+        run.pending = parsed.calls if parsed else []
+        runnable = [c for c in run.pending if c.ok and c.name in self.tools]
+        if runnable:  # veRL re-renders the turn from the template with the parsed calls
+            calls = [OpenAIFunctionToolCall(id="-1", function=OpenAIFunctionCallSchema(
+                name=c.name, arguments=c.arguments)) for c in runnable]  # id: SGLang's tool_index -1
+            req.add_assistant_message(pc, content=parsed.normal_text, tool_calls=calls)
+        else:  # plain text, or only broken calls: keep the model's own tokens so it sees what it wrote
+            req.add_assistant_message(pc, content=content, content_ids=content_ids)
+        if run.pending:
+            req.state = State.TOOL_CALLING
+            return None
+        if finish != Finish.LENGTH:
+            req.state = State.COMPLETED
+        return finish
 
     def _parse(self, content: str) -> ParseResult | None:
         if self.parser is None or not self.parser.has_tool_call(content):
@@ -290,7 +298,7 @@ class MultiTurnRollout:
     async def _generate(self, ids: list[int], params: dict, cartridges: Any) -> dict:
         """SGLangRollout._handle_engine_generate (+ the request's cartridges)."""
         kw = params.copy()
-        kw["max_new_tokens"] = min(self.config.response_length, self.config.max_model_len - len(ids) - 1)
+        kw["max_new_tokens"] = min(self.config.response_length, self.max_model_len - len(ids) - 1)
         kw["n"] = 1
         return_logprob = kw.pop("logprobs", False)
         extra = {"cartridges": cartridges} if cartridges else {}
@@ -307,6 +315,25 @@ class MultiTurnRollout:
         pairs = [(lp, tok) for lp, tok, _ in out["meta_info"]["input_token_logprobs"][1:]]
         req.rollout_log_probs = torch.tensor([lp for lp, _ in pairs])
         req.output_token_ids = torch.tensor([tok for _, tok in pairs])
+
+
+@dataclass
+class _Call:
+    """One generate_sequences call: its sampling params and observer."""
+
+    params: dict
+    observer: Any = None
+
+    def emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
+        if self.observer is None:
+            return
+        try:
+            if kind == "done":
+                self.observer.row_done()
+            self.observer.tool_event({"type": kind, "row": req.batch_data_id, "request_id": req.request_id,
+                                      **fields})
+        except Exception:  # noqa: BLE001 - a display callback must not break the rollout
+            logger.exception("multi-turn observer failed")
 
 
 def _check_multi_turn(mt: Any) -> None:
@@ -334,18 +361,3 @@ def _finish_reason(output: dict) -> Finish:
     if kind == "abort":
         raise EngineError(f"the engine aborted request {output['meta_info'].get('id')}")
     return Finish.from_str(kind)
-
-
-def _strip_left(pad: int, ids: torch.Tensor) -> torch.Tensor:
-    """veRL's _pre_process_inputs: drop the left padding of one row."""
-    return ids[torch.nonzero(ids != pad, as_tuple=False)[0][0]:]
-
-
-def _object_array(items: list) -> np.ndarray:
-    arr = np.empty(len(items), dtype=object)
-    arr[:] = items
-    return arr
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value

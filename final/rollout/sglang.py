@@ -39,6 +39,7 @@ import torch
 
 from final import dist
 from final.errors import BackendUnavailableError, ConfigError, EngineError, SamplingError
+from final.rollout.base import Backend, Capabilities, Observer
 from final.rollout.sglang_procs import ProcessWatch, release_start, survive_sigquit
 from final.rollout.thread import RolloutThread
 
@@ -177,11 +178,21 @@ def _cuda_capability(device: str) -> tuple[int, int] | None:
 
 
 # ---- the rollout ------------------------------------------------------------------------------------------
-class SGLangRollout:
+class SGLangRollout(Backend):
     """veRL 0.6.0's SGLangRollout with an in-process SGLang 0.5.2 engine, usable from any thread or event loop."""
+
+    name = "sglang"
+    # veRL's batch call is one engine call per DataProto and flushes SGLang's cache after it: calls run one at a
+    # time; SGLang 0.5.2 has no per-request seed; with skip_tokenizer_init its scheduler cannot match stop strings
+    capabilities = Capabilities(seed=False, stop_strings=False, cartridges=True, tools=True, concurrent=False)
+
+    @classmethod
+    def preflight(cls, engine_config: Any) -> None:
+        preflight(engine_config)
 
     def __init__(self, config: Any, model_config: Any):
         global _group_users
+        super().__init__(config, model_config, None)
         device = ((config.engine_kwargs or {}).get("sglang") or {}).get("device") or "cuda"
         require_sglang(device)
         if getattr(mp.current_process(), "_inheriting", False):
@@ -211,17 +222,31 @@ class SGLangRollout:
             raise
 
     # ---- generation -----------------------------------------------------------------------------------
-    def generate_sequences(self, prompts: Any, **kwargs: Any) -> Any:
+    def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
         """veRL's generate_sequences (DataProto in, DataProto out), run on the engine's thread."""
         check_sampling_kwargs(kwargs)
-        return self._call(lambda: self._rollout.generate_sequences(prompts, **kwargs))
+        return _rows_done(self._call(lambda: self._rollout.generate_sequences(prompts, **kwargs)), observer)
 
-    async def agenerate_sequences(self, prompts: Any, **kwargs: Any) -> Any:
+    async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
         """Awaitable generate_sequences: the caller's event loop keeps running meanwhile."""
         check_sampling_kwargs(kwargs)
         fut = asyncio.wrap_future(self._submit(lambda: self._rollout.generate_sequences(prompts, **kwargs)))
         await asyncio.wait({fut})
-        return self._result(fut.result)
+        return _rows_done(self._result(fut.result), observer)
+
+    def tool_schemas(self) -> list[dict]:
+        """veRL's own tool list (built from rollout.multi_turn.tool_config_path at start)."""
+        tools = self._call(lambda: list(getattr(self._rollout, "_tool_map", {}).values()))
+        return [tool.get_openai_tool_schema().model_dump() for tool in tools]
+
+    async def resume(self, tags: list[str]) -> None:
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.resume(tags)))
+
+    async def release(self) -> None:
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.release()))
+
+    async def update_weights(self, weights: Any, **kwargs: Any) -> None:
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(weights, **kwargs)))
 
     # ---- cartridges (EmbeddedEngine's interface) --------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
@@ -279,7 +304,7 @@ class SGLangRollout:
         return self._rollout.pad_token_id
 
     @property
-    def cartridge_backend(self) -> "SGLangRollout":
+    def cartridge_target(self) -> "SGLangRollout":
         """What CartridgeService drives: load_cartridge / unload_cartridge, as on the embedded engine."""
         return self
 
@@ -323,6 +348,14 @@ class SGLangRollout:
         release_start(self._thread_ident)
         with contextlib.suppress(RuntimeError):  # the loop may close under us during shutdown
             self._thread.loop.call_soon_threadsafe(_cancel_all, self._thread.loop)  # a waiting call ends
+
+
+def _rows_done(output: Any, observer: Observer | None) -> Any:
+    """veRL's batch call is one engine call: every row finishes together."""
+    if observer is not None:
+        for _ in range(len(output)):
+            observer.row_done()
+    return output
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

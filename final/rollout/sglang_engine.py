@@ -27,6 +27,8 @@ import sglang.srt.entrypoints.engine as sgl_engine
 import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
 
 from final.errors import EngineError, PromptError
+from final.outputs import ROW_INFO, row_infos
+from final.prompts import object_array
 from final.rollout import sglang_scheduler
 from final.rollout.batch import row_cartridges
 from final.rollout.sglang_cartridges import ModelDims, SGLangCartridges
@@ -35,6 +37,9 @@ from final.rollout.sglang_procs import kill_processes, new_children
 # Batch path: one tuple of cartridge ids per DataProto row. Multi-turn path: the tuple of the request's row.
 BATCH_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_batch_cartridges", default=None)
 REQUEST_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_request_cartridges", default=None)
+# final.outputs.ROW_INFO: the engine's result dicts of this call (batch path) / of this request (multi-turn)
+BATCH_OUTPUTS: contextvars.ContextVar = contextvars.ContextVar("final_batch_outputs", default=None)
+REQUEST_RECORD: contextvars.ContextVar = contextvars.ContextVar("final_request_record", default=None)
 _START_LOCK = threading.Lock()  # the patches below are module globals: one engine start at a time
 
 
@@ -70,9 +75,15 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
             # GenerateReqInput refuses ("input_ids should be a list of lists"): it means one prompt.
             input_ids = input_ids.reshape(-1).tolist() if input_ids.dim() == 2 and len(input_ids) == 1 \
                 else input_ids.tolist()
-        call = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
-                    return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs)
-        plan = self._cartridge_plan(input_ids, sampling_params)
+        out = await self._generate_with_cartridges(dict(
+            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs))
+        _record(out)
+        return out
+
+    async def _generate_with_cartridges(self, call: dict) -> Any:
+        input_ids, logprob_start_len = call["input_ids"], call["logprob_start_len"]
+        plan = self._cartridge_plan(input_ids, call["sampling_params"])
         if plan is None:
             return await self._generate(call)
         single, rows, prefixes = plan
@@ -85,7 +96,7 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
         outs = out if isinstance(out, list) else [out]
         n = len(outs) // len(rows)  # parallel sampling returns n outputs per prompt, prompt-major
         for j, o in enumerate(outs):
-            _strip_prefix(o, len(prefixes[j // n]))
+            _check_prefix_hit(o, len(prefixes[j // n]))
         return out
 
     async def _generate(self, call: dict) -> Any:
@@ -171,16 +182,23 @@ def _close_sockets(tb: Any) -> None:
         tb = tb.tb_next
 
 
-def _strip_prefix(out: dict, plen: int) -> None:
-    if not plen:
-        return
+def _record(out: Any) -> None:
+    """Keep the engine's results for final.outputs.ROW_INFO: a batch call's list, or a request's turns."""
+    batch, record = BATCH_OUTPUTS.get(), REQUEST_RECORD.get()
+    if record is not None and isinstance(out, dict):
+        record.append(out)
+    elif batch is not None and isinstance(out, list):
+        batch.extend(out)
+
+
+def _check_prefix_hit(out: dict, plen: int) -> None:
+    """Check that a cartridge's reserved ids were served from the radix cache. The counts stay as SGLang gives
+    them: prompt_tokens includes the cartridge's p tokens and cached_tokens at least p (final.outputs' usage)."""
     meta = out["meta_info"]
     reason = meta.get("finish_reason") or {}
     if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
         raise EngineError(f"a cartridge prefix of {plen} tokens was not served from SGLang's radix cache "
                           f"(cached_tokens={meta.get('cached_tokens')}); its KV was evicted or flushed")
-    meta["prompt_tokens"] -= plen
-    meta["cached_tokens"] = max(meta.get("cached_tokens", 0) - plen, 0)
 
 
 class InProcessSGLangRollout(verl_sglang.SGLangRollout):
@@ -208,13 +226,40 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
 
     def generate_sequences(self, prompts: Any, **kwargs: Any) -> Any:
         token = BATCH_CARTRIDGES.set(row_cartridges(prompts))
+        outputs: list = []
+        records: dict = {}
+        tokens = (BATCH_OUTPUTS.set(outputs), REQUEST_RECORD.set(None))
+        self._final_records = records
         try:
-            return super().generate_sequences(prompts, **kwargs)
+            out = super().generate_sequences(prompts, **kwargs)
         finally:
             BATCH_CARTRIDGES.reset(token)
+            BATCH_OUTPUTS.reset(tokens[0])
+            REQUEST_RECORD.reset(tokens[1])
+        if prompts.meta_info.get(ROW_INFO):
+            out.non_tensor_batch[ROW_INFO] = object_array(
+                _conversation_infos(out, records) if "messages" in out.non_tensor_batch else row_infos(outputs))
+        return out
 
     async def _async_rollout_a_request(self, req: Any, do_sample: bool = True, is_validate: bool = False,
                                        **kwargs: Any) -> Any:
         rows = BATCH_CARTRIDGES.get()
         REQUEST_CARTRIDGES.set(rows[req.batch_data_id] if rows else None)  # this request's task context only
-        return await super()._async_rollout_a_request(req, do_sample, is_validate, **kwargs)
+        turns: list = []
+        REQUEST_RECORD.set(turns)
+        done = await super()._async_rollout_a_request(req, do_sample, is_validate, **kwargs)
+        self._final_records[done.request_id] = turns
+        return done
+
+
+def _conversation_infos(out: Any, records: dict) -> list[dict]:
+    """Multi-turn ROW_INFO: the first turn's prompt and cached tokens, the last turn's finish, the model's
+    tokens (veRL's response mask)."""
+    infos = []
+    for i, rid in enumerate(out.non_tensor_batch["request_id"]):
+        turns = [t for t in records.get(rid, []) if t["meta_info"].get("finish_reason")]
+        first = row_infos(turns[:1])[0] if turns else {"prompt_tokens": 0, "cached_tokens": 0}
+        last = row_infos(turns[-1:])[0] if turns else {"finish_reason": None, "matched": None}
+        infos.append({**first, "finish_reason": last["finish_reason"], "matched": last["matched"],
+                      "completion_tokens": int(out.batch["response_mask"][i].sum()), "logprobs": None})
+    return infos

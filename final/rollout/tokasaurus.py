@@ -1,9 +1,10 @@
-"""TokasaurusRollout: veRL's BaseRollout over HTTP to a Tokasaurus server (seed 000), same DataProto as the others.
+"""rollout.name: tokasaurus — veRL's rollout contract over HTTP to a Tokasaurus server (seed 000), same DataProto.
 
-Each row is POSTed as token ids to `/custom/cartridge/completions` with `logprobs_in_fingerprint: true`, the way
-seed 000's TokasaurusHttpServer does; the answer's `system_fingerprint` carries the completion ids and the chosen
-tokens' logprobs (final/server/fingerprint.py). Rows run concurrently; the DataProto is assembled by
-final/rollout/batch.py exactly as for the local backend. Works against a real Tokasaurus (branch
+TokasaurusEngine speaks final's engine dialect (final/rollout/engine_rollout.py) over the Tokasaurus protocol
+(final/protocol/): each row is POSTed as token ids to `/custom/cartridge/completions` with
+`logprobs_in_fingerprint: true`, as seed 000's TokasaurusHttpServer does, and the answer's `system_fingerprint`
+carries the completion ids and the chosen tokens' logprobs. So the batch path, and multi-turn tool calling (the
+tools run here, the model there), are the local backend's code. Works against a real Tokasaurus (branch
 geoff/cartridges) and against `final serve`.
 
 Config (`rollout.custom`, seed 000):
@@ -13,8 +14,7 @@ Config (`rollout.custom`, seed 000):
                                                never 4xx), waiting retry_delay * 2**i between them
     base_timeout    120.0                      seconds for attempt 0; attempt i gets base_timeout * 1.5**i
     retry_delay     2.0                        ours (seed 000's implementation hard-codes 2.0)
-Rows that name cartridges (non_tensor_batch["cartridges"], from generate(cartridge=...)) send the configured
-specs with those ids instead.
+Rows that name cartridges (generate(cartridge=...)) send the configured specs with those ids instead.
 """
 
 from __future__ import annotations
@@ -25,22 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
 
 import torch
-from verl.workers.rollout.base import BaseRollout
 
-from final.client import RetryPolicy, apost_json
 from final.config import check_cartridge_specs
-from final.errors import BackendUnavailableError, CartridgeError, ConfigError, EngineError, SamplingError
-from final.rollout.batch import (assemble_batch, base_sampling_params, prompt_token_lists, request_sampling_params,
-                                 row_cartridges)
-from final.rollout.thread import run_until_complete
-from final.server.fingerprint import read_fingerprint
+from final.engine.messages import Submission
+from final.errors import BackendUnavailableError, CartridgeError, ConfigError, EngineError, PromptError, SamplingError
+from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
+from final.protocol.fingerprint import read_fingerprint
+from final.protocol.http import RetryPolicy, apost_json
+from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities
+from final.rollout.engine_rollout import EngineRollout
+from final.rollout.thread import LoopThread
 
 ENDPOINT = "/custom/cartridge/completions"
-SPEC_KEYS = ("id", "source", "force_redownload")
-# SGLang sampling keys with no Tokasaurus field: refused unless left at their no-op value.
-_NO_FIELD = {"top_k": (-1, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
-             "min_new_tokens": (0, None), "stop_token_ids": (None, (), []), "regex": (None,), "json_schema": (None,),
-             "ebnf": (None,), "structural_tag": (None,), "custom_params": (None,), "logit_bias": (None,)}
+# SGLang keys that only shape text output (the server decodes; we read token ids)
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 
 
@@ -69,28 +66,26 @@ class TokasaurusSettings:
         numbers = {}
         for key in ("base_timeout", "retry_delay"):
             value = custom.get(key, getattr(s, key))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                    or (key == "base_timeout" and value == 0):
-                raise ConfigError(f"must be a number {'> 0' if key == 'base_timeout' else '>= 0'}, got {value!r}",
-                                  key=f"rollout.custom.{key}", path=path)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (key == "base_timeout" and value == 0):
+                raise ConfigError(f"must be a finite number {'> 0' if key == 'base_timeout' else '>= 0'}, got "
+                                  f"{value!r}", key=f"rollout.custom.{key}", path=path)
             numbers[key] = float(value)
         return cls(url.rstrip("/"), check_specs(custom.get("cartridges") or [], path), retries, **numbers)
 
 
 def check_specs(specs: Any, path: str | None = None) -> list[dict]:
     """Tokasaurus' Cartridge model ({id, source, force_redownload}); sent as written (its default source: wandb)."""
-    return check_cartridge_specs(specs, path, where="rollout.custom.cartridges", keys=SPEC_KEYS, fill_defaults=False)
+    return check_cartridge_specs(specs, path, where="rollout.custom.cartridges", keys=WIRE_CARTRIDGE_KEYS,
+                                 fill_defaults=False)
 
 
 def tokasaurus_body(ids: list[int], params: dict, cartridges: list[dict]) -> dict:
-    """SGLang sampling params -> a Tokasaurus CompletionsRequest (tokasaurus/server/types.py) for token ids."""
+    """SGLang sampling params -> a Tokasaurus CompletionsRequest (final/protocol/bodies.py) for token ids."""
     for key, value in params.items():
-        if key in _NO_FIELD and value not in _NO_FIELD[key]:
+        if key not in BASIC_KEYS and key not in _TEXT_ONLY and NO_OP.get(key, object()) != value \
+                and not (key == "stop_token_ids" and not value):
             raise SamplingError(f"has no Tokasaurus equivalent (got {value!r})", key)
-        if key not in _NO_FIELD and key not in _TEXT_ONLY and key not in {
-                "max_new_tokens", "temperature", "top_p", "n", "seed", "stop", "ignore_eos", "presence_penalty",
-                "frequency_penalty"}:
-            raise SamplingError("is not a sampling parameter the tokasaurus backend knows", key)
     if params.get("n", 1) != 1:
         raise SamplingError("must be 1 per row (veRL repeats rows for n > 1)", "n")
     body: dict[str, Any] = {"model": "default", "prompt": list(ids), "max_tokens": params["max_new_tokens"],
@@ -106,11 +101,12 @@ def tokasaurus_body(ids: list[int], params: dict, cartridges: list[dict]) -> dic
         body["ignore_eos"] = True
     if cartridges:
         body["cartridges"] = cartridges
-    return body
+    # the server's own request model checks what we send (types, required fields)
+    return CartridgeCompletionsRequest.model_validate(body).model_dump(exclude_unset=True)
 
 
 def sglang_output(data: dict, need_logprobs: bool) -> dict:
-    """A Tokasaurus completion (one choice) -> the SGLang dict assemble_batch reads."""
+    """A Tokasaurus completion (one choice) -> the engine dialect's result dict."""
     try:
         ids_per_choice, logprobs_per_choice = read_fingerprint(data.get("system_fingerprint"))
         ids = ids_per_choice[0]
@@ -121,49 +117,142 @@ def sglang_output(data: dict, need_logprobs: bool) -> dict:
     if logprobs is None or len(logprobs) != len(ids):
         if need_logprobs:
             raise EngineError("the server sent no logprobs for the completion tokens (Tokasaurus: start it with "
-                              "enable_chosen_logprobs=True) and rollout.calculate_log_probs is true")
+                              "enable_chosen_logprobs=True) and logprobs were asked for")
         logprobs = [math.nan] * len(ids)  # not put in the batch when calculate_log_probs is false
     usage = data.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"output_ids": ids, "meta_info": {
         "id": data.get("id"), "finish_reason": {"type": choice.get("finish_reason")},
-        "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": len(ids),
+        "prompt_tokens": usage.get("prompt_tokens") or 0, "completion_tokens": len(ids), "cached_tokens": cached,
         "output_token_logprobs": [(lp, tok, None) for lp, tok in zip(logprobs, ids)]}}
 
 
-class TokasaurusRollout(BaseRollout):
-    def __init__(self, config, model_config, settings: TokasaurusSettings, device_mesh=None):
-        super().__init__(config, model_config, device_mesh)
-        if config.multi_turn.enable:
-            raise ConfigError("multi-turn tool calling is not available on the tokasaurus backend",
-                              key="rollout.multi_turn.enable")
-        self.processing_class = model_config.get_processor()
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+class TokasaurusEngine:
+    """The engine dialect against a Tokasaurus server. Its HTTP client lives on its own event-loop thread, so
+    calls from any thread or loop overlap; each row is retried by final.protocol.http's policy."""
+
+    def __init__(self, settings: TokasaurusSettings, max_connections: int, need_logprobs: bool):
+        import httpx
+
         self.settings = settings
+        self.need_logprobs = need_logprobs
         self.policy = RetryPolicy(settings.max_retries, settings.retry_delay, 2.0, max_delay=600.0)
-        self.sampling_params = base_sampling_params(config)
-        self.on_request_done: Callable[[], None] | None = None  # progress hook, as LocalRollout
+        self._loop = LoopThread("final-tokasaurus")
+        limits = httpx.Limits(max_connections=max(1, max_connections))
+        self._http = self._loop.submit(_client(settings.base_timeout, limits)).result()
+        self._closed = False
+
+    async def async_generate(self, input_ids: Any = None, sampling_params: Any = None, return_logprob: Any = False,
+                             logprob_start_len: Any = None, cartridges: Any = None, image_data: Any = None,
+                             **unsupported: Any) -> dict | list[dict]:
+        if unsupported or image_data is not None:
+            raise SamplingError(f"not available on the tokasaurus backend: {sorted(unsupported) or ['image_data']}")
+        if logprob_start_len is not None and logprob_start_len >= 0:
+            raise SamplingError("prompt logprobs are not available from a Tokasaurus server", "logprob_start_len")
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        out = await self.submit_generate(input_ids, sampling_params, return_logprob=return_logprob,
+                                         cartridges=cartridges).wait()
+        return out[0] if single else out
+
+    def submit_generate(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
+                        cartridges: Any = None, finish: Callable[[list[dict]], Any] | None = None,
+                        on_row: Callable[[int, dict], None] | None = None) -> Submission:
+        """Build and check every row's body now (typed errors before any request), then send them concurrently."""
+        if self._closed:
+            raise EngineError("the tokasaurus backend has been shut down")
+        rows = [input_ids] if bool(input_ids) and isinstance(input_ids[0], int) else list(input_ids or [])
+        if not rows:
+            raise PromptError("input_ids must be a non-empty list of token ids or a list of such lists")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
+        if cartridges is None or isinstance(cartridges, str) or all(isinstance(c, str) for c in cartridges):
+            carts = [cartridges] * len(rows)  # None: the configured specs; ids: the same for every row
+        elif len(cartridges) != len(rows):
+            raise CartridgeError(f"has {len(cartridges)} entries for {len(rows)} prompts", field="cartridges")
+        else:
+            carts = list(cartridges)
+        bodies = [tokasaurus_body(ids, p, self._specs(c)) for ids, p, c in zip(rows, params, carts)]
+        need = self.need_logprobs or bool(return_logprob)
+        future = self._loop.submit(self._all(bodies, need, finish, on_row))
+        return Submission(future, future.cancel)
+
+    def cartridge_ids(self) -> list[str]:
+        return [c["id"] for c in self.settings.cartridges]
+
+    def flush_cache(self) -> bool:
+        """SGLang's dialect: the server owns its caches, so there is nothing to flush from here."""
+        return True
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.submit(self._http.aclose()).result(timeout=30)
+        self._loop.close()
+
+    def _specs(self, ids: Any) -> list[dict]:
+        """A row's cartridge specs: the configured ones, unless the row names some (by id) or none (())."""
+        if ids is None:
+            return self.settings.cartridges
+        ids = (ids,) if isinstance(ids, str) else tuple(ids)
+        by_id = {c["id"]: c for c in self.settings.cartridges}
+        missing = sorted(set(ids) - set(by_id))
+        if missing:
+            raise CartridgeError(f"unknown cartridge id(s) {missing}; the tokasaurus backend sends the specs of "
+                                 f"rollout.custom.cartridges: {sorted(by_id)}", field="cartridge")
+        return [by_id[c] for c in ids]
+
+    async def _all(self, bodies: list[dict], need_logprobs: bool, finish: Callable | None,
+                   on_row: Callable | None) -> Any:
+        async def one(i: int, body: dict) -> dict:
+            data = await apost_json(self._http, self.settings.url + ENDPOINT, body, self.policy, timeout_growth=1.5)
+            out = sglang_output(data, need_logprobs)
+            if on_row is not None:
+                on_row(i, out)
+            return out
+
+        outputs = await gather_or_cancel([one(i, b) for i, b in enumerate(bodies)])
+        return finish(outputs) if finish is not None else outputs
+
+
+async def _client(timeout: float, limits: Any) -> Any:
+    import httpx
+
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+async def gather_or_cancel(coros: list) -> list:
+    """asyncio.gather, except that one failure (or a cancelled caller) cancels the rest before it propagates."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class TokasaurusRollout(EngineRollout):
+    name = "tokasaurus"
+    # tools run here against the remote model; no token streams or prompt logprobs over this protocol
+    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, prompt_logprobs=False,
+                                sampling_keys=BASIC_KEYS)
+
+    def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
+        engine = TokasaurusEngine(settings, config.max_num_seqs, bool(config.calculate_log_probs))
+        super().__init__(config, model_config, engine, device_mesh)
 
     @property
-    def cartridges(self) -> list[dict]:
-        return self.settings.cartridges
+    def settings(self) -> TokasaurusSettings:
+        return self.engine.settings
+
+    def cartridge_ids(self) -> list[str]:
+        return self.engine.cartridge_ids()
 
     def update_cartridges(self, specs: list[dict]) -> None:
         """Send these specs from now on (seed 000's sync step: save the trained cartridge, then pass its path with
         force_redownload: true so the server reloads it)."""
-        self.settings.cartridges = check_specs(specs)
-
-    # ---- BaseRollout ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate_sequences(self, prompts, **kwargs):
-        idx_list = prompt_token_lists(prompts, self.pad_token_id)
-        params = request_sampling_params(self.sampling_params, self.config, prompts.meta_info, kwargs)
-        seed = params.pop("seed", None)
-        specs = self._row_specs(prompts, len(idx_list))
-        bodies = [tokasaurus_body(ids, dict(params, seed=seed + i) if seed is not None else params, specs[i])
-                  for i, ids in enumerate(idx_list)]
-        outputs = run_until_complete(self._all(bodies))
-        return assemble_batch(prompts, outputs, self.config, self.pad_token_id)
+        self.engine.settings.cartridges = check_specs(specs)
 
     async def resume(self, tags: list[str]) -> None:
         """The server owns its GPU memory; nothing to bring back."""
@@ -171,44 +260,11 @@ class TokasaurusRollout(BaseRollout):
     async def release(self) -> None:
         """The server owns its GPU memory; nothing to free here."""
 
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], **kwargs) -> None:
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], **kwargs: Any) -> None:
         raise BackendUnavailableError("a Tokasaurus server's base model is fixed: train a cartridge instead and "
                                       "send it with update_cartridges([{id, source, force_redownload: true}])")
 
-    # ---- internals -----------------------------------------------------------------------------------
-    def _row_specs(self, prompts, rows: int) -> list[list[dict]]:
-        named = row_cartridges(prompts)
-        if named is None:
-            return [self.cartridges] * rows
-        by_id = {c["id"]: c for c in self.cartridges}
-        missing = sorted({c for row in named for c in row} - set(by_id))
-        if missing:
-            raise CartridgeError(f"unknown cartridge id(s) {missing}; the tokasaurus backend sends the specs of "
-                                 f"rollout.custom.cartridges: {sorted(by_id)}", field="cartridge")
-        return [[by_id[c] for c in row] for row in named]
 
-    async def _all(self, bodies: list[dict]) -> list[dict]:
-        import httpx
-
-        limits = httpx.Limits(max_connections=max(1, self.config.max_num_seqs))
-        need = bool(self.config.calculate_log_probs)
-        async with httpx.AsyncClient(timeout=self.settings.base_timeout, limits=limits) as http:
-            async def one(body: dict) -> dict:
-                data = await apost_json(http, self.settings.url + ENDPOINT, body, self.policy, timeout_growth=1.5)
-                if self.on_request_done is not None:
-                    self.on_request_done()
-                return sglang_output(data, need)
-
-            tasks = [asyncio.ensure_future(one(b)) for b in bodies]
-            try:
-                return await asyncio.gather(*tasks)
-            except BaseException:  # one failed row fails the call; don't leave the others running
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-
-
-def build(engine_config, rollout_config, model_config) -> TokasaurusRollout:
+def build(engine_config: Any, rollout_config: Any, model_config: Any) -> TokasaurusRollout:
     settings = TokasaurusSettings.from_custom(engine_config.custom or {}, engine_config.source)
     return TokasaurusRollout(rollout_config, model_config, settings)

@@ -1,5 +1,5 @@
 """`final serve`: Tokasaurus' HTTP protocol (OpenAI completions + the cartridge endpoints) on InferenceEngine.
 
-Kept import-free so `final.server.fingerprint` can be used by clients without FastAPI installed;
+Kept import-free (the protocol itself is final.protocol, usable without FastAPI);
 the app lives in final.server.app (create_app, ServerThread).
 """

@@ -15,12 +15,12 @@ Errors are OpenAI-style JSON (final/server/errors.py); a request's failure never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import threading
 import time
-from typing import Any, Awaitable
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,25 +28,89 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from final.errors import FinalError
-from final.server import prepare, protocol
+from final.protocol import bodies
+from final.server import prepare
 from final.server.errors import APIError, from_final, from_validation
-from final.server.generation import backend_for
 from final.server.responses import Renderer
 from final.server.streaming import sse
 
 logger = logging.getLogger(__name__)
+# path -> (body model, how to prepare it)
+ROUTES = {
+    "/v1/completions": (bodies.CompletionsRequest, prepare.completion_call),
+    "/v1/chat/completions": (bodies.ChatCompletionRequest, prepare.chat_call),
+    "/custom/cartridge/completions": (bodies.CartridgeCompletionsRequest, prepare.completion_call),
+    "/custom/cartridge/chat/completions": (bodies.CartridgeChatCompletionRequest, prepare.chat_call),
+    "/v1/cartridge/completions": (bodies.CartridgeCompletionsRequest, prepare.completion_call),
+    "/v1/cartridge/chat/completions": (bodies.CartridgeChatCompletionRequest, prepare.chat_call),
+    "/generate": (bodies.GenerateRequest, prepare.generate_call),
+}
+
+
+class Service:
+    """What every route does: parse the body, prepare the call (all checks), run it on the InferenceEngine,
+    render the answer. A disconnecting client cancels its call, which aborts its rows."""
+
+    def __init__(self, inference: Any, cartridge_dir: str | None):
+        self.inference = inference
+        self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
+        self.renderer = Renderer(inference.tokenizer)
+        self.model_id = inference.config.model_path
+
+    async def handle(self, raw: Request, model: type[BaseModel], make_call: Any) -> Any:
+        body = await _parse(raw, model)
+        param = "messages" if make_call is prepare.chat_call else "prompt"
+        try:
+            loaded = self.inference.cartridges.ids() if self.inference.cartridges is not None else None
+            call = make_call(self.inference, body, prepare.cartridge_specs(body, loaded, self.cartridge_dir))
+            if call.stream:
+                return await self._stream(call)
+            out = await _cancel_on_disconnect(raw, self.inference.arun(call.request))
+        except FinalError as exc:
+            raise from_final(exc, param) from exc
+        if make_call is prepare.generate_call:
+            return self.renderer.generate(call, out)
+        return self.renderer.completion(call, out)
+
+    async def _stream(self, call: prepare.Call) -> StreamingResponse:
+        updates = self.inference.astream(call.request)
+        try:  # bad input (and a backend's refusal) fails before the response starts
+            first = await updates.__anext__()
+        except BaseException:
+            await updates.aclose()
+            raise
+        eos = set(self.inference.eos_token_ids) | set(call.request.sampling.params.get("stop_token_ids") or [])
+        events = sse(call, _chain(first, updates), self.renderer, eos)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None) -> FastAPI:
     """An app serving `inference` (an InferenceEngine); with api_key, every route but /ping needs the bearer key.
     Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids)."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
-    backend = backend_for(inference, cartridge_dir)
-    limits = prepare.Limits(inference.tokenizer, inference.rollout_config.prompt_length,
-                            inference.rollout_config.response_length)
-    renderer = Renderer(inference.tokenizer, inference.eos_token_ids)
-    model_id = inference.config.model_path
+    service = Service(inference, cartridge_dir)
+    _add_error_handlers(app)
+    if api_key:
+        _add_auth(app, api_key)
 
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"message": "pong"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": int(time.time()),
+                                            "owned_by": "final"}]}
+
+    for path, (model, make_call) in ROUTES.items():
+        async def endpoint(raw: Request, model=model, make_call=make_call) -> Any:
+            return await service.handle(raw, model, make_call)
+
+        app.post(path)(endpoint)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -62,73 +126,25 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
         return JSONResponse(err.body(), status_code=500)
 
-    if api_key:
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            given = request.headers.get("authorization", "")
-            if request.url.path != "/ping" and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
 
-    @app.get("/ping")
-    async def ping() -> dict:
-        return {"message": "pong"}
+def _add_auth(app: FastAPI, api_key: str) -> None:
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if request.url.path != "/ping" and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+            return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
-                                            "owned_by": "final"}]}
 
-    async def run(raw: Request, model: type[BaseModel], chat: bool, make_job) -> Any:
-        req = await _parse(raw, model)
-        prompt_param = "messages" if chat else "prompt"
-        try:
-            job = make_job(req, limits)
-            want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
-            async with contextlib.AsyncExitStack() as stack:
-                ids = await stack.enter_async_context(backend.hold(job.cartridges))
-                if req.stream:  # engine streams open (and bad input fails) before the response starts
-                    updates = await backend.stream(job, ids)
-                    include = bool(req.stream_options and req.stream_options.include_usage)
-                    events = sse(chat, req.model, job, updates, renderer, want_logprobs=want_logprobs,
-                                 include_usage=include, prompt_param=prompt_param,
-                                 on_close=stack.pop_all().aclose)  # the stream releases the cartridges
-                    return StreamingResponse(events, media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
-                samples = await _cancel_on_disconnect(raw, backend.generate(job, ids))
-        except FinalError as exc:
-            raise from_final(exc, prompt_param) from exc
-        render = renderer.chat if chat else renderer.completion
-        return render(req.model, samples, job, want_logprobs=want_logprobs, fingerprint=req.logprobs_in_fingerprint)
-
-    def route(path: str, model: type[BaseModel], chat: bool, make_job, *aliases: str) -> None:
-        async def endpoint(raw: Request) -> Any:
-            return await run(raw, model, chat, make_job)
-
-        for p in (path, *aliases):
-            app.post(p)(endpoint)
-
-    route("/v1/completions", protocol.CompletionsRequest, False, prepare.completion_job)
-    route("/v1/chat/completions", protocol.ChatCompletionRequest, True, prepare.chat_job)
-    route("/custom/cartridge/completions", protocol.CartridgeCompletionsRequest, False, prepare.completion_job,
-          "/v1/cartridge/completions")
-    route("/custom/cartridge/chat/completions", protocol.CartridgeChatCompletionRequest, True, prepare.chat_job,
-          "/v1/cartridge/chat/completions")
-
-    @app.post("/generate")
-    async def generate(raw: Request) -> dict:
-        req = await _parse(raw, protocol.GenerateRequest)
-        try:
-            job = prepare.generate_job(req, limits)
-            async with backend.hold(job.cartridges) as ids:
-                samples = await _cancel_on_disconnect(raw, backend.generate(job, ids))
-        except FinalError as exc:
-            raise from_final(exc, "prompt") from exc
-        return renderer.generate(req.model, samples[0], job)
-
-    return app
+async def _chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 async def _parse(raw: Request, model: type[BaseModel]) -> Any:

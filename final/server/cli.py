@@ -21,7 +21,8 @@ DEFAULT_PORT = 10210  # Tokasaurus' default
 
 def register(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve OpenAI completions + Tokasaurus' cartridge endpoints over HTTP")
-    serve.add_argument("--config", default="config.yaml", help="config file (default: config.yaml)")
+    serve.add_argument("--config", default=None,
+                       help="config file (default: $FINAL_CONFIG, else ./config.yaml, else the package's default)")
     serve.add_argument("--model", default=None, help="override model_path")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any free)")
@@ -53,14 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from final.inf import InferenceEngine
+    from final.cli import open_engine
     from final.server.app import create_app
 
     if not _is_loopback(args.host):
         print(f"warning: serving on {args.host}, reachable from other machines"
               f"{'' if args.api_key else ' without an API key (--api-key)'}", file=sys.stderr)
     overrides = {"model_path": args.model} if args.model else {}
-    with InferenceEngine(args.config, **overrides) as inference:
+    with open_engine(args, **overrides) as inference:
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
         uvicorn.run(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir),
                     host=args.host, port=args.port,

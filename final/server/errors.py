@@ -11,10 +11,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, FinalError, PromptError,
-                          SamplingError)
+                          SamplingError, UnsupportedError)
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs"}
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs",
+                "cartridge": "cartridges"}
 
 
 class APIError(Exception):
@@ -48,6 +49,8 @@ def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
     message = str(exc)
     if isinstance(exc, (EngineError, BackendUnavailableError)):
         return APIError(503, message, code="engine_unavailable")
+    if isinstance(exc, UnsupportedError):
+        return APIError(400, message, param=_PARAM_NAMES.get(exc.field, exc.field), code="unsupported_parameter")
     if isinstance(exc, PromptError):
         return APIError(400, message, param=prompt_param, code="invalid_prompt")
     if isinstance(exc, SamplingError):

@@ -1,30 +1,42 @@
-"""HTTP request bodies -> Jobs: prompts tokenized by final.prompts, OpenAI parameters -> SGLang sampling keys.
+"""HTTP request bodies -> InferenceEngine.prepare: OpenAI's fields in generate()'s vocabulary.
 
-Everything a request may get wrong is checked here, before any engine work, and raised as a typed error
-(PromptError, SamplingError) that the app turns into a 400 naming the field. Parameters Tokasaurus refuses
-(echo, best_of, suffix, logit_bias, top-k logprobs without max_topk_logprobs) are refused the same way.
+Every check of a call lives in final/request.py and runs here before any engine work, so a bad body is a 400
+naming the field and `final serve` refuses exactly what generate() refuses. What is particular to HTTP stays
+here: OpenAI's defaults (completions max_tokens=16, temperature 1.0; chat 0.7), its parameter names, and what
+Tokasaurus refuses (echo, best_of, suffix, logit_bias, top-k logprobs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from final.engine.sampling_params import SamplingParams
-from final.errors import PromptError, SamplingError
-from final.prompts import normalize_prompts, tokenize
-from final.server.generation import Job
-from final.server.protocol import ChatCompletionRequest, CompletionsRequest, GenerateRequest
+from final.errors import CartridgeError, PromptError, SamplingError
+from final.protocol.bodies import ChatCompletionRequest, CompletionsRequest, GenerateRequest
+from final.request import Request
+
+_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
 
 
 @dataclass
-class Limits:
-    tokenizer: Any
-    prompt_length: int
-    response_length: int
+class Call:
+    """A prepared HTTP call: the engine request and how to answer it."""
+
+    request: Request
+    model: str | None
+    chat: bool
+    logprobs: bool = False  # render OpenAI logprobs
+    fingerprint_logprobs: bool = False  # Tokasaurus' packed logprobs in system_fingerprint
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
 
 
-def completion_job(req: CompletionsRequest, limits: Limits) -> Job:
+def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] | None = None) -> Call:
     if req.echo:
         raise SamplingError("echo is not supported", "echo")
     if req.best_of not in (None, 1):
@@ -36,15 +48,15 @@ def completion_job(req: CompletionsRequest, limits: Limits) -> Job:
     if req.logprobs:  # Tokasaurus, too, refuses top-k logprobs unless started with max_topk_logprobs
         raise SamplingError("top logprobs are not supported; use logprobs=0 for the chosen tokens' logprobs",
                             "logprobs")
-    cartridges = _specs(req)
-    items = normalize_prompts(req.prompt, raw=True)  # text is sent as is (the tokenizer's BOS, no template)
-    ids = tokenize(items, limits.tokenizer, limits.prompt_length, after_cartridge=[bool(cartridges)] * len(items))
+    want = req.logprobs is not None
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    want_logprobs = req.logprobs is not None or req.logprobs_in_fingerprint
-    return Job(ids, _sampling(req, max_tokens, limits), _n(req), want_logprobs, cartridges)
+    # text is sent as is (the tokenizer's BOS, no chat template)
+    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False,
+                                **_sampling(req, max_tokens, want or req.logprobs_in_fingerprint))
+    return _call(request, req, chat=False, logprobs=want)
 
 
-def chat_job(req: ChatCompletionRequest, limits: Limits) -> Job:
+def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | None = None) -> Call:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise SamplingError("needs logprobs: true", "top_logprobs")
@@ -61,30 +73,30 @@ def chat_job(req: ChatCompletionRequest, limits: Limits) -> Job:
         raise SamplingError("give max_tokens or max_completion_tokens, not both", "max_tokens")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     if max_tokens is None:
-        max_tokens = limits.response_length
-    cartridges = _specs(req)
-    ids = _chat_ids(req.messages, limits, bool(cartridges))
-    return Job(ids, _sampling(req, max_tokens, limits), _n(req), bool(req.logprobs) or req.logprobs_in_fingerprint,
-               cartridges)
+        max_tokens = inference.rollout_config.response_length
+    if not req.messages:
+        raise PromptError("messages is empty")
+    messages = [_flatten_content(m, j) for j, m in enumerate(req.messages)]
+    request = inference.prepare([messages], cartridge=specs, progress=False,
+                                **_sampling(req, max_tokens, bool(req.logprobs) or req.logprobs_in_fingerprint))
+    return _call(request, req, chat=True, logprobs=bool(req.logprobs))
 
 
-def generate_job(req: GenerateRequest, limits: Limits) -> Job:
+def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None = None) -> Call:
     """Seed 001's native body: an optional system prompt and one user prompt."""
     if not req.prompt.strip():
         raise PromptError("is an empty string")
     messages = ([{"role": "system", "content": req.system}] if req.system is not None else []) + \
         [{"role": "user", "content": req.prompt}]
-    cartridges = _specs(req)
-    max_tokens = limits.response_length if req.max_tokens is None else req.max_tokens
-    return Job(_chat_ids(messages, limits, bool(cartridges)), _sampling(req, max_tokens, limits), 1, False,
-               cartridges)
+    max_tokens = inference.rollout_config.response_length if req.max_tokens is None else req.max_tokens
+    request = inference.prepare([messages], cartridge=specs, progress=False,
+                                **_sampling(req, max_tokens, False))
+    return Call(request, req.model, chat=True)
 
 
-def _chat_ids(messages: list[dict], limits: Limits, after_cartridge: bool) -> list[list[int]]:
-    if not messages:
-        raise PromptError("messages is empty")
-    items = normalize_prompts([[_flatten_content(m, j) for j, m in enumerate(messages)]])
-    return tokenize(items, limits.tokenizer, limits.prompt_length, after_cartridge=[after_cartridge])
+def _call(request: Request, req: Any, *, chat: bool, logprobs: bool) -> Call:
+    include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return Call(request, req.model, chat, logprobs, req.logprobs_in_fingerprint, bool(req.stream), include)
 
 
 def _flatten_content(message: dict, j: int) -> dict:
@@ -98,34 +110,45 @@ def _flatten_content(message: dict, j: int) -> dict:
     return {**message, "content": content[0]["text"]}
 
 
-def _specs(req: Any) -> list[dict]:
-    return [c.model_dump() for c in getattr(req, "cartridges", None) or []]
-
-
-def _n(req: Any) -> int:
-    return 1 if req.n is None else req.n
-
-
-def _sampling(req: Any, max_tokens: int, limits: Limits) -> dict[str, Any]:
-    """OpenAI/Tokasaurus fields -> SGLang sampling keys, range-checked by the engine's SamplingParams."""
-    if max_tokens < 1:
-        raise SamplingError(f"must be >= 1, got {max_tokens}", "max_tokens")
-    if max_tokens > limits.response_length:
-        raise SamplingError(f"{max_tokens} exceeds the server's rollout.response_length={limits.response_length}",
-                            "max_tokens")
+def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
+    """OpenAI/Tokasaurus fields -> generate()'s keywords (checked by final.request.prepare)."""
     if getattr(req, "logit_bias", None):
         raise SamplingError("is not supported", "logit_bias")
-    stop = req.stop
-    params: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
+    out: dict[str, Any] = {
+        "max_tokens": max_tokens,
         "temperature": 0.0 if req.temperature is None else req.temperature,  # Tokasaurus: None means greedy
-        "stop": [stop] if isinstance(stop, str) else list(stop or []),
-        "seed": req.seed,
+        "stop": req.stop or None,
+        "n": 1 if getattr(req, "n", None) is None else req.n,
+        "logprobs": logprobs,
     }
-    for key in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for key in _SAMPLING:
         if getattr(req, key, None) is not None:
-            params[key] = getattr(req, key)
+            out[key] = getattr(req, key)
+    for key in ("presence_penalty", "frequency_penalty"):  # OpenAI's 0 defaults: leave them to the backend
+        if out.get(key) == 0:
+            del out[key]
     if getattr(req, "ignore_eos", False):
-        params["ignore_eos"] = True
-    SamplingParams.from_dict({**params, "n": _n(req) if hasattr(req, "n") else 1})  # typed range errors
-    return params
+        out["ignore_eos"] = True
+    return out
+
+
+def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None) -> list[dict] | None:
+    """The request's cartridges as specs to load. HTTP clients may load local files only from --cartridge-dir,
+    so a request never reads an arbitrary path: a local file's spec gets its resolved path under that folder.
+    Ids already loaded (the config's cartridges) are served without touching files. loaded=None: this server
+    holds no cartridges (InferenceEngine refuses the specs)."""
+    specs = []
+    for spec in getattr(req, "cartridges", None) or []:
+        out = spec.model_dump()
+        if loaded is not None and spec.source == "local" and not (spec.id in loaded and not spec.force_redownload):
+            if cartridge_dir is None:
+                raise CartridgeError("loading local cartridge files over HTTP is off; start the server with "
+                                     "--cartridge-dir DIR to allow files under DIR", file=spec.id, field="source")
+            path = Path(spec.id).expanduser()
+            resolved = (path if path.is_absolute() else cartridge_dir / path).resolve()
+            if not resolved.is_relative_to(cartridge_dir):
+                raise CartridgeError(f"is outside the server's --cartridge-dir {cartridge_dir}", file=spec.id,
+                                     field="id")
+            out["path"] = str(resolved)
+        specs.append(out)
+    return specs or None

@@ -1,70 +1,64 @@
-"""Samples -> OpenAI response bodies (text_completion, chat.completion, their stream chunks) and /generate's.
+"""Results -> OpenAI response bodies (text_completion, chat.completion, their stream chunks) and /generate's.
 
-Text: the output ids up to the first eos (unless ignore_eos), decoded without special tokens, cut before the
-first stop string (Tokasaurus' decode_completion, as vLLM and SGLang do). Logprobs are the chosen tokens'
-(OpenAI layouts); `system_fingerprint` carries Tokasaurus' packed completion ids and logprobs
-(final/server/fingerprint.py). usage counts each prompt once; a cartridge's tokens count as cached prompt tokens.
+Every field comes from the rows InferenceEngine returns (final/outputs.py): the text as generate() gives it
+(ids up to the first eos, special tokens skipped, cut before a stop string), the finish reason and token counts
+the engine reported. Logprobs are the chosen tokens' (OpenAI layouts); `system_fingerprint` carries
+Tokasaurus' packed completion ids and logprobs (final/protocol/fingerprint.py). usage counts each prompt once;
+a cartridge's tokens count as cached prompt tokens.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any
 
-from final.server.fingerprint import make_fingerprint
-from final.server.generation import Sample
+from final.outputs import Completion, GenerationOutput, cut_at_stop, raw_text
+from final.protocol.fingerprint import make_fingerprint
+from final.server.prepare import Call
+
+
+def rows_of(out: GenerationOutput) -> list[Completion]:
+    """GenerationOutput rows as Completions (index = prompt * n + sample)."""
+    return [Completion(i, m["response_ids"], m["finish_reason"], m.get("matched"), m["prompt_tokens"],
+                       m.get("cached_tokens", 0), m.get("logprobs")) for i, m in enumerate(out.metadata)]
 
 
 class Renderer:
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.eos = frozenset(eos_token_ids)
-
-    # ---- text ------------------------------------------------------------------------------------------
-    def text(self, ids: list[int], stop: list[str], ignore_eos: bool = False) -> str:
-        return cut_at_stop(self.raw_text(ids, ignore_eos), stop)
-
-    def raw_text(self, ids: list[int], ignore_eos: bool = False) -> str:
-        if not ignore_eos:
-            cut = next((i for i, t in enumerate(ids) if t in self.eos), len(ids))
-            ids = ids[:cut]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def tokens(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
 
     # ---- bodies ----------------------------------------------------------------------------------------
-    def completion(self, model: str, samples: list[Sample], job, *, want_logprobs: bool, fingerprint: bool) -> dict:
+    def completion(self, call: Call, out: GenerationOutput) -> dict:
+        """A text_completion, or with call.chat a chat.completion."""
+        rows = rows_of(out)
         choices = []
-        for s in samples:
-            text = self.text(s.output_ids, job.sampling["stop"], job.sampling.get("ignore_eos", False))
-            choices.append({"index": s.index, "text": text, "finish_reason": s.finish_reason,
-                            "logprobs": self.completion_logprobs(s.output_ids, s.logprobs) if want_logprobs else None})
-        return self._envelope("text_completion", "cmpl", model, choices, samples, job, fingerprint)
+        for r, text in zip(rows, out.completions):
+            logprobs = None
+            if call.logprobs:
+                logprobs = (self.chat_logprobs if call.chat else self.completion_logprobs)(r.output_ids, r.logprobs)
+            content = {"message": {"role": "assistant", "content": text}} if call.chat else {"text": text}
+            choices.append({"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": logprobs})
+        if call.chat:
+            return self._envelope("chat.completion", "chatcmpl", call, choices, rows)
+        return self._envelope("text_completion", "cmpl", call, choices, rows)
 
-    def chat(self, model: str, samples: list[Sample], job, *, want_logprobs: bool, fingerprint: bool) -> dict:
-        choices = []
-        for s in samples:
-            text = self.text(s.output_ids, job.sampling["stop"], job.sampling.get("ignore_eos", False))
-            choices.append({"index": s.index, "message": {"role": "assistant", "content": text},
-                            "finish_reason": s.finish_reason,
-                            "logprobs": self.chat_logprobs(s.output_ids, s.logprobs) if want_logprobs else None})
-        return self._envelope("chat.completion", "chatcmpl", model, choices, samples, job, fingerprint)
-
-    def generate(self, model: str | None, sample: Sample, job) -> dict:
+    def generate(self, call: Call, out: GenerationOutput) -> dict:
         """Seed 001's /generate answer: {text, finish_reason, usage, model}."""
-        return {"text": self.text(sample.output_ids, job.sampling["stop"]), "finish_reason": sample.finish_reason,
-                "usage": usage([sample], 1), "model": model}
+        rows = rows_of(out)
+        return {"text": out.completions[0], "finish_reason": rows[0].finish_reason, "usage": usage(rows, 1),
+                "model": call.model}
 
-    def _envelope(self, obj: str, prefix: str, model: str, choices: list[dict], samples: list[Sample], job,
-                  fingerprint: bool) -> dict:
-        by_index = sorted(samples, key=lambda s: s.index)
+    def _envelope(self, obj: str, prefix: str, call: Call, choices: list[dict], rows: list[Completion]) -> dict:
         return {
-            "id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model,
-            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(samples, job.n),
-            "system_fingerprint": make_fingerprint([s.output_ids for s in by_index],
-                                                   [s.logprobs or [] for s in by_index] if fingerprint else None),
+            "id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": call.model,
+            "choices": choices, "usage": usage(rows, call.request.n),
+            "system_fingerprint": make_fingerprint([r.output_ids for r in rows],
+                                                   [r.logprobs or [] for r in rows]
+                                                   if call.fingerprint_logprobs else None),
         }
 
     # ---- logprobs ----------------------------------------------------------------------------------------
@@ -81,21 +75,13 @@ class Renderer:
                             for tok, lp in zip(self.tokens(ids), logprobs or [])]}
 
 
-def usage(samples: list[Sample], n: int) -> dict[str, Any]:
-    """Prompt tokens once per prompt (samples index*n .. index*n+n-1 share it), completion tokens per choice."""
-    firsts = [s for s in samples if s.index % n == 0]
-    prompt = sum(s.prompt_tokens for s in firsts)
-    completion = sum(len(s.output_ids) for s in samples)
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                           "total_tokens": prompt + completion}
-    if all(s.cached_tokens is not None for s in firsts):
-        out["prompt_tokens_details"] = {"cached_tokens": sum(s.cached_tokens for s in firsts)}
-    return out
-
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    hits = [p for p in (text.find(s) for s in stop) if p != -1]
-    return text[:min(hits)] if hits else text
+def usage(rows: list[Completion], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (rows index*n .. index*n+n-1 share it), completion tokens per choice."""
+    firsts = [r for r in rows if r.index % n == 0]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(r.completion_tokens for r in rows)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
 class TextDelta:
@@ -104,15 +90,13 @@ class TextDelta:
     Holds back an undecodable tail (a multi-byte character split across tokens) and, while unfinished, the last
     len(longest stop)-1 characters, so text that turns out to start a stop string is never sent."""
 
-    def __init__(self, renderer: Renderer, stop: list[str], ignore_eos: bool):
-        self.renderer = renderer
-        self.stop = stop
-        self.ignore_eos = ignore_eos
+    def __init__(self, tokenizer: Any, eos_ids: set[int], stop: tuple[str, ...], ignore_eos: bool):
+        self.tokenizer, self.eos_ids, self.stop, self.ignore_eos = tokenizer, eos_ids, stop, ignore_eos
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
 
     def update(self, ids: list[int], final: bool) -> str:
-        raw = self.renderer.raw_text(ids, self.ignore_eos)
+        raw = raw_text(self.tokenizer, ids, eos_ids=self.eos_ids, ignore_eos=self.ignore_eos)
         text = cut_at_stop(raw, self.stop)
         stopped = len(text) < len(raw)
         end = len(text)

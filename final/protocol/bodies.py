@@ -10,7 +10,7 @@ Additions of ours, marked below: top_k, min_p, repetition_penalty (as vLLM/SGLan
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,10 @@ class Cartridge(_Strict):
     id: str = Field(min_length=1)
     source: CartridgeSource = "wandb"
     force_redownload: bool = False
+
+
+WIRE_CARTRIDGE_KEYS = tuple(Cartridge.model_fields)  # ("id", "source", "force_redownload")
+CARTRIDGE_SOURCES = get_args(CartridgeSource)
 
 
 class StreamOptions(_Strict):

@@ -1,0 +1,184 @@
+"""EngineCore: the engine thread's state and loop. The only code that touches the model's tensors.
+
+The thread blocks on its inbox while idle; with work it drains the inbox between steps, dispatching each typed
+message (final/engine/messages.py) by type, then runs one step: a prefill batch of admitted requests, else one
+decode step of every running row. Finished rows report to their Batch on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from final.engine.kv_cache import KVCache, PrefixTable
+from final.engine.messages import Abort, Call, Stop, Submit
+from final.engine.model import CausalLM
+from final.engine.runner import ModelRunner
+from final.engine.sampler import sample
+from final.engine.scheduler import Scheduler
+from final.engine.sequence import Sequence
+from final.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    aborted: int = 0
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class EngineCore:
+    def __init__(self, model: CausalLM, model_path: str, *, max_running_requests: int, max_model_len: int,
+                 max_prefill_tokens: int, mem_fraction_static: float, eos_token_ids: frozenset[int]):
+        spec = model.spec
+        self.model, self.spec, self.model_path = model, spec, model_path
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device,
+                             max_model_len)
+        self.prefixes = PrefixTable(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device)
+        budget = int(mem_fraction_static * total_memory_bytes(model.device)) - model.nbytes
+        self.scheduler = Scheduler(self.cache, max_running_requests, max_prefill_tokens, max(budget, 0))
+        self.runner = ModelRunner(model, self.cache)
+        self.stats = EngineStats()
+        self.inbox: queue.Queue = queue.Queue()
+        self._tokenizer = None
+        self._handlers: dict[type, Callable[[Any], bool]] = {
+            Submit: self._submit, Abort: self._abort, Call: self._call, Stop: self._stop}
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                block = not self.scheduler.has_work()
+                try:
+                    while True:
+                        msg = self.inbox.get(block=block)
+                        block = False
+                        if not self._dispatch(msg):
+                            return
+                except queue.Empty:
+                    pass
+                if self.scheduler.has_work():
+                    try:
+                        self._step()
+                    except Exception as exc:  # keep serving: fail what was in flight, not the engine
+                        logger.exception("engine step failed")
+                        self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, msg: Any) -> bool:
+        try:
+            return self._handlers[type(msg)](msg)
+        except Exception:  # a bad message must not take the engine down
+            logger.exception("engine failed to handle %s", type(msg).__name__)
+            return True
+
+    # ---- handlers ------------------------------------------------------------------------------------
+    def _submit(self, msg: Submit) -> bool:
+        try:  # composing several cartridges (a per-layer concatenation) is tensor work: it belongs here
+            prefixes = [self.prefixes.get(seq.cartridges) for seq in msg.seqs]
+        except Exception as exc:  # noqa: BLE001 - e.g. a cartridge unloaded since the request was made
+            for batch in {id(s.batch): s.batch for s in msg.seqs}.values():
+                batch.fail(exc)
+            return True
+        for seq, prefix in zip(msg.seqs, prefixes):
+            seq.prefix = prefix
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(seq.prompt_ids)
+            self.scheduler.add(seq)
+        return True
+
+    def _abort(self, msg: Abort) -> bool:
+        match = (lambda s: True) if msg.abort_all else (lambda s: s.rid == msg.rid)
+        for seq in self.scheduler.drop_waiting(match):
+            seq.abort(msg.message)
+            self.stats.aborted += 1
+            seq.batch.row_done(seq.row, seq.to_output())
+        gone = [s for s in self.scheduler.running if match(s)]
+        for seq in gone:
+            seq.abort(msg.message)
+            self.stats.aborted += 1
+        self._finish(gone)
+        return True
+
+    def _call(self, msg: Call) -> bool:
+        try:
+            msg.future.set_result(msg.fn(self.runner))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            msg.future.set_exception(exc)
+        return True
+
+    def _stop(self, _msg: Stop) -> bool:
+        self._fail_all(EngineError("the engine has been shut down"))
+        self.cache.release()
+        return False
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        batch = self.scheduler.next_prefill()
+        if batch:
+            logits = self.runner.prefill(batch)
+            self.stats.prefill_steps += 1
+            rows = [i for i, s in enumerate(batch) if s.max_new_tokens > 0]
+            for s in batch:
+                if s.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): the prefill was the work
+                    s.finish_reason = {"type": "length", "length": 0}
+            if rows:
+                self._append(logits[rows], [batch[i] for i in rows])
+            self._finish([s for s in batch if s.finish_reason is not None])
+            return
+        running = list(self.scheduler.running)
+        logits = self.runner.decode(running)
+        self.stats.decode_steps += 1
+        self._append(logits, running)
+        self._finish([s for s in running if s.finish_reason is not None])
+
+    def _append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        tokens, logprobs = sample(logits, seqs)
+        stop_texts = self._stop_matcher if any(s.params.stop for s in seqs) else None
+        for i, seq in enumerate(seqs):
+            seq.append(tokens[i], logprobs[i] if logprobs is not None else None, stop_texts)
+        self.stats.generated_tokens += len(seqs)
+
+    def _stop_matcher(self, output_ids: list[int], stops: list[str]) -> str | None:
+        """SGLang's stop-string check: decode the tail of the output and look for any stop string."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        window = max(len(s) for s in stops) + 8  # a token is at least one character
+        tail = self._tokenizer.decode(output_ids[-window:])
+        return next((s for s in stops if s in tail), None)
+
+    def _finish(self, done: list[Sequence]) -> None:
+        if not done:
+            return
+        self.scheduler.remove([s for s in done if s.slot >= 0])
+        composed = {s.prefix for s in done if s.prefix is not None and len(s.prefix.ids) > 1}
+        if composed:  # a composition nobody runs any more is dropped (rebuilt on demand)
+            self.prefixes.prune_composed({s.prefix for s in self.scheduler.running}
+                                         | {s.prefix for s in self.scheduler.waiting})
+        for seq in done:
+            seq.batch.row_done(seq.row, seq.to_output())
+
+    def _fail_all(self, exc: EngineError) -> None:
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            seq.batch.fail(exc)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()

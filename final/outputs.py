@@ -1,0 +1,106 @@
+"""Results: one record per row, made once from what the engine (or the remote server) reported.
+
+Every backend reports, per row, the SGLang `meta_info` of its last engine call: finish reason (and the stop token
+or string that matched), prompt / cached / completion tokens, and the chosen tokens' logprobs. When a call's
+meta_info sets ROW_INFO, the backend puts that record in the output DataProto's non_tensor_batch[ROW_INFO], so
+the Python API and the HTTP server read the same facts and nothing re-derives them from masks.
+
+Token counts follow OpenAI's usage: `prompt_tokens` counts everything the completion was conditioned on, a
+cartridge's tokens included, and `cached_tokens` says how many of those came from a cache (the cartridge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+ROW_INFO = "final_row_info"  # meta_info flag and non_tensor_batch key
+TRACE_KEY = "final_tool_trace"  # meta_info flag: multi-turn adds non_tensor_batch["tool_calls"] (call records)
+
+
+@dataclass
+class Completion:
+    """One row: the engine's output ids and record. While a stream runs, finish_reason is None."""
+
+    index: int
+    output_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended the row
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    message: str | None = None  # why an aborted row stopped
+
+    @classmethod
+    def from_engine(cls, index: int, out: dict) -> "Completion":
+        """From an SGLang 0.5.2 `async_generate` result dict (the engine dialect)."""
+        meta = out["meta_info"]
+        reason = meta.get("finish_reason") or {}
+        pairs = meta.get("output_token_logprobs")
+        return cls(index, list(out["output_ids"]), reason.get("type"), reason.get("matched"),
+                   int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0),
+                   [lp for lp, _, _ in pairs] if pairs is not None else None, reason.get("message"))
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def info(self) -> dict[str, Any]:
+        """What travels in the DataProto beside the tensors (the ids are the response tensor's first tokens)."""
+        return {"finish_reason": self.finish_reason, "matched": self.matched, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+                "logprobs": self.logprobs, "message": self.message}
+
+
+def row_infos(outputs: Iterable[dict]) -> list[dict]:
+    """ROW_INFO values for engine result dicts, in row order."""
+    return [Completion.from_engine(i, out).info() for i, out in enumerate(outputs)]
+
+
+def completions_of(output: Any) -> list[Completion]:
+    """A batch-path DataProto that carries ROW_INFO -> one Completion per row."""
+    infos = output.non_tensor_batch.get(ROW_INFO)
+    if infos is None:
+        raise KeyError(f"the DataProto carries no {ROW_INFO!r}: call generate_sequences with "
+                       f"meta_info[{ROW_INFO!r}] = True")
+    responses = output.batch["responses"]
+    rows = []
+    for i, info in enumerate(infos):
+        ids = responses[i, :info["completion_tokens"]].tolist()
+        rows.append(Completion(i, ids, info["finish_reason"], info.get("matched"), info["prompt_tokens"],
+                               info["cached_tokens"], info.get("logprobs"), info.get("message")))
+    return rows
+
+
+def completion_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], stop: Sequence[str] = (),
+                    ignore_eos: bool = False) -> str:
+    """What the user reads: ids up to the first eos (unless ignore_eos), decoded without special tokens, cut
+    before the first stop string (SGLang's and OpenAI's trimming)."""
+    return cut_at_stop(raw_text(tokenizer, ids, eos_ids=eos_ids, ignore_eos=ignore_eos), stop)
+
+
+def raw_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], ignore_eos: bool = False) -> str:
+    if not ignore_eos:
+        eos = frozenset(eos_ids)
+        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        ids = ids[:cut]
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    hits = [p for p in (text.find(s) for s in stop) if p != -1]
+    return text[:min(hits)] if hits else text
+
+
+@dataclass
+class GenerationOutput:
+    """Rows are prompt-major: with n samples per prompt, rows i*n .. i*n+n-1 belong to prompt i."""
+
+    completions: list[str]
+    token_ids: list[list[int]]
+    metadata: list[dict] = field(default_factory=list)
+    n: int = 1
+
+    def grouped(self) -> list[list[str]]:
+        """Completions as one list of n samples per prompt."""
+        return [self.completions[i:i + self.n] for i in range(0, len(self.completions), self.n)]

@@ -1,0 +1,117 @@
+"""The backend interface: everything InferenceEngine (and through it chat, the server, evals and bench) may ask
+of a rollout backend. Nothing above final/rollout/ reaches into a backend any other way.
+
+A Backend is veRL's BaseRollout (generate_sequences: DataProto in, the DataProto veRL 0.6.0's SGLangRollout
+returns out) plus:
+- `capabilities`: what it can serve, so a request it cannot is refused before any work (`Capabilities.check`);
+- an awaitable `agenerate_sequences` and a token stream `astream` (whole rows at the end where the backend
+  cannot stream), both with a per-call `Observer` for progress and tool events;
+- `tool_schemas()`, the `cartridge_target` a CartridgeService drives (None: no local cartridge store),
+  `pad_token_id`, `preflight` (checks that need no model), and `shutdown`.
+When a call's meta_info sets final.outputs.ROW_INFO, the output carries each row's engine record.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, ClassVar, Protocol
+
+from verl.workers.rollout.base import BaseRollout
+
+from final.errors import UnsupportedError
+from final.outputs import Completion, completions_of
+from final.sampling import Sampling
+
+# SGLang sampling keys every backend honours; a backend lists the others it supports in Capabilities.
+BASIC_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "n", "seed", "stop", "ignore_eos",
+                        "presence_penalty", "frequency_penalty"})
+ALL_KEYS = BASIC_KEYS | {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "stop_token_ids"}
+NO_OP = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_token_ids": []}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    seed: bool = True  # generate(seed=...): reproducible rows
+    stop_strings: bool = True
+    logprobs: bool = True  # the chosen tokens' logprobs
+    prompt_logprobs: bool = True  # logprobs of given tokens (multi-turn's calculate_log_probs scoring pass)
+    cartridges: bool = False
+    tools: bool = False  # multi-turn tool calling
+    tool_events: bool = False  # Observer.tool_event as calls happen
+    streaming: bool = False  # astream yields every token (else each row once, complete)
+    concurrent: bool = True  # calls may overlap (else InferenceEngine runs them one at a time)
+    sampling_keys: frozenset[str] = ALL_KEYS
+
+    def check(self, backend: str, sampling: Sampling, *, cartridges: bool = False, tools: bool = False) -> None:
+        """Refuse, naming the backend and the field, what this backend cannot serve."""
+        wanted = [("seed", sampling.seed is not None, self.seed), ("stop", bool(sampling.stop), self.stop_strings),
+                  ("logprobs", sampling.logprobs, self.logprobs), ("cartridge", cartridges, self.cartridges),
+                  ("tools_kwargs", tools, self.tools)]
+        for field, asked, served in wanted:
+            if asked and not served:
+                raise UnsupportedError(backend, field)
+        for key, value in sampling.params.items():
+            if key not in self.sampling_keys and NO_OP.get(key, object()) != value:
+                raise UnsupportedError(backend, key)
+
+
+class Observer(Protocol):
+    """Per-call callbacks; a backend calls them from its own thread, so they must be quick and thread-safe."""
+
+    def row_done(self) -> None:
+        """A row finished (progress)."""
+
+    def tool_event(self, event: dict) -> None:
+        """Multi-turn: an assistant turn, tool call, tool result or finished row ({"type": ..., ...})."""
+
+
+class CartridgeTarget(Protocol):
+    """What final.cartridges.CartridgeService drives: a place that holds cartridge KV for requests."""
+
+    def load_cartridge(self, cartridge_id: str, keys: list, values: list) -> Any: ...
+
+    def unload_cartridge(self, cartridge_id: str) -> bool: ...
+
+    def cartridge_ids(self) -> list[str]: ...
+
+
+class Backend(BaseRollout, abc.ABC):
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    pad_token_id: int
+
+    @classmethod
+    def preflight(cls, engine_config: Any) -> None:
+        """Checks run on the caller's thread before the model is resolved (requirements, signal handlers)."""
+
+    @abc.abstractmethod
+    def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
+        """veRL's generate_sequences; blocks the calling thread (which must not be running an event loop)."""
+
+    @abc.abstractmethod
+    async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
+        """generate_sequences, awaitable from any event loop."""
+
+    async def astream(self, prompts: Any, **kwargs: Any) -> AsyncIterator[Completion]:
+        """Row updates (cumulative output ids) as they come; each row's last has its finish_reason. This default
+        yields every row once, complete, after the whole call (prompts.meta_info must set ROW_INFO)."""
+        for row in completions_of(await self.agenerate_sequences(prompts, **kwargs)):
+            yield row
+
+    def tool_schemas(self) -> list[dict]:
+        """The OpenAI schemas of the tools a multi-turn call offers by default (tools.yaml's)."""
+        return []
+
+    @property
+    def cartridge_target(self) -> CartridgeTarget | None:
+        """Where loaded cartridges live, for CartridgeService; None when cartridges are not held here."""
+        return None
+
+    def cartridge_ids(self) -> list[str] | None:
+        """Ids a request may name when there is no cartridge_target (e.g. configured remote specs); else None."""
+        return None
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the backend's engine, threads and processes. Idempotent."""

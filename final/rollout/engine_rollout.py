@@ -1,0 +1,125 @@
+"""EngineRollout: veRL's rollout contract over any engine that speaks final's engine dialect.
+
+The dialect is SGLang 0.5.2's `async_generate` (final/engine/engine.py) plus `submit_generate`, its batch form
+for callers without an event loop. The embedded engine speaks it in-process (final/rollout/local.py) and
+final/rollout/tokasaurus.py speaks it over HTTP, so both backends share this one rollout:
+- the batch path (`SGLangRollout._batch_level_generate_sequences`): one submission of every row, each with
+  its own seed and cartridges; the engine runs `assemble_batch` over the outputs on its own thread, so the
+  call crosses threads twice (rows in, DataProto out);
+- the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable;
+- `astream`: per-token updates of every row, merged in arrival order, where the engine can stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import torch
+
+from final.errors import ToolConfigError, UnsupportedError
+from final.outputs import Completion
+from final.rollout.base import Backend, Observer
+from final.rollout.batch import assemble_batch, base_sampling_params, pad_token_id, plan_rows
+
+
+class EngineRollout(Backend):
+    def __init__(self, config: Any, model_config: Any, engine: Any, device_mesh: Any = None, own_engine: bool = True):
+        """own_engine: the rollout stops the engine on shutdown, and at once if this constructor fails."""
+        super().__init__(config, model_config, device_mesh)
+        self.engine = engine
+        self._own_engine = own_engine
+        try:
+            self._setup(config, model_config)
+        except BaseException:
+            if own_engine:
+                engine.shutdown()
+            raise
+
+    def _setup(self, config: Any, model_config: Any) -> None:
+        self.processing_class = model_config.get_processor()
+        self.tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.pad_token_id = pad_token_id(self.tokenizer)
+        self.sampling_params = base_sampling_params(config)
+        self.multi_turn = None
+        if config.multi_turn.enable:  # built now so a bad tools.yaml fails at start, not at the first request
+            from final.rollout.multi_turn import MultiTurnRollout
+
+            if config.calculate_log_probs and not self.capabilities.prompt_logprobs:
+                raise ToolConfigError(f"multi-turn with calculate_log_probs scores each conversation's tokens, "
+                                      f"which the {self.name} backend cannot (no prompt logprobs)",
+                                      key="rollout.calculate_log_probs")
+            self.multi_turn = MultiTurnRollout(self.engine, config, self.processing_class)
+
+    # ---- Backend ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
+        if self.multi_turn is not None:
+            return self.multi_turn.generate_sequences(prompts, observer=observer, **kwargs)
+        return self._submit(prompts, observer, kwargs).result()
+
+    async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
+        if self.multi_turn is not None:
+            return await self.multi_turn.agenerate_sequences(prompts, observer=observer, **kwargs)
+        return await self._submit(prompts, observer, kwargs).wait()
+
+    async def astream(self, prompts: Any, **kwargs: Any) -> AsyncIterator[Completion]:
+        if not self.capabilities.streaming or self.multi_turn is not None:
+            async for row in super().astream(prompts, **kwargs):
+                yield row
+            return
+        rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
+        streams = []
+        try:  # every stream is opened (its request validated) before the first update is awaited
+            for ids, params, carts in zip(rows.ids, rows.params, rows.cartridges or [()] * len(rows.ids)):
+                streams.append(await self.engine.async_generate(input_ids=ids, sampling_params=params,
+                                                                return_logprob=True, cartridges=carts or None,
+                                                                stream=True))
+            async for index, out in merge_streams(streams):
+                yield Completion.from_engine(index, out)
+        finally:
+            for s in streams:
+                await s.aclose()
+
+    def tool_schemas(self) -> list[dict]:
+        return self.multi_turn.tools.schemas() if self.multi_turn is not None else []
+
+    def shutdown(self) -> None:
+        if self._own_engine:
+            self.engine.shutdown()
+
+    # ---- the batch path --------------------------------------------------------------------------------
+    def _submit(self, prompts: Any, observer: Observer | None, kwargs: dict) -> Any:
+        if "n" in kwargs and kwargs["n"] != 1:
+            raise UnsupportedError(self.name, "n", "must be 1 per row: veRL repeats a prompt's rows for n > 1")
+        rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
+        return self.engine.submit_generate(
+            rows.ids, rows.params, return_logprob=True, cartridges=rows.cartridges,
+            finish=lambda outputs: assemble_batch(prompts, outputs, self.config, self.pad_token_id),
+            on_row=(lambda _row, _out: observer.row_done()) if observer is not None else None)
+
+
+async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(stream index, update) from several engine streams, in arrival order; closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,156 @@
+"""Sampling requests, validated once for every backend (core: no engine, no veRL).
+
+Two vocabularies meet here:
+- seed 003's `generate(...)` keywords (max_tokens, temperature, n, seed, stop, logprobs, ...), which
+  `parse_sampling` turns into a `Sampling`: the SGLang-named params a rollout receives, plus n, logprobs and
+  do_sample;
+- SGLang 0.5.2's sampling keys, whose value rules (`check_params`) the embedded engine applies to every request
+  it gets, from us or from veRL.
+Every number must be finite: NaN slips through comparisons (`NaN < 0` is False), so it is refused first.
+The per-row seed rule (row i of a call samples with seed + i) lives here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from final.errors import SamplingError
+
+# seed 003's generate() keywords, plus ours
+SAMPLING_KEYS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_new_tokens", "n", "do_sample", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_new_tokens"})
+GREEDY_KEYS = ("temperature", "top_p", "top_k", "min_p")  # dropped when sampling is off: veRL's greedy settings win
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one call's work. The config's `limits:` can raise them for big offline batches."""
+
+    max_n: int = 64
+    max_prompts: int = 4096
+    max_stop: int = 16
+    max_stop_length: int = 256
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A validated sampling request: `params` go to generate_sequences(data, **params) (SGLang keys)."""
+
+    params: dict[str, Any]
+    max_new_tokens: int
+    n: int = 1
+    do_sample: bool = True
+    logprobs: bool = False
+    stop: tuple[str, ...] = field(default=())
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.get("seed")
+
+
+def row_seed(seed: int | None, row: int) -> int | None:
+    """The seed of row `row` of a call: seed + row, so repeated rows (n > 1) differ and every row is reproducible
+    whatever else is in the batch or on which replica it runs."""
+    return None if seed is None else seed + row
+
+
+def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Limits = Limits()) -> Sampling:
+    """generate()'s keywords -> Sampling. Raises SamplingError naming the field; does no work."""
+    unknown = set(sampling) - SAMPLING_KEYS
+    if unknown:
+        raise SamplingError(f"unknown sampling argument; valid: {', '.join(sorted(SAMPLING_KEYS))}",
+                            sorted(unknown)[0])
+    s = {k: v for k, v in sampling.items() if v is not None or k == "seed"}
+    if "max_tokens" in s and "max_new_tokens" in s:
+        raise SamplingError("give max_tokens or max_new_tokens, not both", "max_tokens")
+    max_tokens = s.pop("max_tokens", s.pop("max_new_tokens", response_length))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise SamplingError(f"must be a positive integer, got {max_tokens!r}", "max_tokens")
+    if max_tokens > response_length:
+        raise SamplingError(f"{max_tokens} exceeds rollout.response_length={response_length}", "max_tokens")
+    n = s.pop("n", 1)
+    logprobs = s.pop("logprobs", False)
+    do_sample = s.pop("do_sample", True)
+    for key, value in (("logprobs", logprobs), ("do_sample", do_sample)):
+        if not isinstance(value, bool):
+            raise SamplingError(f"must be true or false, got {value!r}", key)
+    check_params({**s, "n": n, "max_new_tokens": max_tokens})
+    check_limits(n, s.get("stop"), limits)
+    if s.get("temperature", 1.0) == 0:
+        do_sample = False
+    if not do_sample:
+        for key in GREEDY_KEYS:
+            s.pop(key, None)
+    stop = s.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stop is not None:
+        s["stop"] = list(stops)
+    return Sampling({**s, "max_new_tokens": max_tokens}, max_tokens, n, do_sample, logprobs, stops)
+
+
+def check_limits(n: int, stop: Any, limits: Limits) -> None:
+    if n > limits.max_n:
+        raise SamplingError(f"{n} samples per prompt exceed limits.max_n={limits.max_n}", "n")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop:
+        raise SamplingError(f"{len(stops)} stop strings exceed limits.max_stop={limits.max_stop}", "stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_length:
+        raise SamplingError(f"a stop string of {longest} characters exceeds limits.max_stop_length="
+                            f"{limits.max_stop_length}", "stop")
+
+
+# ---- SGLang's value rules ---------------------------------------------------------------------------------
+def _number(params: dict, name: str, integer: bool = False) -> Any:
+    value = params[name]
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise SamplingError(f"must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if not integer and not math.isfinite(value):
+        raise SamplingError(f"must be a finite number, got {value!r}", name)
+    return value
+
+
+def _in_range(params: dict, name: str, low: float, high: float, *, low_open: bool = False, integer: bool = False,
+              text: str | None = None) -> None:
+    if name not in params:
+        return
+    value = _number(params, name, integer)
+    if value < low or (low_open and value == low) or value > high:
+        raise SamplingError(f"must be {text or f'in [{low}, {high}]'}, got {value}", name)
+
+
+def check_params(params: dict[str, Any]) -> None:
+    """Value rules of SGLang's sampling keys that are present (absent keys take SGLang's defaults)."""
+    big = 2**31 - 1
+    _in_range(params, "max_new_tokens", 0, big, integer=True, text=">= 0")
+    _in_range(params, "min_new_tokens", 0, params.get("max_new_tokens", big), integer=True,
+              text=f"in [0, max_new_tokens={params.get('max_new_tokens', 'unset')}]")
+    _in_range(params, "temperature", 0.0, 1e6, text="in [0, 1e6]")
+    _in_range(params, "top_p", 0.0, 1.0, low_open=True, text="in (0, 1]")
+    if "top_k" in params and (_number(params, "top_k", True) == 0 or params["top_k"] < -1):
+        raise SamplingError(f"must be -1 (off) or >= 1, got {params['top_k']}", "top_k")
+    _in_range(params, "min_p", 0.0, 1.0)
+    _in_range(params, "n", 1, big, integer=True, text=">= 1")
+    _in_range(params, "presence_penalty", -2.0, 2.0)
+    _in_range(params, "frequency_penalty", -2.0, 2.0)
+    _in_range(params, "repetition_penalty", 0.0, 2.0, low_open=True, text="in (0, 2]")
+    seed = params.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
+        raise SamplingError(f"must be a 64-bit integer, got {seed!r}", "seed")
+    stop = params.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
+        raise SamplingError(f"must be a string or a list of non-empty strings, got {stop!r}", "stop")
+    if isinstance(stop, str) and not stop:
+        raise SamplingError("must not be empty", "stop")
+    ids = params.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, (list, tuple, set)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise SamplingError(f"must be a list of token ids, got {ids!r}", "stop_token_ids")
+    if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
+        raise SamplingError(f"must be true or false, got {params['ignore_eos']!r}", "ignore_eos")
