@@ -25,7 +25,8 @@ import yaml
 from final.errors import ConfigError
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
-TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress")
+TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "replicas",
+             "ray_address")
 CARTRIDGE_KEYS = ("id", "source", "path", "force_redownload", "pin")
 CARTRIDGE_SOURCES = ("local", "huggingface", "s3", "wandb")
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
@@ -53,6 +54,8 @@ class EngineConfig:
     tokenizer_path: str | None = None
     trust_remote_code: bool = False
     progress: bool = True
+    replicas: int = 1  # data-parallel InferenceEngines on Ray (final.distributed); 1 = this process only
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -169,7 +172,25 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         cartridges=_check_cartridges(raw.get("cartridges"), path),
         tokenizer_path=raw.get("tokenizer_path"), trust_remote_code=bool(raw.get("trust_remote_code", False)),
         progress=raw.get("progress", True), source=path,
+        replicas=check_replicas(raw.get("replicas", 1), path),
+        ray_address=check_ray_address(raw.get("ray_address"), path),
     )
+
+
+def check_replicas(value: Any, path: str | None = None) -> int:
+    """`replicas`: a positive integer (the config key, open_engine's and the CLI's --replicas)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"must be a positive integer (InferenceEngines on Ray; 1 = in this process), got {value!r}",
+                          key="replicas", path=path)
+    return value
+
+
+def check_ray_address(value: Any, path: str | None = None) -> str | None:
+    """`ray_address`: null (start a local Ray when replicas > 1) or a cluster address such as 10.0.0.1:6379."""
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"must be a Ray cluster address like 10.0.0.1:6379 (or null), got {value!r}",
+                          key="ray_address", path=path)
+    return value
 
 
 def _check_rollout(rollout: dict, path: str | None) -> None:

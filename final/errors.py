@@ -66,3 +66,13 @@ class CartridgeError(FinalError, ValueError):
 
 class EngineError(FinalError, RuntimeError):
     """The engine cannot serve a request (shut down, internal failure)."""
+
+
+class ReplicaError(EngineError):
+    """Replicas of a final.distributed pool died (or never started) and no replica is left to run the work.
+    `replicas` maps each dead replica's index to why it died (Ray's reason: killed, crashed, out of memory)."""
+
+    def __init__(self, message: str, replicas: dict[int, str] | None = None):
+        self.replicas = dict(replicas or {})
+        why = "; ".join(f"replica {i}: {reason}" for i, reason in sorted(self.replicas.items()))
+        super().__init__(f"{message} ({why})" if why else message)

@@ -95,6 +95,13 @@ class InferenceEngine:
         job = self._prepare(prompts, cartridge, tools_kwargs, raw, progress, sampling)
         return self._finish(job, await self._thread.arun(self._run, job))
 
+    def check(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
+              progress: bool | None = None, **sampling: Any) -> int:
+        """Validate a generate() call without running it: raises the typed error generate() would raise for
+        these arguments, else returns the number of rows it would produce (final.distributed checks a whole
+        call once, so errors name global prompt indices before any row is shared out)."""
+        return self._prepare(prompts, cartridge, tools_kwargs, raw, progress, sampling)["rows"]
+
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
                        force_redownload: bool = False, pin: bool = False) -> str:
         """Load a cartridge (file checked against its manifest and the model) and return its id."""
