@@ -35,6 +35,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    """--replicas / --ray-address (final.distributed.open_engine); default: the config's keys, else 1 and none."""
+    p.add_argument("--replicas", type=int, default=None,
+                   help="InferenceEngines on Ray sharing the work (default: the config's replicas:, else 1)")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting a local one")
+
+
 def sampling_from_args(args: argparse.Namespace) -> dict:
     keys = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed}
@@ -42,10 +50,10 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from final.inf import InferenceEngine
+    from final.distributed import open_engine
 
     overrides = {"model_path": args.model} if args.model else {}
-    with InferenceEngine(args.config, **overrides) as engine:
+    with open_engine(args.config, replicas=args.replicas, ray_address=args.ray_address, **overrides) as engine:
         for cid in args.cartridge or []:  # a cartridge file given by path is loaded under that path as its id
             if os.path.isfile(cid):
                 engine.load_cartridge(path=cid)
@@ -66,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print completions for one or more prompts")
     add_sampling_args(gen)
+    add_replica_args(gen)
     gen.add_argument("prompt", nargs="+", help="prompts (each a user message unless --raw)")
     gen.add_argument("--model", default=None, help="override model_path")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
