@@ -35,9 +35,12 @@ from final.errors import ConfigError, EngineError, ReplicaError
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
                            stop_actors)
 
-# Chunks per replica when a call is cut up: more gives finer load sharing, fewer gives the engine bigger batches
-# (a replica runs one chunk at a time, and each chunk's tail, where rows finish unevenly, leaves the batch small).
+# A replica runs one chunk at a time (InferenceEngine serializes its calls), so a chunk is that replica's batch.
+# More chunks per replica share the load more finely (a fast replica takes more; a dead one loses less); bigger
+# chunks keep the engine's batch full (a decode step costs nearly the same for 8 rows as for 32). Hence about
+# CHUNKS_PER_REPLICA chunks each, but no fewer than MIN_CHUNK_ROWS rows (or an equal share of a small call).
 CHUNKS_PER_REPLICA = 4
+MIN_CHUNK_ROWS = 32
 
 
 def open_engine(config: str | Path | dict = "config.yaml", *, replicas: int | None = None,
@@ -70,10 +73,13 @@ class Chunk:
 
 
 def plan_chunks(prompts: int, n: int, replicas: int, max_rows: int, chunk_rows: int | None = None) -> list[Chunk]:
-    """Cut prompts x n rows into chunks of about chunk_rows rows (default: CHUNKS_PER_REPLICA per replica, at
-    most max_rows, the engine's running batch). A prompt's samples are split only when n alone exceeds that."""
+    """Cut prompts x n rows into chunks of about chunk_rows rows (default: see CHUNKS_PER_REPLICA; at most
+    max_rows, the engine's running batch). A prompt's samples are split only when n alone exceeds that."""
     rows = prompts * n
-    size = chunk_rows or max(1, min(max_rows, -(-rows // (replicas * CHUNKS_PER_REPLICA))))
+    if chunk_rows is None:
+        share = -(-rows // replicas)
+        chunk_rows = min(max_rows, max(-(-rows // (replicas * CHUNKS_PER_REPLICA)), min(MIN_CHUNK_ROWS, share)))
+    size = max(1, chunk_rows)
     if n > size:
         return [Chunk(p, p + 1, s, min(size, n - s)) for p in range(prompts) for s in range(0, n, size)]
     per = size // n
