@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from final.config import check_ray_address, check_replicas, load_config
-from final.errors import ConfigError, EngineError, ReplicaError
+from final.errors import EngineError, ReplicaError
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
                            stop_actors)
 
@@ -186,7 +186,8 @@ class ReplicaPool:
         in replica order (or the one result). fn must be picklable by Ray (cloudpickle)."""
         self._require_open()
         if replica is not None and replica not in self.alive:
-            raise ConfigError(f"no live replica {replica}; alive: {self.alive}", key="replica")
+            raise ReplicaError(f"replica {replica} is not serving; alive: {self.alive}",
+                               {replica: self._dead[replica]} if replica in self._dead else None)
         results = self._on_all("call", fn, only=None if replica is None else [replica])
         for value in results.values():
             if isinstance(value, BaseException):
@@ -287,7 +288,8 @@ class ReplicaPool:
         """Run a method on every live replica (or those in `only`): replica -> result or its exception."""
         import ray
 
-        refs = {r: getattr(self._actors[r], method).remote(*args) for r in (only or self.alive) if r not in self._dead}
+        targets = [r for r in (only or self.alive) if r not in self._dead]
+        refs = {r: getattr(self._actors[r], method).remote(*args) for r in targets}
         results: dict[int, Any] = {}
         for r, ref in refs.items():
             try:
@@ -297,7 +299,10 @@ class ReplicaPool:
             except ray.exceptions.RayTaskError as exc:
                 results[r] = cause(exc)
         if not results:
-            raise self._no_replica_left()
+            if not self.alive:
+                raise self._no_replica_left()
+            raise ReplicaError(f"replicas {targets} died while running {method}",
+                               {r: self._dead[r] for r in targets if r in self._dead})
         return results
 
     def _bury(self, replica: int, exc: BaseException) -> None:

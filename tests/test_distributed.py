@@ -277,6 +277,8 @@ def test_a_killed_replica_has_its_rows_retried_and_none_left_is_a_typed_error(po
     assert rows(out) == rows(tiny_inference.generate(**seeded))  # every row exactly once, with its own seed
     assert {m["replica"] for m in out.metadata} == {1}
     assert pool.alive == [1] and "ray.kill" in pool.dead[0]
+    with pytest.raises(ReplicaError, match="replica 0 is not serving"):
+        pool.call(_crash_when_generating, replica=0)
 
     pool.call(_crash_when_generating, replica=1)
     with pytest.raises(ReplicaError) as err:
