@@ -39,7 +39,8 @@ def run_dp(model: str, prompts: int, new_tokens: int, repeats: int, replicas: in
             info = pool.info
     finally:
         single.shutdown()
-    tokens = sum(len(t) for t in outs["pool"].token_ids)
+    # ignore_eos: every row decodes new_tokens (what is timed); the returned text stops at the first EOS (veRL's mask)
+    tokens = prompts * new_tokens
     same = sum(a == b for a, b in zip(outs["one"].token_ids, outs["pool"].token_ids))
     one_tok_s, pool_tok_s = tokens / pair.reference_s, tokens / pair.ours_s
     return {"ours": round(pool_tok_s, 2), "reference": round(one_tok_s, 2), "ratio": round(pool_tok_s / one_tok_s, 3),
