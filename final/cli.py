@@ -39,6 +39,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    """--replicas / --ray-address (final.distributed.open_engine); default: the config's keys, else 1 and none."""
+    p.add_argument("--replicas", type=int, default=None,
+                   help="InferenceEngines on Ray sharing the work (default: the config's replicas:, else 1)")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting a local one")
+
+
 def sampling_from_args(args: argparse.Namespace) -> dict:
     keys = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed}
@@ -46,12 +54,16 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 
 
 def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
-    """The command's InferenceEngine; says which config file it uses when the command did not name one."""
-    from final.inf import InferenceEngine
+    """The command's engine: an InferenceEngine, or a pool of replicas on Ray with --replicas N / --ray-address
+    (final.distributed; the same API). Says which config file it uses when the command did not name one."""
+    from final.config import default_config_path
+    from final.distributed import open_engine as open_pool
 
-    engine = InferenceEngine(args.config, **overrides)
+    config = args.config if args.config is not None else default_config_path()
+    engine = open_pool(config, replicas=getattr(args, "replicas", None),
+                       ray_address=getattr(args, "ray_address", None), **overrides)
     if args.config is None:
-        print(f"final: config {engine.config.source}", file=sys.stderr)
+        print(f"final: config {config}", file=sys.stderr)
     return engine
 
 
@@ -78,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print completions for one or more prompts")
     add_sampling_args(gen)
+    add_replica_args(gen)
     gen.add_argument("prompt", nargs="+", help="prompts (each a user message unless --raw)")
     gen.add_argument("--model", default=None, help="override model_path")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")

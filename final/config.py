@@ -28,7 +28,8 @@ from final.sampling import Limits
 from final.protocol.bodies import CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
-TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits")
+TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
+             "replicas", "ray_address")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
 CARTRIDGE_KEYS = WIRE_CARTRIDGE_KEYS + ("path", "pin")  # a config's spec: the wire's plus a local path and pinning
@@ -58,6 +59,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     progress: bool = True
     limits: Limits = field(default_factory=Limits)
+    replicas: int = 1  # data-parallel InferenceEngines on Ray (final.distributed); 1 = this process only
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -186,6 +189,8 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         cartridges=_check_cartridges(raw.get("cartridges"), path),
         tokenizer_path=raw.get("tokenizer_path"), trust_remote_code=bool(raw.get("trust_remote_code", False)),
         progress=raw.get("progress", True), limits=_check_limits(raw.get("limits"), path), source=path,
+        replicas=check_replicas(raw.get("replicas", 1), path),
+        ray_address=check_ray_address(raw.get("ray_address"), path),
     )
 
 
@@ -202,6 +207,22 @@ def _check_limits(value: Any, path: str | None) -> Limits:
         if isinstance(item, bool) or not isinstance(item, int) or item < 1:
             raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
     return Limits(**value)
+
+
+def check_replicas(value: Any, path: str | None = None) -> int:
+    """`replicas`: a positive integer (the config key, open_engine's and the CLI's --replicas)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"must be a positive integer (InferenceEngines on Ray; 1 = in this process), got {value!r}",
+                          key="replicas", path=path)
+    return value
+
+
+def check_ray_address(value: Any, path: str | None = None) -> str | None:
+    """`ray_address`: null (start a local Ray when replicas > 1) or a cluster address such as 10.0.0.1:6379."""
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"must be a Ray cluster address like 10.0.0.1:6379 (or null), got {value!r}",
+                          key="ray_address", path=path)
+    return value
 
 
 def _check_rollout(rollout: dict, path: str | None) -> None:

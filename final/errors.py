@@ -76,3 +76,13 @@ class UnsupportedError(SamplingError):
         self.backend = backend
         self.field = field
         ValueError.__init__(self, f"'{field}': {message or f'not supported by the {backend} backend'}")
+
+
+class ReplicaError(EngineError):
+    """Replicas of a final.distributed pool died (or never started) and no replica is left to run the work.
+    `replicas` maps each dead replica's index to why it died (Ray's reason: killed, crashed, out of memory)."""
+
+    def __init__(self, message: str, replicas: dict[int, str] | None = None):
+        self.replicas = dict(replicas or {})
+        why = "; ".join(f"replica {i}: {reason}" for i, reason in sorted(self.replicas.items()))
+        super().__init__(f"{message} ({why})" if why else message)

@@ -36,8 +36,8 @@ def _is_conversation(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
 
 
-def normalize_prompts(prompts: Any, raw: bool = False) -> list[Prompt]:
-    """Any accepted shape -> a list of Prompt, validating as we go (PromptError names the index)."""
+def prompt_items(prompts: Any) -> list:
+    """One prompt or a batch -> the list of prompts, each still in its accepted shape (not validated)."""
     if isinstance(prompts, (str, dict)) or _is_ids(prompts) or _is_conversation(prompts):
         items = [prompts]
     elif isinstance(prompts, (list, tuple)):
@@ -47,7 +47,12 @@ def normalize_prompts(prompts: Any, raw: bool = False) -> list[Prompt]:
                           f"got {type(prompts).__name__}")
     if not items:
         raise PromptError("the prompt list is empty")
-    return [_normalize_one(item, i, raw) for i, item in enumerate(items)]
+    return items
+
+
+def normalize_prompts(prompts: Any, raw: bool = False) -> list[Prompt]:
+    """Any accepted shape -> a list of Prompt, validating as we go (PromptError names the index)."""
+    return [_normalize_one(item, i, raw) for i, item in enumerate(prompt_items(prompts))]
 
 
 def _normalize_one(item: Any, index: int, raw: bool) -> Prompt:

@@ -63,3 +63,16 @@ def test_table_output_names_each_measurement():
                   "goal_ms_per_prompt": 1.0, "met": False}}
     text = report(res)
     assert "P4 wrapper overhead" in text and "NOT met" in text and "2.500 ms/prompt" in text
+
+
+def test_table_output_has_the_dp_line():
+    """`--only dp` starts Ray and three engines, so it stays out of the quick run (Ray starts only in
+    tests/test_distributed.py); its table line is checked here."""
+    from final.bench.cli import report
+
+    res = {"machine": {"date": "d", "cpu": "c", "cores": 2, "torch": "t", "torch_threads": 2, "device": "cpu"},
+           "model": "m",
+           "dp": {"ours": 80.0, "reference": 40.0, "ratio": 2.0, "replicas": 2, "prompts": 8, "new_tokens": 4,
+                  "rows_per_replica": {0: 4, 1: 4}, "same_tokens": "8/8", "note": "share the cores"}}
+    text = report(res)
+    assert "DP data parallelism" in text and "2.00x" in text and "same greedy tokens 8/8" in text

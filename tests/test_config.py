@@ -74,3 +74,19 @@ def test_overrides_merge_deeply():
     c = load_config("config.yaml", {"rollout": {"response_length": 7}, "model_path": "builtin:tiny-random-llama"})
     assert c.rollout["response_length"] == 7 and c.rollout["prompt_length"] == 1024
     assert c.model_path == "builtin:tiny-random-llama"
+
+
+def test_replicas_and_ray_address_keys(tmp_path):
+    base = {"model_path": "builtin:tiny-random-llama"}
+    cfg = load_config({**base, "replicas": 4, "ray_address": "10.0.0.1:6379"})
+    assert (cfg.replicas, cfg.ray_address) == (4, "10.0.0.1:6379")
+    assert (load_config(base).replicas, load_config(base).ray_address) == (1, None)
+    for key, value in (("replicas", 0), ("replicas", "2"), ("replicas", True), ("replicas", 1.5),
+                       ("ray_address", ""), ("ray_address", 6379)):
+        with pytest.raises(ConfigError) as err:
+            load_config({**base, key: value})
+        assert err.value.key == key
+    path = tmp_path / "c.yaml"
+    path.write_text("model_path: builtin:tiny-random-llama\nreplica: 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'replicas'"):
+        load_config(str(path))

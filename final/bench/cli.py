@@ -3,6 +3,7 @@
   final bench                 full run on SmolLM2-135M (about 10 minutes on a quiet 2-core CPU)
   final bench --quick --json  smoke run on the tiny model; one JSON object {"p1", "p2", "p3", "p4", ...}
   final bench --only p1,p4    a subset
+  final bench --only dp       one engine vs 2 replicas on Ray (final.distributed); not in the default run
 Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
 """
 
@@ -23,7 +24,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark the embedded engine against HF generate (P1-P4)")
     p.add_argument("--quick", action="store_true", help="tiny model, small sizes: a smoke run in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--only", default="p1,p2,p3,p4", help="comma-separated subset of p1,p2,p3,p4")
+    p.add_argument("--only", default="p1,p2,p3,p4", help="comma-separated subset of p1,p2,p3,p4,dp (dp starts Ray)")
     p.add_argument("--model", help=f"model for P1-P3 (default {DEFAULT_MODEL}; --quick: {QUICK_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=int, help="timed repeats per figure (default 3; --quick 1)")
@@ -33,6 +34,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ttft-lengths", help="P2 cartridge lengths (default 512,1024,2048,4096,7168)")
     p.add_argument("--ttft-dtype", default="auto", help="P2/P3 engine dtype (default auto: fp32 on CPU)")
     p.add_argument("--p4-prompts", type=int, help="P4 prompts (default 256; --quick 16)")
+    p.add_argument("--dp-replicas", type=int, default=2, help="DP: replicas in the pool (default 2)")
+    p.add_argument("--dp-prompts", type=int, help="DP: prompts, greedy, new tokens = --new-tokens (default 64; --quick 8)")
     p.set_defaults(func=_main, argv=[])
     return p
 
@@ -116,7 +119,14 @@ def _p4(args: argparse.Namespace, model: str, repeats: int) -> dict:
                    "goal_ms_per_prompt": GOALS["p4_ms"], "met": p4["ms_per_prompt"] <= GOALS["p4_ms"]}}
 
 
-MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4}
+def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.dp import run_dp
+
+    return {"dp": run_dp(model, args.dp_prompts or (8 if args.quick else 64), args.new_tokens or (8 if args.quick
+                         else 64), repeats, args.dp_replicas, args.device)}
+
+
+MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "dp": _dp}
 
 
 def report(res: dict) -> str:
@@ -163,6 +173,10 @@ def report(res: dict) -> str:
                   f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
                   f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
+    if "dp" in res:
+        from final.bench.dp import describe as describe_dp
+
+        lines += ["", f"DP data parallelism, greedy, tok/s ({res['dp']['note']})", "  " + describe_dp(res["dp"])]
     return "\n".join(lines)
 
 

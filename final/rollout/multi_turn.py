@@ -33,6 +33,7 @@ from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutReques
 from final.errors import EngineError, PromptError, ToolConfigError
 from final.outputs import ROW_INFO, TRACE_KEY
 from final.prompts import object_array
+from final.sampling import row_seed
 from final.rollout.batch import (base_sampling_params, pad_token_id, request_sampling_params, row_cartridges,
                                  strip_left)
 from final.rollout.multi_turn_batch import collate, padding_request
@@ -267,7 +268,7 @@ class MultiTurnRollout:
         ids = req.get_generation_prompt_ids(pc)
         if len(ids) + 1 >= self.max_model_len:
             return Finish.LENGTH
-        output = await self._generate(ids, call.params, run.cartridges)
+        output = await self._generate(ids, call.row_params(req.batch_data_id), run.cartridges)
         run.record(output["meta_info"])
         content = self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
         content_ids = torch.tensor(output["output_ids"], dtype=req.input_ids.dtype).unsqueeze(0)
@@ -323,6 +324,11 @@ class _Call:
 
     params: dict
     observer: Any = None
+
+    def row_params(self, row: int) -> dict:
+        """Row i of the call samples with seed + i (final.sampling.row_seed), as on the batch path."""
+        seed = self.params.get("seed")
+        return self.params if seed is None else {**self.params, "seed": row_seed(seed, row)}
 
     def emit(self, kind: str, req: AsyncRolloutRequest, **fields: Any) -> None:
         if self.observer is None:
