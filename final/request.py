@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from final.errors import CartridgeError, PromptError, SamplingError
+from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
 from final.outputs import ROW_INFO, TRACE_KEY
 from final.prompts import Prompt, build_dataproto, normalize_prompts, tokenize
 from final.sampling import Limits, Sampling, parse_sampling
@@ -77,8 +77,8 @@ def prepare(prompts: Any, *, tokenizer: Any, prompt_length: int, response_length
             raise SamplingError("per-token logprobs are for single-turn calls; a multi-turn call returns veRL's "
                                 "rollout_log_probs in its DataProto (rollout.calculate_log_probs)", "logprobs")
     elif tools_kwargs is not None:
-        raise SamplingError("needs tool calling: set rollout.multi_turn.enable: true and tool_config_path",
-                            "tools_kwargs")
+        raise ConfigError("tools_kwargs needs tool calling: set rollout.multi_turn.enable: true and tool_config_path",
+                          key="rollout.multi_turn.enable")
     return Request(items, ids, parsed, carts, kwargs)
 
 
