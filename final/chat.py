@@ -11,13 +11,14 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from final.cli import add_sampling_args, open_engine, sampling_from_args
+from final.cli import add_replica_args, add_sampling_args, open_engine, sampling_from_args
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("chat", help="chat in the terminal (with --tools: tool calls shown live)")
     add_sampling_args(p)
     p.add_argument("--model", default=None, help="override model_path")
+    add_replica_args(p)
     p.add_argument("--tools", default=None, metavar="TOOLS_YAML", help="enable tool calling with this tools.yaml")
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=run)

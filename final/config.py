@@ -33,6 +33,7 @@ TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "ca
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
 CARTRIDGE_KEYS = WIRE_CARTRIDGE_KEYS + ("path", "pin")  # a config's spec: the wire's plus a local path and pinning
+REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).

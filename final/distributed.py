@@ -4,9 +4,11 @@
         out = engine.generate(prompts, n=4, temperature=1.0, seed=0)
 
 - Each replica is a Ray actor that builds one InferenceEngine from the same config (one GPU each when the cluster
-  has GPUs, CPUs otherwise). A call is checked once (typed errors name global prompt indices), cut into chunks of
-  whole prompts (or of one prompt's samples when n is large), and the chunks are handed out as a work queue: a
-  replica that finishes early takes the next one. Rows come back as one GenerationOutput in the caller's order.
+  has GPUs, CPUs otherwise). A call is prepared here once, exactly as one InferenceEngine prepares it (typed
+  errors name the caller's prompt indices; the same prepare/run/astream API, so `final serve` and evals take a pool
+  as they take an engine), cut into chunks of whole prompts (or of one prompt's samples when n is large), and the
+  chunks are handed out as a work queue: a replica that finishes early takes the next one. Rows come back as one
+  GenerationOutput in the caller's order.
 - Seeds: InferenceEngine gives row i of a call seed+i (final.sampling.row_seed, on the batch and multi-turn
   paths). A chunk whose first row is global row r is sent with seed+r, so every row samples with the seed it has
   on one engine.
@@ -26,22 +28,16 @@ import atexit
 import concurrent.futures
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
+from final.outputs import Completion, GenerationOutput
+from final.request import CallRules, Request, prepare
+from final.chunks import Chunk, assemble, plan_chunks
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
                            stop_actors)
-
-# A replica runs one chunk at a time (InferenceEngine serializes its calls), so a chunk is that replica's batch.
-# More chunks per replica share the load more finely (a fast replica takes more; a dead one loses less); bigger
-# chunks keep the engine's batch full (a decode step costs nearly the same for 8 rows as for 32). Hence about
-# CHUNKS_PER_REPLICA chunks each, but no fewer than MIN_CHUNK_ROWS rows (or an equal share of a small call).
-CHUNKS_PER_REPLICA = 4
-MIN_CHUNK_ROWS = 32
-
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
@@ -58,39 +54,11 @@ def open_engine(config: str | Path | dict | None = None, *, replicas: int | None
     return ReplicaPool(config, replicas=replicas, ray_address=ray_address, **overrides)
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Samples [s0, s0+k) of prompts [p0, p1): one InferenceEngine.generate call on one replica."""
-
-    p0: int
-    p1: int
-    s0: int
-    k: int
-
-    def rows(self) -> list[tuple[int, int]]:
-        """(prompt, sample) of each row, in the order the replica returns them (prompt-major)."""
-        return [(p, s) for p in range(self.p0, self.p1) for s in range(self.s0, self.s0 + self.k)]
-
-
-def plan_chunks(prompts: int, n: int, replicas: int, max_rows: int, chunk_rows: int | None = None) -> list[Chunk]:
-    """Cut prompts x n rows into chunks of about chunk_rows rows (default: see CHUNKS_PER_REPLICA; at most
-    max_rows, the engine's running batch). A prompt's samples are split only when n alone exceeds that."""
-    rows = prompts * n
-    if chunk_rows is None:
-        share = -(-rows // replicas)
-        chunk_rows = min(max_rows, max(-(-rows // (replicas * CHUNKS_PER_REPLICA)), min(MIN_CHUNK_ROWS, share)))
-    size = max(1, chunk_rows)
-    if n > size:
-        return [Chunk(p, p + 1, s, min(size, n - s)) for p in range(prompts) for s in range(0, n, size)]
-    per = size // n
-    return [Chunk(p, min(p + per, prompts), 0, n) for p in range(0, prompts, per)]
-
-
 class ReplicaPool:
     """N InferenceEngines on Ray actors with InferenceEngine's API; one GenerationOutput per call in the caller's
     order, each row's metadata naming the replica that ran it (see the module doc)."""
 
-    def __init__(self, config: str | Path | dict = "config.yaml", *, replicas: int | None = None,
+    def __init__(self, config: str | Path | dict | None = None, *, replicas: int | None = None,
                  ray_address: str | None = None, num_gpus: float | None = None, num_cpus: float | None = None,
                  runtime_env: dict | None = None, chunk_rows: int | None = None, start_timeout_s: float = 600.0,
                  **overrides: Any):
@@ -103,7 +71,6 @@ class ReplicaPool:
         self.chunk_rows = chunk_rows
         self._dead: dict[int, str] = {}
         self._closed = False
-        self._turn = 0
         self._owns_ray = acquire_ray(address, self.replicas)
         try:
             self._actors, self.info = start_replicas(self.replicas, config_dict(config), overrides, num_gpus,
@@ -112,6 +79,16 @@ class ReplicaPool:
             release_ray(self._owns_ray)
             raise
         _watch(self)
+        try:  # calls are prepared here, exactly as one InferenceEngine prepares them, then run on the replicas
+            facts = self.call(lambda engine: engine.facts(), replica=0)
+            self.backend, self.capabilities = facts["backend"], facts["capabilities"]
+            self.eos_token_ids, self.pad_token_id = facts["eos_token_ids"], facts["pad_token_id"]
+            self._tool_schemas, self._cartridges = facts["tool_schemas"], facts["cartridge_ids"]
+            self.rollout_config = self.config.rollout_config()
+            self.tokenizer = _tokenizer(self.config)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ---- public API ----------------------------------------------------------------------------------
     @property
@@ -129,29 +106,66 @@ class ReplicaPool:
         """Dead replicas: index -> why Ray says it died."""
         return dict(self._dead)
 
+    @property
+    def rules(self) -> CallRules:
+        """What preparing a call needs (final.request.CallRules): the replicas' backend, this pool's tokenizer."""
+        rollout = self.rollout_config
+        tools = [t["function"]["name"] for t in self._tool_schemas] if rollout.multi_turn.enable else None
+        return CallRules(self.tokenizer, rollout.prompt_length, rollout.response_length, self.config.limits,
+                         self.backend, self.capabilities, tools, self.cartridge_ids, self.cartridge_ids,
+                         self.config.progress)
+
+    def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
+                progress: bool | None = None, **sampling: Any) -> Request:
+        """InferenceEngine.prepare: every check of a call (typed errors name the caller's prompt indices)."""
+        self._require_open()
+        return prepare(prompts, self.rules, sampling=sampling, raw=raw, cartridge=cartridge,
+                       tools_kwargs=tools_kwargs, progress=progress)
+
     def generate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                 progress: bool | None = None, **sampling: Any):
+                 progress: bool | None = None, **sampling: Any) -> GenerationOutput:
         """InferenceEngine.generate over the replicas: same arguments, same GenerationOutput."""
-        return _run_blocking(self.agenerate(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw,
-                                            progress=progress, **sampling))
+        return self.run(self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw,
+                                     progress=progress, **sampling))
 
     async def agenerate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                        progress: bool | None = None, **sampling: Any):
+                        progress: bool | None = None, **sampling: Any) -> GenerationOutput:
         """Awaitable generate(); cancelling it stops handing out chunks (running ones finish on their replica)."""
-        from final.prompts import prompt_items
+        return await self.arun(self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw,
+                                            progress=progress, **sampling))
 
+    def run(self, request: Request) -> GenerationOutput:
+        return _run_blocking(self.arun(request))
+
+    async def arun(self, request: Request) -> GenerationOutput:
+        """Run a prepared request: its chunks go to whichever replica is free (see the module doc)."""
         self._require_open()
-        args = {"prompts": prompts, "cartridge": cartridge, "tools_kwargs": tools_kwargs, "raw": raw, **sampling}
-        rows = await self._on_one("check", {**args, "progress": False})  # typed errors with global indices
-        items, n = prompt_items(prompts), sampling.get("n", 1)
-        chunks = plan_chunks(len(items), n, len(self.alive), self.config.rollout["max_num_seqs"], self.chunk_rows)
-        bar = _progress_bar(rows, self.config.progress if progress is None else progress)
+        if not self.alive:
+            raise self._no_replica_left()
+        n = request.n
+        chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
+        bar = _progress_bar(request.rows) if request.show_progress else None
         try:
-            done = await self._dispatch(chunks, lambda c: self._chunk_args(args, items, c, n), bar)
+            done = await self._dispatch(chunks, lambda c: request.part(c.p0, c.p1, c.s0, c.k), bar)
         finally:
             if bar is not None:
                 bar.close()
-        return _assemble(chunks, done, n)
+        return assemble(chunks, done, n)
+
+    async def astream(self, request: Request) -> AsyncIterator[Completion]:
+        """InferenceEngine.astream: replicas return whole rows, so each arrives once, complete."""
+        for row in (await self.arun(request)).rows():
+            yield row
+
+    def tool_schemas(self) -> list[dict]:
+        return list(self._tool_schemas)
+
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self._tool_schemas]
+
+    def cartridge_ids(self) -> list[str] | None:
+        """Cartridges loaded on every replica (None: the backend keeps no cartridge store)."""
+        return None if self._cartridges is None else list(self._cartridges)
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
                        force_redownload: bool = False, pin: bool = False) -> str:
@@ -168,7 +182,10 @@ class ReplicaPool:
         ids = set(results.values())
         if len(ids) != 1:
             raise EngineError(f"replicas loaded the cartridge under different ids {sorted(ids)}")
-        return ids.pop()
+        cid = ids.pop()
+        if self._cartridges is not None and cid not in self._cartridges:
+            self._cartridges.append(cid)
+        return cid
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Forget a cartridge on every replica; True if a replica had it."""
@@ -177,6 +194,8 @@ class ReplicaPool:
         for value in results.values():
             if isinstance(value, BaseException):
                 raise value
+        if self._cartridges is not None and cartridge_id in self._cartridges:
+            self._cartridges.remove(cartridge_id)
         return any(results.values())
 
     def call(self, fn: Any, replica: int | None = None) -> Any:
@@ -210,21 +229,6 @@ class ReplicaPool:
         self.shutdown()
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _chunk_args(self, args: dict, items: list, chunk: Chunk, n: int) -> dict:
-        """generate() arguments for one chunk: its prompts, its per-prompt values, its samples and its seed."""
-        out = dict(args, prompts=items[chunk.p0:chunk.p1], n=chunk.k, progress=False)
-        cartridge = args["cartridge"]
-        # one entry per prompt (as InferenceEngine reads it): each becomes a list or None, so that a slice can
-        # never be mistaken for a list of ids composed for every prompt
-        if isinstance(cartridge, (list, tuple)) and not all(isinstance(c, str) for c in cartridge):
-            out["cartridge"] = [c if c is None else [c] if isinstance(c, str) else list(c)
-                                for c in cartridge[chunk.p0:chunk.p1]]
-        if isinstance(args["tools_kwargs"], list):
-            out["tools_kwargs"] = args["tools_kwargs"][chunk.p0:chunk.p1]
-        if args.get("seed") is not None:  # row i of a call samples with seed + i (final.sampling.row_seed)
-            out["seed"] = args["seed"] + chunk.p0 * n + chunk.s0  # the chunk's first global row
-        return out
-
     async def _dispatch(self, chunks: list[Chunk], args_for: Any, bar: Any) -> dict[int, tuple[int, Any]]:
         """The work queue: each idle replica takes the next chunk; a dead replica's chunk goes back in front."""
         queue, idle = deque(range(len(chunks))), deque(self.alive)
@@ -236,7 +240,7 @@ class ReplicaPool:
                     r = idle.popleft()
                     if r not in self._dead:  # another call may have seen it die
                         c = queue.popleft()
-                        running[self._submit(r, "generate", args_for(chunks[c]))] = (r, c)
+                        running[self._submit(r, "run", args_for(chunks[c]))] = (r, c)
                 if not running:
                     raise self._no_replica_left()
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -270,17 +274,6 @@ class ReplicaPool:
     def _submit(self, replica: int, method: str, *args: Any) -> asyncio.Future:
         ref = getattr(self._actors[replica], method).remote(*args)
         return asyncio.wrap_future(ref.future())
-
-    async def _on_one(self, method: str, *args: Any) -> Any:
-        """Run a method on one live replica (taking turns), moving on to the next if it dies."""
-        while self.alive:
-            r = self.alive[self._turn % len(self.alive)]
-            self._turn += 1
-            fut = self._submit(r, method, *args)
-            await asyncio.wait([fut])
-            if self._take(fut, r):
-                return fut.result()
-        raise self._no_replica_left()
 
     def _on_all(self, method: str, *args: Any, only: list[int] | None = None) -> dict[int, Any]:
         """Run a method on every live replica (or those in `only`): replica -> result or its exception."""
@@ -330,34 +323,18 @@ def _run_blocking(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
-def _progress_bar(rows: int, show: bool) -> Any:
-    from final.inf import PROGRESS_MIN_ROWS
+def _tokenizer(config: Any) -> Any:
+    """The model's tokenizer, as InferenceEngine loads it (veRL's HFModelConfig)."""
+    from final.models import resolve_model_path
 
-    if not show or rows < PROGRESS_MIN_ROWS:
-        return None
+    model_config = config.model_config(resolve_model_path(config.model_path))
+    return getattr(model_config.tokenizer, "tokenizer", model_config.tokenizer)
+
+
+def _progress_bar(rows: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=rows, desc="generate", unit="seq")
-
-
-def _assemble(chunks: list[Chunk], done: dict[int, tuple[int, Any]], n: int):
-    """Chunk outputs -> one GenerationOutput, rows prompt-major as InferenceEngine returns them."""
-    from final.inf import GenerationOutput
-
-    total = sum(len(c.rows()) for c in chunks)
-    completions: list = [None] * total
-    token_ids: list = [None] * total
-    metadata: list = [None] * total
-    for c, (replica, out) in done.items():
-        rows = chunks[c].rows()
-        if len(out.completions) != len(rows):
-            raise EngineError(f"replica {replica} returned {len(out.completions)} rows for a chunk of {len(rows)}")
-        for j, (p, s) in enumerate(rows):
-            g = p * n + s
-            completions[g], token_ids[g] = out.completions[j], out.token_ids[j]
-            meta = out.metadata[j] if j < len(out.metadata) else {}
-            metadata[g] = {**meta, "prompt_index": p, "sample_index": s, "replica": replica}
-    return GenerationOutput(completions, token_ids, metadata, n)
 
 
 _live: "weakref.WeakSet[ReplicaPool]" = weakref.WeakSet()

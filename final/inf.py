@@ -17,13 +17,13 @@ import contextlib
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
 from final.outputs import ROW_INFO, Completion, GenerationOutput, completion_text, completions_of
-from final.request import Request, prepare
+from final.request import CallRules, Request, prepare
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
 from final.tools.outputs import conversation_rows
@@ -52,6 +52,7 @@ class InferenceEngine:
             self.pad_token_id = self.rollout.pad_token_id
             self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
             self.cartridges = self._cartridge_service()
+            self._tool_schemas = self.rollout.tool_schemas()  # fixed at start (tools.yaml)
         except BaseException:
             self.rollout.shutdown()
             raise
@@ -92,16 +93,17 @@ class InferenceEngine:
         Raises the typed errors of final.errors; nothing has run when it does."""
         if self._closed:
             raise EngineError("this InferenceEngine has been shut down")
-        request = prepare(prompts, tokenizer=self.tokenizer, prompt_length=self.rollout_config.prompt_length,
-                          response_length=self.rollout_config.response_length, limits=self.config.limits,
-                          sampling=sampling, raw=raw, cartridge=cartridge, tools_kwargs=tools_kwargs,
-                          tool_names=self.tool_names() if self.rollout_config.multi_turn.enable else None)
-        self.capabilities.check(self.backend, request.sampling, cartridges=request.cartridges is not None,
-                                tools=request.tools_kwargs is not None)
-        self._check_cartridges(request)
-        show = self.config.progress if progress is None else progress
-        request.show_progress = bool(show) and request.rows >= PROGRESS_MIN_ROWS
-        return request
+        return prepare(prompts, self.rules, sampling=sampling, raw=raw, cartridge=cartridge,
+                       tools_kwargs=tools_kwargs, progress=progress)
+
+    @property
+    def rules(self) -> CallRules:
+        """What preparing a call needs to know of this engine (final.request.CallRules)."""
+        rollout = self.rollout_config
+        return CallRules(self.tokenizer, rollout.prompt_length, rollout.response_length, self.config.limits,
+                         self.backend, self.capabilities,
+                         self.tool_names() if rollout.multi_turn.enable else None, self.cartridge_ids,
+                         self._known_cartridges, self.config.progress, PROGRESS_MIN_ROWS)
 
     def run(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
         """Run a prepared request and wait."""
@@ -133,7 +135,7 @@ class InferenceEngine:
 
     def tool_schemas(self) -> list[dict]:
         """The OpenAI schemas of the tools a multi-turn call offers by default (tools.yaml's)."""
-        return self.rollout.tool_schemas()
+        return list(self._tool_schemas)
 
     def text(self, completion: Completion, request: Request) -> str:
         """What a user reads of a row: up to the first eos, special tokens skipped, cut before a stop string."""
@@ -218,24 +220,18 @@ class InferenceEngine:
                                  "(use the local or sglang backend)", field="backend")
         return self.cartridges
 
-    def _check_cartridges(self, request: Request) -> None:
-        """Unknown ids and malformed specs are refused before any work; specs are loaded when the call runs."""
-        refs = request.cartridge_refs()
-        if not refs:
-            return
-        known = self.cartridges.ids() if self.cartridges is not None else self.rollout.cartridge_ids()
-        specs = [r for r in refs if isinstance(r, Mapping)]
-        if specs and self.cartridges is None:
-            raise CartridgeError(f"the {self.backend} backend loads no cartridges from requests; name the ids of "
-                                 f"its configured cartridges", field="cartridges")
-        from final.cartridges.service import parse_spec
+    def facts(self) -> dict:
+        """What a pool of replicas (final.distributed) needs to prepare calls for this engine."""
+        return {"backend": self.backend, "capabilities": self.capabilities, "eos_token_ids": self.eos_token_ids,
+                "pad_token_id": self.pad_token_id, "tool_schemas": self.tool_schemas(),
+                "cartridge_ids": self.cartridge_ids()}
 
-        for i, spec in enumerate(specs):
-            parse_spec(spec, f"cartridges[{i}]")
-        missing = sorted({r for r in refs if isinstance(r, str)} - set(known or []))
-        if missing:
-            raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(known or [])}",
-                                 field="cartridge")
+    def cartridge_ids(self) -> list[str] | None:
+        """Ids of the cartridges loaded here (None: this backend keeps no cartridge store)."""
+        return self.cartridges.ids() if self.cartridges is not None else None
+
+    def _known_cartridges(self) -> list[str] | None:
+        return self.cartridge_ids() if self.cartridges is not None else self.rollout.cartridge_ids()
 
     @contextlib.contextmanager
     def _holding(self, request: Request) -> Iterator[list[tuple[str, ...]] | None]:

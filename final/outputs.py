@@ -104,3 +104,8 @@ class GenerationOutput:
     def grouped(self) -> list[list[str]]:
         """Completions as one list of n samples per prompt."""
         return [self.completions[i:i + self.n] for i in range(0, len(self.completions), self.n)]
+
+    def rows(self) -> list[Completion]:
+        """Each row's record as a Completion (index = prompt * n + sample)."""
+        return [Completion(i, m["response_ids"], m["finish_reason"], m.get("matched"), m["prompt_tokens"],
+                           m.get("cached_tokens", 0), m.get("logprobs")) for i, m in enumerate(self.metadata)]

@@ -45,12 +45,9 @@ class Replica:
         return {"index": self.index, "node": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "threads": torch.get_num_threads()}
 
-    def check(self, args: dict) -> int:
-        """Validate a whole call (typed errors name the caller's prompt indices); the rows it would produce."""
-        return self.engine.prepare(**args).rows
-
-    def generate(self, args: dict):
-        return self.engine.generate(**args)
+    def run(self, request: Any):
+        """Run a part of a call the pool prepared (final.request.Request)."""
+        return self.engine.run(request)
 
     def load_cartridge(self, kwargs: dict) -> str:
         return self.engine.load_cartridge(**kwargs)

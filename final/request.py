@@ -8,13 +8,14 @@ backend for each row's engine record (final.outputs.ROW_INFO) and, for tool call
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
 from final.outputs import ROW_INFO, TRACE_KEY
 from final.prompts import Prompt, build_dataproto, normalize_prompts, tokenize
-from final.sampling import Limits, Sampling, parse_sampling
+from final.sampling import Limits, Sampling, parse_sampling, row_seed
 
 
 @dataclass
@@ -38,6 +39,16 @@ class Request:
         """Every cartridge the request names (ids and specs), for loading and holding them while it runs."""
         return [c for row in self.cartridges or [] for c in row]
 
+    def part(self, p0: int, p1: int, s0: int, k: int) -> "Request":
+        """Samples [s0, s0+k) of prompts [p0, p1) as a request of their own, each row keeping the seed it has in
+        this one (a replica of a pool runs it)."""
+        params = dict(self.sampling.params)
+        if self.sampling.seed is not None:
+            params["seed"] = row_seed(self.sampling.seed, p0 * self.n + s0)  # the part's first row, globally
+        cut = (lambda values: None if values is None else values[p0:p1])  # noqa: E731
+        return Request(self.prompts[p0:p1], self.ids[p0:p1], dataclasses.replace(self.sampling, params=params, n=k),
+                       cut(self.cartridges), cut(self.tools_kwargs))
+
     def dataproto(self, pad_token_id: int, eos_token_ids: list[int], cartridge_ids: list[tuple[str, ...]] | None):
         """The veRL DataProto of this request: rows prompt-major (prompt i's samples are rows i*n .. i*n+n-1)."""
         n = self.sampling.n
@@ -53,33 +64,79 @@ class Request:
                                non_tensor=non_tensor)
 
 
-def prepare(prompts: Any, *, tokenizer: Any, prompt_length: int, response_length: int, limits: Limits,
-            sampling: dict[str, Any], raw: bool = False, cartridge: Any = None, tools_kwargs: Any = None,
-            tool_names: list[str] | None = None) -> Request:
-    """Validate and tokenize one call. `tool_names` is None unless the backend runs multi-turn tool calling, and
-    then lists the tools a prompt is offered by default."""
-    parsed = parse_sampling(sampling, response_length=response_length, limits=limits)
+@dataclass
+class CallRules:
+    """What preparing a call needs to know of the engine that will run it (an InferenceEngine, or a pool of them).
+    tool_names is None unless the backend runs multi-turn tool calling; cartridge_ids() is None when the engine
+    keeps no cartridge store (then it may only name ids the backend knows, and no specs)."""
+
+    tokenizer: Any
+    prompt_length: int
+    response_length: int
+    limits: Limits
+    backend: str
+    capabilities: Any  # final.rollout.base.Capabilities
+    tool_names: list[str] | None
+    cartridge_ids: Callable[[], list[str] | None]
+    known_ids: Callable[[], list[str] | None]  # ids a request may name (the store's, or the backend's)
+    progress: bool = True
+    progress_min_rows: int = 32
+
+
+def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bool = False, cartridge: Any = None,
+            tools_kwargs: Any = None, progress: bool | None = None) -> Request:
+    """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does."""
+    limits = rules.limits
+    parsed = parse_sampling(sampling, response_length=rules.response_length, limits=limits)
     items = normalize_prompts(prompts, raw=raw)
     if len(items) > limits.max_prompts:
         raise PromptError(f"{len(items)} prompts exceed limits.max_prompts={limits.max_prompts}")
-    if len(items) * parsed.n > limits.max_prompts * limits.max_n:
-        raise SamplingError(f"{len(items)} prompts x n={parsed.n} rows exceed the limits", "n")
     carts = cartridges_per_prompt(cartridge, len(items))
-    ids = tokenize(items, tokenizer, prompt_length, after_cartridge=[bool(c) for c in carts] if carts else None)
-    kwargs = None
-    if tool_names is not None:
-        if any(p.messages is None for p in items):
-            raise PromptError("multi-turn tool calling needs chat prompts (strings or message lists), not raw text "
-                              "or token ids")
-        # each row offers the tools named in its tools_kwargs (veRL); default: every tool, no kwargs
-        kwargs = per_prompt({name: {} for name in tool_names} if tools_kwargs is None else tools_kwargs, len(items))
-        if parsed.logprobs:
-            raise SamplingError("per-token logprobs are for single-turn calls; a multi-turn call returns veRL's "
-                                "rollout_log_probs in its DataProto (rollout.calculate_log_probs)", "logprobs")
-    elif tools_kwargs is not None:
-        raise ConfigError("tools_kwargs needs tool calling: set rollout.multi_turn.enable: true and tool_config_path",
-                          key="rollout.multi_turn.enable")
-    return Request(items, ids, parsed, carts, kwargs)
+    ids = tokenize(items, rules.tokenizer, rules.prompt_length,
+                   after_cartridge=[bool(c) for c in carts] if carts else None)
+    kwargs = _tools_kwargs(items, parsed, tools_kwargs, rules.tool_names)
+    rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None)
+    request = Request(items, ids, parsed, carts, kwargs)
+    _check_cartridges(request, rules)
+    show = rules.progress if progress is None else progress
+    request.show_progress = bool(show) and request.rows >= rules.progress_min_rows
+    return request
+
+
+def _tools_kwargs(items: list[Prompt], parsed: Sampling, tools_kwargs: Any, tool_names: list[str] | None
+                  ) -> list[dict] | None:
+    if tool_names is None:
+        if tools_kwargs is not None:
+            raise ConfigError("tools_kwargs needs tool calling: set rollout.multi_turn.enable: true and "
+                              "tool_config_path", key="rollout.multi_turn.enable")
+        return None
+    if any(p.messages is None for p in items):
+        raise PromptError("multi-turn tool calling needs chat prompts (strings or message lists), not raw text "
+                          "or token ids")
+    if parsed.logprobs:
+        raise SamplingError("per-token logprobs are for single-turn calls; a multi-turn call returns veRL's "
+                            "rollout_log_probs in its DataProto (rollout.calculate_log_probs)", "logprobs")
+    # each row offers the tools named in its tools_kwargs (veRL); default: every tool, no kwargs
+    return per_prompt({name: {} for name in tool_names} if tools_kwargs is None else tools_kwargs, len(items))
+
+
+def _check_cartridges(request: Request, rules: CallRules) -> None:
+    """Unknown ids and malformed specs are refused now; specs are loaded when the call runs."""
+    from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
+
+    refs = request.cartridge_refs()
+    if not refs:
+        return
+    specs = [r for r in refs if isinstance(r, Mapping)]
+    if specs and rules.cartridge_ids() is None:
+        raise CartridgeError(f"the {rules.backend} backend loads no cartridges from requests; name the ids of its "
+                             f"configured cartridges", field="cartridges")
+    for i, spec in enumerate(specs):
+        check_cartridge_spec(dict(spec), f"cartridges[{i}]", REQUEST_CARTRIDGE_KEYS, request=True)
+    known = rules.known_ids() or []
+    missing = sorted({r for r in refs if isinstance(r, str)} - set(known))
+    if missing:
+        raise CartridgeError(f"unknown cartridge id(s) {missing}; loaded: {sorted(known)}", field="cartridge")
 
 
 def cartridges_per_prompt(cartridge: Any, n_prompts: int) -> list[tuple[Any, ...]] | None:

@@ -21,7 +21,7 @@ LAYERS = [
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
     ("inf", {"inf"}),
-    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "__main__"}),
+    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -53,6 +53,27 @@ def pool(ray_cluster):
         yield p
 
 
+def test_eval_with_replicas_gives_the_same_answers(ray_cluster, tmp_path, capsys):
+    """`final eval gsm8k --replicas 2` prints the same per-problem answers as one engine (greedy). First in the
+    module: its pools need the cluster's two CPUs, which the module's shared pool holds from its first use on."""
+    import yaml
+
+    from final import cli
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_config(prompt_length=256, response_length=12)))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Tom has {i} apples and gets {i + 2} more. How many?",
+                                        "answer": f"#### {2 * i + 2}"}) + "\n" for i in range(8)))
+    results = {}
+    for replicas in (1, 2):
+        out = tmp_path / f"r{replicas}.jsonl"
+        assert cli.main(["eval", "gsm8k", "--config", str(tmp_path / "c.yaml"), "--data", str(data), "--limit", "8",
+                         "--replicas", str(replicas), "--out", str(out)]) == 0
+        results[replicas] = [(r["index"], r["final_text"], r["score"]) for r in map(json.loads, out.open())]
+    assert results[1] == results[2] and len(results[1]) == 8
+    assert "accuracy" in capsys.readouterr().out
+
+
 def rows(out) -> list[tuple]:
     """A GenerationOutput's rows without the pool's own metadata key (which replica ran the row)."""
     return [(c, t, {k: v for k, v in m.items() if k != "replica"})
@@ -242,21 +263,43 @@ def test_cli_generate_with_replicas_starts_and_stops_its_own_ray(tmp_path, tiny_
     assert left_over() == []
 
 
+def test_final_serve_on_a_pool(pool, tiny_inference):
+    """The server takes a pool as it takes an InferenceEngine: same checks, same answers."""
+    import httpx
+
+    from final.server.app import ServerThread, create_app
+
+    with ServerThread(create_app(pool)) as server:
+        body = {"model": "m", "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6,
+                "temperature": 0, "n": 2}
+        got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+        want = tiny_inference.generate([[{"role": "user", "content": "Name a color."}]], max_tokens=6,
+                                       temperature=0, n=2)
+        assert [c["message"]["content"] for c in got["choices"]] == want.completions
+        assert got["usage"]["prompt_tokens"] == want.metadata[0]["prompt_tokens"]
+        stream = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4,
+                                                                   "temperature": 0, "stream": True}, timeout=120)
+        assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+        bad = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Hi", "temperature": -1},
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+
+
 def _hang_when_generating(engine, started: str) -> None:
     """Replica 0: say so (a file) when its first chunk arrives, then never answer it."""
-    def generate(*args, **kwargs):
+    def run(*args, **kwargs):
         Path(started).touch()
         while True:
             time.sleep(1)
 
-    engine.generate = generate
+    engine.run = run  # a replica runs each chunk with InferenceEngine.run
 
 
 def _crash_when_generating(engine) -> None:
-    def generate(*args, **kwargs):
+    def run(*args, **kwargs):
         os._exit(1)  # the process dies as on an OOM kill: no exception, no goodbye
 
-    engine.generate = generate
+    engine.run = run
 
 
 def test_a_killed_replica_has_its_rows_retried_and_none_left_is_a_typed_error(pool, tiny_inference, tmp_path):

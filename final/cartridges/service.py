@@ -22,12 +22,12 @@ from final.cartridges.manifest import (ModelShape, check_matches_manifest, check
                                        verify_checksum)
 from final.cartridges.sources import fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
-from final.config import CARTRIDGE_KEYS, check_cartridge_spec
+from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
 from final.errors import CartridgeError
 
 logger = logging.getLogger(__name__)
 
-SPEC_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request may also accept non-finite values
+SPEC_KEYS = REQUEST_CARTRIDGE_KEYS
 
 
 class CartridgeService:

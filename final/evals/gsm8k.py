@@ -176,6 +176,8 @@ def format_table(summary: dict) -> str:
 # ---- command line: `final eval gsm8k ...` (final/evals/cli.py registers it) ---------------------------------------
 def register(subparsers: Any) -> None:
     """Add `gsm8k` to the subparsers of `final eval`."""
+    from final.cli import add_replica_args
+
     p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
     p.add_argument("--config", default=None, help="config file (default: $FINAL_CONFIG, ./config.yaml, or the "
                                                  "package's): any backend")
@@ -184,6 +186,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tools", nargs="?", const="", default=None, metavar="TOOLS_YAML",
                    help="enable tool calling with this tools.yaml (default: ./tools.yaml, else the package's)")
     p.add_argument("--model", default=None, help="override model_path")
+    add_replica_args(p)
     p.add_argument("--prompt-length", type=int, default=None, help="override rollout.prompt_length")
     p.add_argument("--response-length", type=int, default=None, help="override rollout.response_length")
     p.add_argument("--max-assistant-turns", type=int, default=None)

@@ -61,7 +61,7 @@ class Service:
         body = await _parse(raw, model)
         param = "messages" if make_call is prepare.chat_call else "prompt"
         try:
-            loaded = self.inference.cartridges.ids() if self.inference.cartridges is not None else None
+            loaded = self.inference.cartridge_ids()
             call = make_call(self.inference, body, prepare.cartridge_specs(body, loaded, self.cartridge_dir))
             if call.stream:
                 return await self._stream(call)

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from final.cli import add_replica_args
+
 DEFAULT_PORT = 10210  # Tokasaurus' default
 
 
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--config", default=None,
                        help="config file (default: $FINAL_CONFIG, else ./config.yaml, else the package's default)")
     serve.add_argument("--model", default=None, help="override model_path")
+    add_replica_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any free)")
     serve.add_argument("--api-key", default=os.environ.get("FINAL_API_KEY"),

@@ -18,12 +18,6 @@ from final.protocol.fingerprint import make_fingerprint
 from final.server.prepare import Call
 
 
-def rows_of(out: GenerationOutput) -> list[Completion]:
-    """GenerationOutput rows as Completions (index = prompt * n + sample)."""
-    return [Completion(i, m["response_ids"], m["finish_reason"], m.get("matched"), m["prompt_tokens"],
-                       m.get("cached_tokens", 0), m.get("logprobs")) for i, m in enumerate(out.metadata)]
-
-
 class Renderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -34,7 +28,7 @@ class Renderer:
     # ---- bodies ----------------------------------------------------------------------------------------
     def completion(self, call: Call, out: GenerationOutput) -> dict:
         """A text_completion, or with call.chat a chat.completion."""
-        rows = rows_of(out)
+        rows = out.rows()
         choices = []
         for r, text in zip(rows, out.completions):
             logprobs = None
@@ -48,7 +42,7 @@ class Renderer:
 
     def generate(self, call: Call, out: GenerationOutput) -> dict:
         """Seed 001's /generate answer: {text, finish_reason, usage, model}."""
-        rows = rows_of(out)
+        rows = out.rows()
         return {"text": out.completions[0], "finish_reason": rows[0].finish_reason, "usage": usage(rows, 1),
                 "model": call.model}
 
