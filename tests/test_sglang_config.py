@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -53,6 +54,21 @@ def test_preflight_checks_before_any_model_is_fetched():
     preflight(load_config({"model_path": "x", "rollout": {"name": "sglang",
                                                           "engine_kwargs": {"sglang": {"device": "cpu"}}}}))
     assert signal.getsignal(signal.SIGQUIT) not in (signal.SIG_DFL, None)  # a dying scheduler won't kill us
+
+
+def test_a_users_program_gets_neither_the_kernel_stubs_nor_sglang_from_auto(tmp_path):
+    """SGLang 0.5.2 is installed here (for these tests), but a program of the user's, outside pytest, sees no kernel
+    stub (they live in tests/sglang_cpu, put on the path by the test helpers only), and `auto` picks the embedded
+    engine without CUDA; `sglang` without CUDA is refused with the install command."""
+    code = ("import importlib.util\n"
+            "from final.config import load_config\n"
+            "from final.rollout.sglang import require_sglang\n"
+            "print(importlib.util.find_spec('sgl_kernel'), load_config({'model_path': 'x'}).backend)\n"
+            "try:\n    require_sglang()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env=env).stdout.splitlines()
+    assert out[0] == "None local" and out[1].startswith("BackendUnavailableError") and "a CUDA GPU" in out[1]
 
 
 def test_without_the_package_the_error_names_it():
