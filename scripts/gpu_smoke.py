@@ -5,7 +5,11 @@
     python scripts/gpu_smoke.py                                  # configs/sglang_qwen3.yaml
     python scripts/gpu_smoke.py --config my.yaml --prompts 256 --max-tokens 256
 
-Exit code 0 when SGLang answered. Without CUDA or the [sglang] extra it exits 2 and says which is missing.
+Besides generating with the real kernels (fa3 or flashinfer, CUDA graphs, NCCL's group), it checks what the CPU
+test suite cannot: a stop string and an out-of-vocabulary id on CUDA (the latter a device-side assert in SGLang
+0.5.2's scheduler) leave the engine serving, and a cartridge takes no GPU memory outside SGLang's KV pool.
+Exit code 0 when all passed. Without CUDA or the [sglang] extra it exits 2 and says which is missing; 1 when a
+check failed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sglang_qwen3.yaml"
 
@@ -25,6 +30,47 @@ def gpu_memory() -> str:
         return "n/a (no CUDA)"
     free, total = torch.cuda.mem_get_info()  # the whole device: SGLang's scheduler is another process
     return f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use on {torch.cuda.get_device_name()}"
+
+
+def device_bytes_in_use() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def check_fixes(engine: Any) -> list[str]:
+    """What broke SGLang 0.5.2 under veRL 0.6.0 before final handled it; returns the failures."""
+    import torch
+
+    from final.errors import PromptError
+
+    failures = []
+    stopped = engine.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8", temperature=0, max_tokens=8, stop=[","])
+    print(f"stop string: {stopped.completions[0]!r}")
+    try:
+        engine.generate([[engine.tokenizer.vocab_size + 1000]], max_tokens=4)
+        failures.append("an out-of-vocabulary id was not refused")
+    except PromptError as exc:
+        print(f"out-of-vocabulary id refused: {exc}")
+    if not engine.generate("Say hi.", temperature=0, max_tokens=4).completions[0]:
+        failures.append("no answer after the refused request")
+    rollout, hf = engine.rollout, engine.model_config.hf_config
+    heads = hf.num_key_value_heads
+    dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv = [torch.randn(1, heads, 512, dim, dtype=torch.bfloat16) for _ in range(hf.num_hidden_layers)]
+    size = 2 * sum(t.numel() * t.element_size() for t in kv)
+    before = device_bytes_in_use()
+    rollout.load_cartridge("gpu-smoke", kv, kv)
+    grew = (device_bytes_in_use() or 0) - (before or 0)
+    memory = rollout.cartridge_memory()
+    print(f"cartridge of {size / 2**20:.0f} MiB: GPU use grew {grew / 2**20:.0f} MiB; scheduler copy {memory}")
+    if memory["device_bytes"] or (before is not None and (grew > size // 2 or not memory["pinned"])):
+        failures.append("cartridge KV is kept on the GPU outside SGLang's KV pool")
+    rollout.unload_cartridge("gpu-smoke")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             tokens = sum(len(ids) for ids in batch.token_ids)
             print(f"{args.prompts} prompts, {tokens} tokens in {took:.2f} s: {tokens / took:.0f} tokens/s")
             print(f"GPU memory: {gpu_memory()}")
+            failures = check_fixes(engine)
     except FinalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    if failures:
+        return 1
     print("ok: the SGLang backend works")
     return 0
 

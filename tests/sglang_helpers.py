@@ -1,8 +1,10 @@
-"""Shared setup for the SGLang tests: the fake SGLang on sys.path, configs, DataProtos, comparisons."""
+"""Shared setup for the SGLang tests: the real SGLang 0.5.2 on CPU (kernel stubs from tests/sglang_cpu on the path),
+configs, DataProtos, comparisons."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,17 +12,32 @@ from typing import Any
 import pytest
 import torch
 
-FAKE = str(Path(__file__).parent / "fake_sglang")
+STUBS = str(Path(__file__).parent / "sglang_cpu")
 TINY = "builtin:tiny-random-llama"
+# What every CPU test engine gets: SGLang's CPU device (the explicit opt-in: `auto` never picks SGLang without CUDA)
+# and a KV pool of a few thousand tokens (unset, SGLang sizes it from free RAM: ~6 GB and a 20 s start).
+CPU_ARGS = {"device": "cpu", "log_level": "warning", "max_total_tokens": 2048}
 
 
-def use_fake_sglang() -> None:
-    """Put tests/fake_sglang on sys.path, unless a real SGLang is installed (never shadow it)."""
-    if FAKE in sys.path:
+def use_sglang_cpu() -> None:
+    """Make the real SGLang 0.5.2 importable here: tests/sglang_cpu (stand-ins for the compiled sgl_kernel and vllm
+    packages) on sys.path and on PYTHONPATH, which SGLang's spawned scheduler and detokenizer inherit. Stubs are
+    added only where no real package is installed (a CUDA machine with the [sglang] extra keeps its own)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.fail("sglang 0.5.2 is not installed: run `bash scripts/install.sh` (it installs the CPU test engine)")
+    if torch.cuda.is_available():  # SGLang picks its CUDA kernels whenever CUDA is there, whatever the device
+        pytest.skip("the SGLang tests run SGLang's CPU device on machines without a GPU; on CUDA run "
+                    "scripts/gpu_smoke.py", allow_module_level=True)
+    if STUBS in sys.path or (importlib.util.find_spec("sgl_kernel") and importlib.util.find_spec("vllm")):
         return
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("a real sglang is installed; these tests drive tests/fake_sglang")
-    sys.path.insert(0, FAKE)
+    sys.path.insert(0, STUBS)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH")) if p)
+
+
+def pythonpath(*extra: str) -> str:
+    """PYTHONPATH for a child process that runs SGLang (a script, a notebook kernel)."""
+    use_sglang_cpu()
+    return os.pathsep.join(p for p in (*extra, os.environ.get("PYTHONPATH")) if p)
 
 
 def configs(rollout: dict[str, Any] | None = None, model: str = TINY, local_seed: int | None = None,
@@ -32,7 +49,7 @@ def configs(rollout: dict[str, Any] | None = None, model: str = TINY, local_seed
     path = resolve_model_path(model)
     base = {"dtype": "float32", "prompt_length": 32, "response_length": 12, "calculate_log_probs": True,
             **(rollout or {})}
-    sglang_kwargs = {"device": "cpu", "log_level": "warning", **(sglang_args or {})}
+    sglang_kwargs = {**CPU_ARGS, **(sglang_args or {})}
     sg = load_config({"model_path": path,
                       "rollout": {**base, "name": "sglang", "engine_kwargs": {"sglang": sglang_kwargs}}})
     local = {"random_seed": local_seed} if local_seed is not None else {}

@@ -5,18 +5,17 @@ DataProtos: every tensor, the messages, the reward scores, and the same engine c
 `_initialize_tools` (its tools.yaml loader and SGLang's FunctionCallParser with vocabulary detection),
 `_verify_config`, `_init_sampling_params` and the whole `generate_sequences` -> `_req_level_generate_sequences`
 path (`_preprocess_prompt_to_async_rollout_requests`, `_async_rollout_a_request`, `_handle_pending_state`,
-`_handle_engine_call`, padding, over-sampling). Only what needs CUDA is bypassed: the constructor's distributed setup
-becomes a one-rank gloo group and the engine is the scripted one. SGLang is not installed on CPU, so veRL imports
-the fake package under tests/fake_sglang (SGLang 0.5.2's surface, including its qwen25 FunctionCallParser).
+`_handle_engine_call`, padding, over-sampling), on the real SGLang 0.5.2 package (its qwen25 FunctionCallParser;
+kernel stubs from tests/sglang_cpu). The scripted engine stands in for the model where tool calls are needed (a
+random model makes none); the constructor's distributed setup becomes a one-rank gloo group.
+The last test runs the same path end to end on the real SGLang engine (CPU) against LocalRollout's embedded one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,13 +25,10 @@ from transformers import AutoConfig, AutoTokenizer
 from final.models import resolve_model_path
 from final.rollout.local import LocalRollout
 from multiturn_helpers import ScriptedEngine, chat_batch, make_tool_model, rollout_config
+from sglang_helpers import CPU_ARGS, use_sglang_cpu
 
-FAKE = Path(__file__).parent / "fake_sglang"
 ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("sglang") is None and FAKE.is_dir():
-    sys.path.insert(0, str(FAKE))
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip("needs sglang or the fake SGLang package in tests/fake_sglang", allow_module_level=True)
+use_sglang_cpu()  # veRL's sglang_rollout imports SGLang 0.5.2 at module level
 
 CALL = '<tool_call>\n{{"name": "calc_gsm8k_reward", "arguments": {{"answer": "{}"}}}}\n</tool_call>'
 SCRIPT = {
@@ -168,3 +164,34 @@ def test_same_dataproto_when_the_context_runs_out(env):
     # later turns were clipped by max_model_len (max_new_tokens < response_length); responses cut at 64 tokens
     assert min(c["sampling_params"]["max_new_tokens"] for c in theirs_rollout._engine.calls) < 64
     assert theirs.batch["attention_mask"][:, -64:].sum(-1).tolist() == [64, 64]
+
+
+def test_real_sglang_engine_matches_local_end_to_end(env):
+    """veRL's multi-turn path on the real SGLang 0.5.2 engine (CPU, through final's SGLangRollout) and final's on
+    the embedded engine, each running the tool model for real: tools offered, greedy, log-probs by re-scoring
+    (veRL's [1, L] tensor call), masks and messages. A random model calls no tool, so this checks the engines and
+    the plumbing; the scripted tests above check the tool-calling state machine."""
+    from verl.workers.config import HFModelConfig
+
+    from final.rollout.sglang import SGLangRollout
+
+    _, tok, _, path = env
+    settings = dict(multi_turn={"tool_config_path": str(ROOT / "tools.yaml"), "max_assistant_turns": 2},
+                    calculate_log_probs=True, dtype="float32", response_length=16)
+    local = LocalRollout(rollout_config(**settings), HFModelConfig(path=path))
+    sglang_config = rollout_config(name="sglang", engine_kwargs={"sglang": CPU_ARGS}, **settings)
+    rows, kwargs = CONVERSATIONS[:3], TOOLS_KWARGS[:3]
+    try:
+        with SGLangRollout(sglang_config, HFModelConfig(path=path)) as sglang:
+            theirs = sglang.generate_sequences(chat_batch(tok, rows, kwargs, do_sample=False))
+        ours = local.generate_sequences(chat_batch(tok, rows, kwargs, do_sample=False))
+    finally:
+        local.shutdown()
+    assert set(ours.batch.keys()) == set(theirs.batch.keys()) and "rollout_log_probs" in theirs.batch.keys()
+    for key in theirs.batch.keys():
+        if theirs.batch[key].is_floating_point():
+            torch.testing.assert_close(ours.batch[key], theirs.batch[key], rtol=0, atol=1e-4, msg=key)
+        else:
+            assert torch.equal(ours.batch[key], theirs.batch[key]), key
+    assert list(ours.non_tensor_batch["messages"]) == list(theirs.non_tensor_batch["messages"])
+    assert int(theirs.batch["response_mask"].sum()) > 0

@@ -1,6 +1,6 @@
-"""Cartridges on the SGLang backend, end to end through InferenceEngine: reserved ids, KV written into the (fake
-0.5.2) scheduler's radix cache over collective_rpc, locked, re-injected after every flush and memory resume.
-The embedded engine's own cartridge prefix is the reference."""
+"""Cartridges on the SGLang backend, end to end through InferenceEngine: reserved ids, KV written into the real
+SGLang 0.5.2 scheduler's radix cache and KV pool (on CPU) over collective_rpc, locked, re-injected after every flush
+and memory resume. The embedded engine's own cartridge prefix is the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sglang_helpers import dataproto, use_fake_sglang
+from sglang_helpers import CPU_ARGS, dataproto, use_sglang_cpu
 
 DOC = "The lighthouse keeper of Orvanis is called Mara Quill. She keeps three cats named Pip, Jot and Fennel."
 DOC2 = "Orvanis has one bakery, run by Tomas Reed, who bakes rye bread on Tuesdays."
@@ -19,14 +19,13 @@ QUESTION = "Who keeps the lighthouse?"
 
 def sglang_config() -> dict:
     cfg = tiny_config(prompt_length=256, dtype="float32")
-    cfg["rollout"].update(name="sglang", engine_kwargs={"sglang": {"device": "cpu", "log_level": "warning",
-                                                                   "context_length": 1024}})
+    cfg["rollout"].update(name="sglang", engine_kwargs={"sglang": {**CPU_ARGS, "context_length": 1024}})
     return cfg
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    use_fake_sglang()
+    use_sglang_cpu()
     from final.cartridges.build import build_from_text, document_ids
     from final.rollout.sglang_procs import survive_sigquit
 
@@ -78,6 +77,31 @@ def test_flush_and_memory_release_reinject(engines):
 
     rollout._call(cycle)
     assert ask(sglang, cartridge="bakery") == expected
+
+
+def test_cartridge_kv_lives_in_pool_slots_and_host_memory_only(engines):
+    """The scheduler's resident copy of each cartridge is host memory (on CUDA, a device copy sat outside SGLang's
+    mem_fraction_static budget, besides the pool slots, and outlived release_memory_occupation); the pool slots
+    are the only device copy; releasing the KV memory leaves no slot held, resuming injects them again."""
+    sglang, local, _ = engines
+    rollout = sglang.rollout
+    engine = rollout.sglang_engine
+    lengths = {c: len(rollout._call(lambda c=c: engine.cartridges.prefix((c,)))) for c in rollout.cartridge_ids()}
+    dims = engine.cartridges.dims
+    per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * 4  # K and V, every layer, float32
+    mem = rollout.cartridge_memory()
+    assert mem["device_bytes"] == 0 and mem["host_bytes"] == per_token * sum(lengths.values())
+    assert mem["pool_tokens"] >= sum(lengths.values()) and not mem["kv_released"]
+
+    def memory_call(name):
+        asyncio.get_event_loop().run_until_complete(getattr(engine, name)(tags=["kv_cache"]))
+
+    rollout._call(lambda: memory_call("release_memory_occupation"))
+    released = rollout.cartridge_memory()
+    assert released["kv_released"] and released["pool_tokens"] == 0 and released["pool_free"] > mem["pool_free"]
+    rollout._call(lambda: memory_call("resume_memory_occupation"))
+    assert rollout.cartridge_memory()["pool_tokens"] == mem["pool_tokens"]
+    assert ask(sglang, cartridge="doc") == ask(local, cartridge="doc")
 
 
 def test_unload_reload_and_reserved_ids(engines):
@@ -133,7 +157,7 @@ def test_bad_cartridges_and_requests_raise_typed_errors(engines):
         rollout.load_cartridge("bad", k, [torch.zeros(1, 2, 4, 16)] * 2)
     with pytest.raises(CartridgeError, match="non-empty string"):
         rollout.load_cartridge("", k, k)
-    room = [torch.randn(2, 3000, 16)] * 2  # the (fake's) KV pool holds 2048 tokens
+    room = [torch.randn(2, 3000, 16)] * 2  # the KV pool holds 2048 tokens (CPU_ARGS)
     with pytest.raises(CartridgeError, match="no room for 3000 cartridge tokens"):
         rollout.load_cartridge("huge", room, room)
     big = [torch.randn(2, 1010, 16) * 0.1, torch.randn(2, 1010, 16) * 0.1]  # context_length is 1024

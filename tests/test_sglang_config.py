@@ -1,22 +1,26 @@
-"""SGLang backend without an engine: requirements, attention backend choice, config translation, sampling checks."""
+"""SGLang backend without an engine: requirements, attention backend choice, config translation (memory saver, the
+GPU from LOCAL_RANK, one GPU per engine), sampling checks, the [sglang] extra's pins. SGLang 0.5.2 is the real
+package (its ServerArgs and SamplingParams are what the checks read)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from sglang_helpers import configs, use_fake_sglang
+from sglang_helpers import configs, use_sglang_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def fake():
-    use_fake_sglang()
+def sglang_cpu():
+    use_sglang_cpu()
 
 
 def test_missing_requirements_name_each_piece():
@@ -35,7 +39,7 @@ def test_this_machine_gets_a_clear_error_with_the_install_command():
 
     with pytest.raises(BackendUnavailableError, match=r"CUDA GPU.*pip install -e '\.\[sglang\]'"):
         require_sglang()
-    require_sglang(device="cpu")  # the fake SGLang is importable here and asks for no GPU
+    require_sglang(device="cpu")  # SGLang's CPU device: the tests' explicit opt-in
 
 
 def test_preflight_checks_before_any_model_is_fetched():
@@ -52,12 +56,28 @@ def test_preflight_checks_before_any_model_is_fetched():
     assert signal.getsignal(signal.SIGQUIT) not in (signal.SIG_DFL, None)  # a dying scheduler won't kill us
 
 
-def test_without_the_package_the_error_names_it(tmp_path):
-    code = ("from final.rollout.sglang import require_sglang\n"
-            "try:\n    require_sglang(device='cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+def test_a_users_program_gets_neither_the_kernel_stubs_nor_sglang_from_auto(tmp_path):
+    """SGLang 0.5.2 is installed here (for these tests), but a program of the user's, outside pytest, sees no kernel
+    stub (they live in tests/sglang_cpu, put on the path by the test helpers only), and `auto` picks the embedded
+    engine without CUDA; `sglang` without CUDA is refused with the install command."""
+    code = ("import importlib.util\n"
+            "from final.config import load_config\n"
+            "from final.rollout.sglang import require_sglang\n"
+            "print(importlib.util.find_spec('sgl_kernel'), load_config({'model_path': 'x'}).backend)\n"
+            "try:\n    require_sglang()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}).stdout
-    assert out.startswith("BackendUnavailableError") and "the sglang package" in out and "[sglang]" in out
+                         env=env).stdout.splitlines()
+    assert out[0] == "None local" and out[1].startswith("BackendUnavailableError") and "a CUDA GPU" in out[1]
+
+
+def test_without_the_package_the_error_names_it():
+    from final.errors import BackendUnavailableError
+    from final.rollout.sglang import require_sglang
+
+    with mock.patch.dict(sys.modules, {"sglang": None}):  # find_spec("sglang") is None: as if not installed
+        with pytest.raises(BackendUnavailableError, match=r"the sglang package.*\[sglang\]"):
+            require_sglang(device="cpu")
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0)])
@@ -122,6 +142,74 @@ def test_translate_config_refuses_what_cannot_work(rollout, args, key, match):
     with pytest.raises(ConfigError, match=match) as err:
         translate_config(sg_cfg, None, True)
     assert err.value.key == key
+
+
+def test_the_memory_saver_is_off_unless_asked_for_and_then_checked():
+    """veRL 0.6.0 hard-codes enable_memory_saver: True, and SGLang then imports torch_memory_saver (not in
+    sglang[srt]) at start. final's default is False; true is refused where it cannot work, by name."""
+    from final.errors import BackendUnavailableError, ConfigError
+    from final.rollout.sglang import translate_config
+
+    assert translate_config(configs()[0], None, True)[1]["enable_memory_saver"] is False
+    with pytest.raises(ConfigError, match="CPU device") as err:
+        translate_config(configs(sglang_args={"enable_memory_saver": True})[0], None, True)
+    assert err.value.key == "rollout.engine_kwargs.sglang.enable_memory_saver"
+    gpu = configs(sglang_args={"enable_memory_saver": True, "device": "cuda"})[0]
+    with pytest.raises(BackendUnavailableError, match=r"pip install torch_memory_saver==0\.0\.8"):
+        translate_config(gpu, (9, 0), True)  # not installed here
+
+
+@pytest.mark.parametrize("env,gpus,expected", [({"LOCAL_RANK": "3"}, 8, 3), ({"LOCAL_RANK": "0"}, 8, 0), ({}, 8, 0),
+                                               ({"LOCAL_RANK": "3"}, 1, 0)])
+def test_the_gpu_comes_from_local_rank(env, gpus, expected):
+    """veRL passes base_gpu_id 0: under torchrun (every GPU visible to every rank) each engine landed on GPU 0.
+    Where the launcher shows each process one GPU (Ray, CUDA_VISIBLE_DEVICES), it is that one."""
+    from final.rollout.sglang import local_gpu, translate_config
+
+    assert local_gpu("cuda", gpus, env) == expected
+    assert local_gpu("cpu", gpus, env) == 0
+    cfg = configs(sglang_args={"device": "cuda"})[0]
+    with mock.patch.dict(os.environ, {"LOCAL_RANK": env.get("LOCAL_RANK", "0")}):
+        assert translate_config(cfg, (9, 0), True, gpus)[1]["base_gpu_id"] == expected
+    assert translate_config(configs(sglang_args={"device": "cuda", "base_gpu_id": 5})[0], (9, 0), True, 8)[1][
+        "base_gpu_id"] == 5  # an explicit choice wins
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused():
+    from final.errors import ConfigError
+    from final.rollout.sglang import local_gpu
+
+    with pytest.raises(ConfigError, match="LOCAL_RANK=4 but this process sees 2 GPUs"):
+        local_gpu("cuda", 2, {"LOCAL_RANK": "4"})
+
+
+@pytest.mark.parametrize("key,value", [("dp_size", 2), ("pp_size", 2), ("enable_dp_attention", True), ("nnodes", 2)])
+def test_more_than_one_gpu_per_engine_is_refused(key, value):
+    """dp_size > 1 starts SGLang's data-parallel controller, which imports its own run_scheduler_process: the
+    cartridge methods never reach its schedulers. Refused before the engine starts, naming the key."""
+    from final.errors import ConfigError
+    from final.rollout.sglang import translate_config
+
+    with pytest.raises(ConfigError, match="not supported by final's in-process engine") as err:
+        translate_config(configs(sglang_args={key: value})[0], None, True)
+    assert err.value.key == f"rollout.engine_kwargs.sglang.{key}"
+
+
+def test_the_sglang_extra_pins_what_the_engine_needs_at_start():
+    """pip install -e '.[sglang]' on a CUDA machine: veRL 0.6.0's own pins (sglang[srt,openai]==0.5.2, torch 2.8)
+    plus uvloop<0.22: uvloop 0.22 dropped the main thread's implicit loop, and SGLang 0.5.2's sync Engine calls
+    get_event_loop(). The CPU test engine runs with the uvloop that pin allows."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = {Requirement(r).name: Requirement(r) for r in
+             tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]}
+    assert str(extra["sglang"].specifier) == "==0.5.2" and {"srt", "openai"} <= extra["sglang"].extras
+    assert str(extra["torch"].specifier) == "==2.8.0"
+    assert not extra["uvloop"].specifier.contains("0.22.0") and extra["uvloop"].specifier.contains("0.21.0")
+    assert extra["uvloop"].specifier.contains(importlib.metadata.version("uvloop"))
 
 
 def test_dummy_weights_are_warned_about(caplog):

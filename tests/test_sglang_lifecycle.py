@@ -1,5 +1,6 @@
-"""Lifecycle of the in-process SGLang engine (fake SGLang 0.5.2, real processes): shutdown, a second engine, two
-side by side, exit without shutdown, the spawn guard, and a scheduler that dies at start or while serving."""
+"""Lifecycle of the in-process SGLang engine (the real SGLang 0.5.2 on CPU, its real processes): shutdown, a second
+engine, two side by side, exit without shutdown, the spawn guard, and a scheduler that dies at start or while
+serving."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from sglang_helpers import FAKE, configs, dataproto, use_fake_sglang
+from sglang_helpers import configs, dataproto, pythonpath, use_sglang_cpu
 
 PROMPTS = [[1, 504, 3456, 28], [1, 17, 99]]
 REPO = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def fake():
-    use_fake_sglang()
+    use_sglang_cpu()
 
 
 def gone(pids: list[int], within: float = 10.0) -> bool:
@@ -41,73 +42,86 @@ def greedy(rollout, model_cfg):
     return rollout.generate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False})).batch["responses"]
 
 
-def test_shutdown_releases_everything_and_a_second_engine_starts():
+def test_two_engines_stop_independently_and_release_everything():
+    """Two engines side by side; the first shut down (SGLang's own Engine.shutdown would kill the second's scheduler
+    too); the second keeps serving until its scheduler is killed; with the last engine the process group goes."""
     import torch.distributed as dist
     from final.errors import EngineError
     from final.rollout.sglang import SGLangRollout
 
     sg_cfg, _, model_cfg = configs()
-    first = SGLangRollout(sg_cfg, model_cfg)
-    expected = greedy(first, model_cfg)
-    pids = [p.pid for p in first.sglang_engine.processes]
-    ipc = [first.sglang_engine.port_args.scheduler_input_ipc_name[len("ipc://"):]]
-    assert pids and os.path.exists(ipc[0])
-    first.shutdown()
-    first.shutdown()  # idempotent
-    assert gone(pids) and not os.path.exists(ipc[0]) and not dist.is_initialized()
-    with pytest.raises(EngineError, match="shut down"):
-        greedy(first, model_cfg)
-    with SGLangRollout(sg_cfg, model_cfg) as second:  # same process, fresh group, ports and scheduler
+    with SGLangRollout(sg_cfg, model_cfg) as first, SGLangRollout(sg_cfg, model_cfg) as second:
+        engines = (first.sglang_engine, second.sglang_engine)
+        assert len({e.server_args.port for e in engines} | {e.port_args.nccl_port for e in engines}) == 4
+        expected = greedy(first, model_cfg)
+        pids = [p.pid for p in first.sglang_engine.processes]
+        ipc = first.sglang_engine.port_args.scheduler_input_ipc_name[len("ipc://"):]
+        assert pids and os.path.exists(ipc)
+        first.shutdown()
+        first.shutdown()  # idempotent
+        assert gone(pids) and not os.path.exists(ipc) and dist.is_initialized()  # the second still needs it
+        with pytest.raises(EngineError, match="shut down"):
+            greedy(first, model_cfg)
         assert torch.equal(greedy(second, model_cfg), expected)
-        pids = [p.pid for p in second.sglang_engine.processes]
-    assert gone(pids)
-
-
-def test_two_engines_side_by_side_stop_independently():
-    from final.rollout.sglang import SGLangRollout
-
-    sg_cfg, _, model_cfg = configs()
-    with SGLangRollout(sg_cfg, model_cfg) as a, SGLangRollout(sg_cfg, model_cfg) as b:
-        ports = {e.server_args.port for e in (a.sglang_engine, b.sglang_engine)} | \
-            {e.port_args.nccl_port for e in (a.sglang_engine, b.sglang_engine)}
-        assert len(ports) == 4
-        expected = greedy(a, model_cfg)
-        a.shutdown()  # SGLang's own Engine.shutdown would kill b's scheduler too
-        assert torch.equal(greedy(b, model_cfg), expected)
-
-
-def test_a_scheduler_killed_while_serving_becomes_an_engine_error():
-    from final.errors import EngineError
-    from final.rollout.sglang import SGLangRollout
-
-    sg_cfg, _, model_cfg = configs()
-    with SGLangRollout(sg_cfg, model_cfg) as rollout:
-        greedy(rollout, model_cfg)
-        pid = rollout.sglang_engine.processes[0].pid
+        pid = second.sglang_engine.processes[0].pid
 
         async def killed_while_awaiting():
             os.kill(pid, signal.SIGKILL)  # the request goes to a dead scheduler: without the watch, a hang
-            return await rollout.agenerate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False}))
+            return await second.agenerate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False}))
 
-        with pytest.raises(EngineError, match=f"process {pid} exited while serving"):
+        with pytest.raises(EngineError, match=f"process {pid} exited while serving.*create a new engine"):
             asyncio.run(killed_while_awaiting())
         with pytest.raises(EngineError, match="exited while serving"):  # refused up front from now on
-            greedy(rollout, model_cfg)
+            greedy(second, model_cfg)
+        pids = [p.pid for p in second.sglang_engine.processes]
+    assert gone(pids) and not dist.is_initialized()
 
 
-def test_a_scheduler_killed_during_a_cartridge_rpc_becomes_an_engine_error():
+def test_a_fresh_engine_after_the_last_one_then_a_scheduler_killed_during_a_cartridge_rpc():
     from final.errors import EngineError
     from final.rollout.sglang import SGLangRollout
 
     sg_cfg, _, model_cfg = configs()
     kv = [torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16)]
-    with SGLangRollout(sg_cfg, model_cfg) as rollout:
+    with SGLangRollout(sg_cfg, model_cfg) as rollout:  # same process, fresh group, ports and scheduler
+        assert greedy(rollout, model_cfg).shape == (2, 12)
         assert rollout.load_cartridge("a", kv, kv) == 4
         proc = rollout.sglang_engine.processes[0]
         proc.kill()
         proc.wait()  # reaped: no zombie left for the watch to see; the RPC's own check notices
         with pytest.raises(EngineError, match="scheduler|exited while serving"):
             rollout.load_cartridge("b", kv, kv)
+
+
+def test_a_scheduler_that_dies_unseen_during_start_still_ends_the_start():
+    """SGLang's `_launch_subprocesses` starts the scheduler, then the detokenizer (whose start reaps children that
+    have already exited), then reads the scheduler's "ready" from a pipe whose write end it holds itself. A
+    scheduler that died at once was never seen among this process's children, and that read waited forever. The
+    watch now reads the launched processes from that frame; on the death, release_start ends the read."""
+    import multiprocessing as mp
+    import threading
+
+    from final.rollout.sglang_procs import ProcessWatch, release_start
+
+    ended, deaths = [], []
+
+    def _launch_subprocesses():  # the name the watch looks for, and SGLang's locals
+        reader, writer = mp.Pipe(duplex=False)
+        scheduler_procs = [mp.get_context("fork").Process(target=os._exit, args=(3,))]
+        scheduler_procs[0].start()
+        scheduler_procs[0].join()
+        mp.active_children()  # what the next Process.start() does: the dead scheduler is reaped
+        try:
+            reader.recv()
+        except EOFError:
+            ended.append(scheduler_procs[0].pid)
+
+    starter = threading.Thread(target=_launch_subprocesses, daemon=True)
+    starter.start()
+    watch = ProcessWatch(lambda pid: (deaths.append(pid), release_start(starter.ident)), 0.05, starter.ident)
+    starter.join(timeout=60)
+    watch.stop()
+    assert not starter.is_alive() and ended and deaths == ended
 
 
 def test_a_scheduler_failing_at_start_becomes_an_engine_error_not_a_dead_process():
@@ -125,7 +139,6 @@ def test_a_scheduler_failing_at_start_becomes_an_engine_error_not_a_dead_process
 
 SCRIPT = """
 import sys
-sys.path.insert(0, {fake!r})
 sys.path.insert(0, {repo!r})
 from sglang_helpers import configs, dataproto
 
@@ -143,8 +156,8 @@ def main():
 
 def run_script(tmp_path: Path, call: str) -> subprocess.CompletedProcess:
     script = tmp_path / "user_script.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(fake=FAKE, repo=str(REPO / "tests"), call=call)))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    script.write_text(textwrap.dedent(SCRIPT.format(repo=str(REPO / "tests"), call=call)))
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(REPO))}  # the kernel stubs, for the script and its children
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
                           cwd=tmp_path)
 

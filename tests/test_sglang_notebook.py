@@ -12,13 +12,13 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-from sglang_helpers import FAKE
+from sglang_helpers import CPU_ARGS, pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def execute(nb, cwd: Path, extra_path: list[str] = ()):
-    env_path = os.pathsep.join([*extra_path, str(REPO), os.environ.get("PYTHONPATH", "")])
+def execute(nb, cwd: Path, env_path: str | None = None):
+    env_path = env_path or os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = env_path  # the kernel process inherits it
     try:
@@ -46,10 +46,12 @@ def test_quickstart_notebook_runs_generate_agenerate_and_a_cartridge():
 
 
 def test_sglang_rollout_from_notebook_cells(tmp_path):
-    """The SGLang backend (veRL's SGLangRollout on the fake 0.5.2 engine, scheduler spawned from the kernel)."""
+    """The SGLang backend (veRL's SGLangRollout on the real SGLang 0.5.2 engine on CPU, its scheduler spawned from
+    the kernel process, which gets the kernel stubs through PYTHONPATH)."""
+    env_path = pythonpath(str(REPO))
     cfg = {"model_path": "builtin:tiny-random-llama", "progress": False,
            "rollout": {"name": "sglang", "prompt_length": 32, "response_length": 8, "dtype": "float32",
-                       "engine_kwargs": {"sglang": {"device": "cpu", "log_level": "warning"}}}}
+                       "engine_kwargs": {"sglang": CPU_ARGS}}}
     nb = new_notebook(cells=[
         new_code_cell(f"from final.inf import InferenceEngine\n"
                       f"engine = InferenceEngine({cfg!r})\nprint(engine.backend)"),
@@ -61,6 +63,6 @@ def test_sglang_rollout_from_notebook_cells(tmp_path):
                       "print(all(x.token_ids[0] == a.token_ids[0] for x in c))"),
         new_code_cell("engine.shutdown()\nprint('closed')"),
     ], metadata={"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}})
-    out = execute(nb, tmp_path, [FAKE])
+    out = execute(nb, tmp_path, env_path)
     assert out[0].strip() == "sglang" and out[1].startswith("[[") and out[2].strip() == "True"
     assert out[3].strip() == "True" and out[4].strip() == "closed"

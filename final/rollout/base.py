@@ -40,20 +40,22 @@ class Capabilities:
     tools: bool = False  # multi-turn tool calling
     tool_events: bool = False  # Observer.tool_event as calls happen
     streaming: bool = False  # astream yields every token (else each row once, complete)
-    concurrent: bool = True  # calls may overlap (else InferenceEngine runs them one at a time)
     sampling_keys: frozenset[str] = ALL_KEYS
+    notes: tuple[tuple[str, str], ...] = ()  # (field, what to do instead) for the refusals
 
     def check(self, backend: str, sampling: Sampling, *, cartridges: bool = False, tools: bool = False) -> None:
         """Refuse, naming the backend and the field, what this backend cannot serve."""
         wanted = [("seed", sampling.seed is not None, self.seed), ("stop", bool(sampling.stop), self.stop_strings),
                   ("logprobs", sampling.logprobs, self.logprobs), ("cartridge", cartridges, self.cartridges),
                   ("tools_kwargs", tools, self.tools)]
-        for field, asked, served in wanted:
-            if asked and not served:
-                raise UnsupportedError(backend, field)
-        for key, value in sampling.params.items():
-            if key not in self.sampling_keys and NO_OP.get(key, object()) != value:
-                raise UnsupportedError(backend, key)
+        notes = dict(self.notes)
+        refused = [field for field, asked, served in wanted if asked and not served]
+        refused += [key for key, value in sampling.params.items()
+                    if key not in self.sampling_keys and NO_OP.get(key, object()) != value]
+        if refused:
+            field = refused[0]
+            hint = f"; {notes[field]}" if field in notes else ""
+            raise UnsupportedError(backend, field, f"not supported by the {backend} backend{hint}")
 
 
 class Observer(Protocol):

@@ -4,8 +4,9 @@ veRL's class expects to live in a Ray worker. What this module supplies at world
 - requirements: CUDA and the sglang package, else BackendUnavailableError with the install command;
 - the process: a process group (final.dist: gloo, or cpu:gloo,cuda:nccl), WORLD_SIZE/RANK/LOCAL_RANK/MASTER_*,
   the visible-devices variable veRL reads, torch.cuda.set_device; free SGLang/NCCL ports per engine;
-- config translation: tp=1, token in/token out, the attention backend (fa3 on sm80-sm90, else flashinfer or
-  triton with a warning), engine_kwargs.sglang handed to SGLang's ServerArgs (veRL 0.6.0 drops them);
+- config translation (sglang_config.py): tp=1, token in/token out, the attention backend (fa3 on sm80-sm90, else
+  flashinfer or triton with a warning), the GPU from LOCAL_RANK, no memory saver by default, one GPU per engine,
+  engine_kwargs.sglang handed to SGLang's ServerArgs (veRL 0.6.0 drops them);
 - one owner thread with its own event loop (final.rollout.thread): SGLang binds to the loop of its first request
   and veRL calls run_until_complete, which a running loop (Jupyter) refuses. The engine is built and every call
   runs on that thread, so generate works from scripts, other threads and notebook cells;
@@ -25,10 +26,7 @@ import atexit
 import concurrent.futures
 import concurrent.futures.thread  # noqa: F401 - its exit hook, before SGLang disables threading._register_atexit
 import contextlib
-import dataclasses
-import difflib
 import importlib.util
-import inspect
 import logging
 import multiprocessing as mp
 import os
@@ -38,8 +36,10 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from final import dist
-from final.errors import BackendUnavailableError, ConfigError, EngineError, SamplingError
+from final.errors import BackendUnavailableError, EngineError
 from final.rollout.base import Backend, Capabilities, Observer
+from final.rollout.sglang_config import (  # noqa: F401 - re-exported: this module is the backend's public face
+    OWNED_SERVER_ARGS, check_sampling_kwargs, choose_attention_backend, local_gpu, translate_config)
 from final.rollout.sglang_procs import ProcessWatch, release_start, survive_sigquit
 from final.rollout.thread import RolloutThread
 
@@ -49,14 +49,6 @@ T = TypeVar("T")
 INSTALL = "pip install -e '.[sglang]'"
 SPAWN_GUARD = ("SGLang starts its scheduler with multiprocessing 'spawn', which re-imports your main script; this "
                "process is that re-import. Create the engine under `if __name__ == \"__main__\":`.")
-# ServerArgs the rollout config already decides: engine_kwargs.sglang may not override them.
-OWNED_SERVER_ARGS = {
-    "model_path": "model_path", "tokenizer_path": "tokenizer_path", "trust_remote_code": "trust_remote_code",
-    "tp_size": "rollout.tensor_model_parallel_size", "dtype": "rollout.dtype",
-    "mem_fraction_static": "rollout.gpu_memory_utilization", "load_format": "rollout.load_format",
-    "skip_tokenizer_init": "rollout.skip_tokenizer_init", "max_running_requests": "rollout.max_num_seqs",
-    "mm_attention_backend": "rollout.engine_kwargs.sglang.attention_backend",
-}
 POLL_S = 0.5  # how often the process watch looks at the engine's processes
 
 _group_users = 0  # live engines; the process group goes with the last one
@@ -91,72 +83,8 @@ def preflight(engine_config: Any) -> None:
     survive_sigquit()
 
 
-def choose_attention_backend(requested: str | None, capability: tuple[int, int] | None,
-                             have_flashinfer: bool) -> tuple[str, str | None]:
-    """(backend, warning or None). SGLang 0.5.2's fa3 backend needs sm80-sm90 ("FlashAttention v3 Backend requires
-    SM>=80 and SM<=90"): the default there, elsewhere flashinfer (or triton) with a warning. capability None means
-    SGLang's CPU device, whose backend is intel_amx."""
-    fa3_ok = capability is not None and (8, 0) <= capability < (10, 0)
-    if requested:
-        if requested == "fa3" and capability is not None and not fa3_ok:
-            raise ConfigError(f"fa3 needs an Ampere or Hopper GPU (sm80-sm90); this GPU is sm{capability[0]}"
-                              f"{capability[1]}: use flashinfer or triton",
-                              key="rollout.engine_kwargs.sglang.attention_backend")
-        return requested, None
-    if capability is None:
-        return "intel_amx", None
-    if fa3_ok:
-        return "fa3", None
-    fallback = "flashinfer" if have_flashinfer else "triton"
-    return fallback, (f"fa3 (FlashAttention 3) needs an sm80-sm90 GPU and this one is sm{capability[0]}"
-                      f"{capability[1]}: using the {fallback} attention backend. Set "
-                      f"rollout.engine_kwargs.sglang.attention_backend to choose another.")
-
-
-def translate_config(config: Any, capability: tuple[int, int] | None, have_flashinfer: bool) -> tuple[Any, dict]:
-    """RolloutConfig -> (the RolloutConfig veRL gets, extra ServerArgs for the engine)."""
-    from sglang.srt.server_args import ServerArgs
-
-    if config.tensor_model_parallel_size != 1:
-        raise ConfigError(f"must be 1 (one in-process engine), got {config.tensor_model_parallel_size}",
-                          key="rollout.tensor_model_parallel_size")
-    if not config.skip_tokenizer_init:
-        raise ConfigError("must be true: prompts reach SGLang as token ids", key="rollout.skip_tokenizer_init")
-    if config.load_format.startswith("dummy"):
-        logger.warning("rollout.load_format is %r: SGLang starts with random weights", config.load_format)
-    extra = {k: v for k, v in ((config.engine_kwargs or {}).get("sglang") or {}).items() if v is not None}
-    backend, warning = choose_attention_backend(extra.pop("attention_backend", None), capability, have_flashinfer)
-    if warning:
-        logger.warning(warning)
-    fields = {f.name for f in dataclasses.fields(ServerArgs)}
-    for key in extra:
-        where = f"rollout.engine_kwargs.sglang.{key}"
-        if key in OWNED_SERVER_ARGS:
-            raise ConfigError(f"is set by {OWNED_SERVER_ARGS[key]}; set it there", key=where)
-        if key not in fields:
-            near = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"is not an SGLang 0.5.2 ServerArgs field{hint}", key=where)
-    server_args = {"port": dist.free_port(), "nccl_port": dist.free_port(), **extra}
-    engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
-    return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args
-
-
-def check_sampling_kwargs(kwargs: dict) -> None:
-    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    allowed = set(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
-    for key in kwargs:
-        if key == "seed":
-            raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",
-                                key)
-        if key not in allowed:
-            raise SamplingError(f"is not an SGLang 0.5.2 sampling parameter ({', '.join(sorted(allowed))})", key)
-
-
 # ---- the process ---------------------------------------------------------------------------------------
-def _prepare_env(device: str) -> list[str]:
+def _prepare_env(device: str, gpu: int) -> list[str]:
     """Set the visible-devices variable veRL reads (when absent) and the CUDA device; return what we set."""
     from verl.utils.device import get_visible_devices_keyword
 
@@ -167,7 +95,20 @@ def _prepare_env(device: str) -> list[str]:
         os.environ[key] = ",".join(str(i) for i in range(max(count, 1)))
         ours.append(key)
     if device != "cpu":  # pragma: no cover - CUDA only
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu)  # the GPU SGLang's scheduler gets too (ServerArgs.base_gpu_id)
+    return ours
+
+
+def _group_env() -> list[str]:
+    """veRL reads WORLD_SIZE and RANK from the environment; a caller's own process group (init_method tcp://...)
+    may have been made without them. Take them from the group; return what we set."""
+    import torch.distributed as tdist
+
+    ours = []
+    for key, value in (("WORLD_SIZE", tdist.get_world_size()), ("RANK", tdist.get_rank())):
+        if key not in os.environ:
+            os.environ[key] = str(value)
+            ours.append(key)
     return ours
 
 
@@ -182,9 +123,9 @@ class SGLangRollout(Backend):
     """veRL 0.6.0's SGLangRollout with an in-process SGLang 0.5.2 engine, usable from any thread or event loop."""
 
     name = "sglang"
-    # veRL's batch call is one engine call per DataProto and flushes SGLang's cache after it: calls run one at a
-    # time; SGLang 0.5.2 has no per-request seed; with skip_tokenizer_init its scheduler cannot match stop strings
-    capabilities = Capabilities(seed=False, stop_strings=False, cartridges=True, tools=True, concurrent=False)
+    # SGLang 0.5.2 has no per-request seed; veRL's calls report no per-row progress or tool events
+    capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
+        ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
@@ -198,19 +139,21 @@ class SGLangRollout(Backend):
         if getattr(mp.current_process(), "_inheriting", False):
             raise EngineError(SPAWN_GUARD)
         have_flashinfer = importlib.util.find_spec("flashinfer") is not None
-        self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer)
+        gpus = torch.cuda.device_count() if device != "cpu" else 1
+        self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer, gpus)
         self.device = device
         self._dead: str | None = None
         self._closed = False
         self._rollout = None
-        self._env = _prepare_env(device)
+        self._env = _prepare_env(device, server_args["base_gpu_id"])
         with _group_lock:
             dist.ensure_process_group()
             _group_users += 1
+        self._env += _group_env()
         survive_sigquit()
         self._thread = RolloutThread("final-sglang")
         self._thread_ident = self._thread.run(threading.get_ident)
-        self._watch = ProcessWatch(self._on_death, POLL_S)
+        self._watch = ProcessWatch(self._on_death, POLL_S, self._thread_ident)
         atexit.register(self.shutdown)
         try:
             from final.rollout.sglang_engine import InProcessSGLangRollout
@@ -259,6 +202,10 @@ class SGLangRollout(Backend):
 
     def cartridge_ids(self) -> list[str]:
         return self._call(lambda: self._rollout.engine.cartridges.cartridge_ids())
+
+    def cartridge_memory(self) -> dict:
+        """Where the scheduler keeps cartridge KV (see SGLangCartridges.memory): host copies, pool slots."""
+        return self._call(lambda: self._rollout.engine.cartridges.memory())
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

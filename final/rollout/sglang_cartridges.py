@@ -95,6 +95,19 @@ class SGLangCartridges:
     def cartridge_ids(self) -> list[str]:
         return sorted(self._loaded)
 
+    def memory(self) -> dict:
+        """Where cartridge KV lives in the scheduler: host_bytes / device_bytes of its resident copies (device_bytes
+        is 0 by design), pinned (on CUDA), pool_tokens held by injected cartridges, pool_free, kv_released."""
+        import json
+
+        path = os.path.join(self._dir, "memory.json")
+        self._rpc("(all)", "final_cartridge_memory", path=path)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        finally:
+            os.unlink(path)
+
     # ---- used by the engine wrapper ----------------------------------------------------------------------
     def prefix(self, cartridge_ids: tuple[str, ...], index: int | None = None) -> list[int]:
         """The reserved ids R to prepend for these cartridges (injecting the composition on first use)."""

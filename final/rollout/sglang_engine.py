@@ -23,8 +23,25 @@ from typing import Any, Iterator
 
 import psutil
 import torch
-import sglang.srt.entrypoints.engine as sgl_engine
-import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
+
+
+@contextlib.contextmanager
+def keep_event_loop_policy() -> Iterator[None]:
+    """SGLang 0.5.2 installs uvloop's event-loop policy when sglang/srt/entrypoints/engine.py,
+    managers/tokenizer_manager.py or entrypoints/http_server.py is imported. A new policy forgets every thread's
+    current loop (the policy keeps them), so the engine thread's loop, a notebook's, a trainer's, are gone for
+    `asyncio.get_event_loop()`, which veRL calls. A library must not change that for its host process: restore it."""
+    policy = asyncio.get_event_loop_policy()
+    try:
+        yield
+    finally:
+        if asyncio.get_event_loop_policy() is not policy:
+            asyncio.set_event_loop_policy(policy)
+
+
+with keep_event_loop_policy():
+    import sglang.srt.entrypoints.engine as sgl_engine
+    import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
 
 from final.errors import EngineError, PromptError
 from final.outputs import ROW_INFO, row_infos
@@ -75,6 +92,7 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
             # GenerateReqInput refuses ("input_ids should be a list of lists"): it means one prompt.
             input_ids = input_ids.reshape(-1).tolist() if input_ids.dim() == 2 and len(input_ids) == 1 \
                 else input_ids.tolist()
+        self._check_vocabulary(input_ids)
         out = await self._generate_with_cartridges(dict(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs))
@@ -105,11 +123,21 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
         except ValueError as exc:  # SGLang's request checks: context length, vocabulary, logprob_start_len
             raise PromptError(f"SGLang rejected the request: {exc}") from exc
 
+    def _check_vocabulary(self, input_ids: Any) -> None:
+        """SGLang 0.5.2 never calls its own _validate_input_ids_in_vocab: an id past the embedding reaches the
+        model in the scheduler (IndexError on CPU, a device-side assert on CUDA) and kills it for every caller."""
+        if not input_ids:
+            return
+        vocab = self.tokenizer_manager.model_config.vocab_size
+        for i, row in enumerate(_rows(input_ids)[1]):
+            bad = next((t for t in row if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise PromptError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})", i)
+
     def _cartridge_plan(self, input_ids: Any, sampling_params: Any):
         if self.cartridges is None or not input_ids or not self.cartridges.active():
             return None
-        single = isinstance(input_ids[0], int)
-        rows = [input_ids] if single else input_ids
+        single, rows = _rows(input_ids)
         if single:
             wanted = [REQUEST_CARTRIDGES.get() or ()]
         else:
@@ -191,9 +219,17 @@ def _record(out: Any) -> None:
         batch.extend(out)
 
 
+def _rows(input_ids: Any) -> tuple[bool, list]:
+    """(one prompt?, its rows): SGLang takes one list of ids or a list of them (ints may be numpy's)."""
+    single = not isinstance(input_ids[0], (list, tuple)) and getattr(input_ids[0], "ndim", 0) == 0
+    return single, [input_ids] if single else input_ids
+
+
 def _check_prefix_hit(out: dict, plen: int) -> None:
     """Check that a cartridge's reserved ids were served from the radix cache. The counts stay as SGLang gives
     them: prompt_tokens includes the cartridge's p tokens and cached_tokens at least p (final.outputs' usage)."""
+    if not plen:
+        return
     meta = out["meta_info"]
     reason = meta.get("finish_reason") or {}
     if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
@@ -220,7 +256,7 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
 
     def _init_inference_engine(self, trust_remote_code: bool, actor_module: str, port: Any) -> None:
         factory = functools.partial(FinalSGLangEngine, final_server_args=self._final_server_args)
-        with _START_LOCK, _patched(verl_sglang, "AsyncEngine", factory), \
+        with _START_LOCK, keep_event_loop_policy(), _patched(verl_sglang, "AsyncEngine", factory), \
                 _patched(sgl_engine, "run_scheduler_process", sglang_scheduler.run_scheduler_process):
             super()._init_inference_engine(trust_remote_code, actor_module, port)
 

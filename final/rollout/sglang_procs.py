@@ -55,17 +55,34 @@ def kill_processes(processes: list[psutil.Process], timeout: float = 10.0) -> No
     psutil.wait_procs(alive, timeout=timeout)
 
 
+def _launch_frame(thread_ident: int):
+    """SGLang's `_launch_subprocesses` frame, while that thread is inside it (engine start), else None."""
+    frame = sys._current_frames().get(thread_ident)
+    while frame is not None and frame.f_code.co_name != "_launch_subprocesses":
+        frame = frame.f_back
+    return frame
+
+
+def launched_processes(thread_ident: int) -> list[mp.Process]:
+    """The processes SGLang's `_launch_subprocesses` has started so far (scheduler, detokenizer), from its frame.
+    Unlike a look at this process's children, this sees a child that already died and was reaped: starting the
+    next process reaps finished ones (multiprocessing's _cleanup), so a scheduler dying within moments of its
+    start would never be seen alive, and the parent would wait for its "ready" forever."""
+    frame = _launch_frame(thread_ident)
+    if frame is None:
+        return []
+    local = frame.f_locals
+    procs = list(local.get("scheduler_procs") or []) + [local.get("detoken_proc")]
+    return [p for p in procs if isinstance(p, mp.process.BaseProcess) and p.pid is not None]
+
+
 def release_start(thread_ident: int) -> None:
     """A scheduler that dies before saying "ready" leaves SGLang's `_launch_subprocesses` (on the engine thread)
     reading a pipe whose write end it still holds itself, forever. Close that end, so the read ends in EOFError."""
-    frame = sys._current_frames().get(thread_ident)
-    while frame is not None:
-        if frame.f_code.co_name == "_launch_subprocesses":
-            writer = frame.f_locals.get("writer")
-            if isinstance(writer, mp.connection.Connection) and not writer.closed:
-                writer.close()
-            return
-        frame = frame.f_back
+    frame = _launch_frame(thread_ident)
+    writer = frame.f_locals.get("writer") if frame is not None else None
+    if isinstance(writer, mp.connection.Connection) and not writer.closed:
+        writer.close()
 
 
 def survive_sigquit() -> None:
@@ -77,11 +94,13 @@ def survive_sigquit() -> None:
 
 
 class ProcessWatch:
-    """Polls an engine's processes; calls on_death(pid) once if one exits before stop()."""
+    """Polls an engine's processes; calls on_death(pid) once if one exits before stop(). Until started(), the
+    engine's processes are those SGLang launched from `start_thread` and any new child of this process."""
 
-    def __init__(self, on_death: Callable[[int], None], interval: float):
+    def __init__(self, on_death: Callable[[int], None], interval: float, start_thread: int | None = None):
         self._on_death = on_death
         self._interval = interval
+        self._start_thread = start_thread
         self._foreign = {p.pid for p in psutil.Process().children()}
         self._procs: dict[int, psutil.Process] = {}
         self._started = False  # until then every new child is taken as the engine's
@@ -100,6 +119,11 @@ class ProcessWatch:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             if not self._started:
+                if self._start_thread is not None:
+                    dead = [p.pid for p in launched_processes(self._start_thread) if p.exitcode is not None]
+                    if dead and not self._stop.is_set() and not self._started:
+                        self._on_death(dead[0])
+                        return
                 for p in new_children(self._foreign):
                     self._procs.setdefault(p.pid, p)
             for pid, p in list(self._procs.items()):

@@ -1,4 +1,5 @@
-"""Cartridge injection inside SGLang 0.5.2's scheduler process (the child that owns the KV pool).
+"""What runs inside SGLang 0.5.2's scheduler process (the child that owns the KV pool): cartridge injection, and
+stop strings for a scheduler started with skip_tokenizer_init (StopStringDecoder).
 
 `Engine.collective_rpc(method, **params)` makes the scheduler call `getattr(self, method)(params)`. The parent
 replaces `sglang.srt.entrypoints.engine.run_scheduler_process` with `run_scheduler_process` below for the
@@ -10,8 +11,9 @@ Injection of a cartridge (or of an ordered composition of cartridges), given res
   k_buffer[l][fresh] = K_l (and V): the cartridge's post-RoPE KV, [T, H_kv, D] per layer
   tree_cache.insert(R, slots); lock the node so it is never evicted
 A request R + prompt then matches R in the radix cache: the prompt is prefilled at positions p.. and attends to
-the cartridge. Each cartridge's KV stays resident on the device outside the pool; every successful flush_cache
-(veRL flushes after each generate_sequences) and every resume of the KV memory re-injects what is wanted.
+the cartridge. Each cartridge's KV stays resident in host memory (pinned on CUDA; the pool slots are its only
+device copy); every successful flush_cache (veRL flushes after each generate_sequences) and every resume of the
+KV memory re-injects what is wanted, one host-to-device copy.
 """
 
 from __future__ import annotations
@@ -26,12 +28,56 @@ logger = logging.getLogger(__name__)
 KV_CACHE_TAG = "kv_cache"  # sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE
 
 
-def run_scheduler_process(*args: Any, **kwargs: Any) -> None:
+def run_scheduler_process(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """Stands in for SGLang's run_scheduler_process in the spawned child: add the methods, then run SGLang's."""
-    from sglang.srt.managers import scheduler
+    from sglang.srt.managers import schedule_batch, scheduler
 
     install(scheduler.Scheduler)
-    scheduler.run_scheduler_process(*args, **kwargs)
+    install_stop_strings(schedule_batch.Req, StopStringDecoder(server_args))
+    scheduler.run_scheduler_process(server_args, *args, **kwargs)
+
+
+class StopStringDecoder:
+    """What `Req.check_finished` needs of a tokenizer to match stop strings, and nothing more: with
+    skip_tokenizer_init SGLang 0.5.2's scheduler has no tokenizer, and a request with `stop` strings calls
+    `None.decode` there, which kills the scheduler. eos_token_id / additional_stop_token_ids are None so that
+    lending this to a request changes only the stop-string check (its eos ids come from the model config)."""
+
+    eos_token_id = None
+    additional_stop_token_ids = None
+
+    def __init__(self, server_args: Any):
+        self._args = server_args
+        self._tokenizer = None
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None:  # loaded at the first request that has stop strings
+            from sglang.srt.hf_transformers_utils import get_tokenizer
+
+            a = self._args
+            self._tokenizer = get_tokenizer(a.tokenizer_path, tokenizer_mode=a.tokenizer_mode,
+                                            trust_remote_code=a.trust_remote_code, revision=a.revision)
+        return self._tokenizer.decode(ids)
+
+
+def install_stop_strings(req_cls: type, decoder: StopStringDecoder) -> None:
+    """Lend `decoder` to a tokenizer-less request while SGLang checks whether it finished: SGLang's own stop-string
+    rule (decode the last stop_str_max_len + 1 output ids, look for each string) then runs as with a tokenizer."""
+    if getattr(req_cls, "_final_stop_strings_installed", False):
+        return
+    check = req_cls.check_finished
+
+    def check_finished(self) -> None:
+        if self.tokenizer is not None or not self.sampling_params.stop_strs:
+            return check(self)
+        self.tokenizer = decoder
+        try:
+            return check(self)
+        finally:
+            self.tokenizer = None
+
+    req_cls.check_finished = check_finished
+    req_cls._final_stop_strings_installed = True
 
 
 def install(scheduler_cls: type) -> None:
@@ -58,6 +104,7 @@ def install(scheduler_cls: type) -> None:
     scheduler_cls.final_cartridge_load = _load
     scheduler_cls.final_cartridge_compose = _compose
     scheduler_cls.final_cartridge_unload = _unload
+    scheduler_cls.final_cartridge_memory = _memory
     scheduler_cls._final_cartridges_installed = True
 
 
@@ -88,10 +135,10 @@ def _load(sched, params: dict) -> None:
     from safetensors.torch import load_file
 
     pool = _pool(sched)
-    tensors = load_file(params["path"], device=str(pool.device))
+    tensors = load_file(params["path"], device="cpu")  # not the pool's device: see _resident
     layers = pool.layer_num
-    keys = [tensors[f"k.{i}"].to(pool.dtype) for i in range(layers) if f"k.{i}" in tensors]
-    values = [tensors[f"v.{i}"].to(pool.dtype) for i in range(layers) if f"v.{i}" in tensors]
+    keys = [_resident(tensors[f"k.{i}"], pool) for i in range(layers) if f"k.{i}" in tensors]
+    values = [_resident(tensors[f"v.{i}"], pool) for i in range(layers) if f"v.{i}" in tensors]
     if len(keys) != layers or len(values) != layers or len(tensors) != 2 * layers:
         raise RuntimeError(f"cartridge {params['cartridge_id']!r} has {len(tensors) // 2} layers, the model {layers}")
     expected = (keys[0].shape[0], pool.head_num, pool.head_dim)
@@ -101,6 +148,33 @@ def _load(sched, params: dict) -> None:
                                f"[T, {pool.head_num}, {pool.head_dim}]")
     _state(sched)["store"][params["cartridge_id"]] = (int(params["reserved"]), keys, values)
     _compose(sched, {"cartridge_ids": [params["cartridge_id"]]})
+
+
+def _resident(t: torch.Tensor, pool) -> torch.Tensor:
+    """The scheduler's own copy of a cartridge, kept in host memory: on the GPU it would sit outside SGLang's
+    mem_fraction_static budget, twice (besides its pool slots), and survive release_memory_occupation. Pinned on
+    CUDA, so that re-injecting after a flush is one fast host-to-device copy."""
+    t = t.to(pool.dtype).contiguous()
+    return t.pin_memory() if torch.device(pool.device).type == "cuda" else t
+
+
+def _memory(sched, params: dict) -> None:
+    """Write where cartridge KV lives, as JSON to params["path"] (collective_rpc returns no value)."""
+    import json
+
+    state = _state(sched)
+    on_cuda = torch.device(sched.token_to_kv_pool_allocator.get_kvcache().device).type == "cuda"
+    tensors = [t for _, ks, vs in state["store"].values() for t in ks + vs]
+    slots: set[int] = set()
+    for ids in state["locked"]:
+        slots.update(sched.tree_cache.match_prefix(_key(state, ids)).device_indices.tolist())
+    report = {"host_bytes": sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu"),
+              "device_bytes": sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu"),
+              "pinned": all(t.is_pinned() for t in tensors) if tensors and on_cuda else None,
+              "pool_tokens": len(slots), "pool_free": sched.token_to_kv_pool_allocator.available_size(),
+              "kv_released": KV_CACHE_TAG in sched.offload_tags}
+    with open(params["path"], "w") as f:
+        json.dump(report, f)
 
 
 def _compose(sched, params: dict) -> None:
@@ -130,6 +204,11 @@ def _reinject(sched) -> None:
         _inject(sched, ids)
 
 
+def _key(state: dict, ids: tuple[str, ...]) -> list[int]:
+    """The reserved token ids R a composition is cached under: each cartridge's id repeated over its length."""
+    return [r for c in ids for reserved, ks, _ in [state["store"][c]] for r in [reserved] * ks[0].shape[0]]
+
+
 def _inject(sched, ids: tuple[str, ...]) -> None:
     state = _state(sched)
     if ids in state["locked"]:
@@ -137,7 +216,7 @@ def _inject(sched, ids: tuple[str, ...]) -> None:
     pool = _pool(sched)
     cache, allocator = sched.tree_cache, sched.token_to_kv_pool_allocator
     parts = [state["store"][c] for c in ids]
-    key = [r for reserved, ks, _ in parts for r in [reserved] * ks[0].shape[0]]
+    key = _key(state, ids)
     have = cache.match_prefix(key).device_indices
     need = len(key) - len(have)
     if need > 0:
@@ -152,8 +231,8 @@ def _inject(sched, ids: tuple[str, ...]) -> None:
         for layer in range(pool.layer_num):
             k = torch.cat([ks[layer] for _, ks, _ in parts])[start:]
             v = torch.cat([vs[layer] for _, _, vs in parts])[start:]
-            pool.k_buffer[layer][fresh] = k
-            pool.v_buffer[layer][fresh] = v
+            pool.k_buffer[layer][fresh] = k.to(pool.device, non_blocking=True)
+            pool.v_buffer[layer][fresh] = v.to(pool.device, non_blocking=True)
         cache.insert(key, torch.cat([have.to(torch.int64), fresh.to(torch.int64)]))
     node = cache.match_prefix(key).last_device_node
     cache.inc_lock_ref(node)

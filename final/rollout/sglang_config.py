@@ -1,0 +1,151 @@
+"""RolloutConfig -> what veRL's SGLangRollout and SGLang 0.5.2's ServerArgs get; checked before anything starts.
+
+veRL 0.6.0 builds the engine's arguments itself (sglang_rollout.py `_init_inference_engine`) and hard-codes a few
+that are wrong for one in-process engine: `enable_memory_saver: True`, `base_gpu_id: 0`, `port: 30000 + rank`, and
+it drops every engine_kwargs.sglang key but attention_backend. FinalSGLangEngine overrides them with the
+ServerArgs computed here. Imports sglang only inside functions: final.rollout.sglang re-exports these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import logging
+import os
+from typing import Any, Mapping
+
+from final import dist
+from final.errors import BackendUnavailableError, ConfigError, SamplingError
+
+logger = logging.getLogger(__name__)
+
+# ServerArgs the rollout config already decides: engine_kwargs.sglang may not override them.
+OWNED_SERVER_ARGS = {
+    "model_path": "model_path", "tokenizer_path": "tokenizer_path", "trust_remote_code": "trust_remote_code",
+    "tp_size": "rollout.tensor_model_parallel_size", "dtype": "rollout.dtype",
+    "mem_fraction_static": "rollout.gpu_memory_utilization", "load_format": "rollout.load_format",
+    "skip_tokenizer_init": "rollout.skip_tokenizer_init", "max_running_requests": "rollout.max_num_seqs",
+    "mm_attention_backend": "rollout.engine_kwargs.sglang.attention_backend",
+}
+# ServerArgs that would make one engine span several GPUs or processes of schedulers. The cartridge scheduler
+# patch reaches only schedulers that SGLang's engine module starts itself (the data-parallel controller imports
+# its own reference to run_scheduler_process), and a pipeline stage's KV pool holds only its own layers.
+ONE_GPU_ARGS = {
+    "dp_size": "data parallelism: run one engine per GPU (LOCAL_RANK picks the GPU), as veRL's workers do",
+    "pp_size": "pipeline stages: one engine runs on one GPU",
+    "enable_dp_attention": "data-parallel attention needs dp_size > 1",
+    "nnodes": "an in-process engine runs on one node",
+}
+MEMORY_SAVER = "torch_memory_saver==0.0.8"  # the version sglang[torch_memory_saver] 0.5.2 pins
+
+
+def choose_attention_backend(requested: str | None, capability: tuple[int, int] | None,
+                             have_flashinfer: bool) -> tuple[str, str | None]:
+    """(backend, warning or None). SGLang 0.5.2's fa3 backend needs sm80-sm90 ("FlashAttention v3 Backend requires
+    SM>=80 and SM<=90"): the default there, elsewhere flashinfer (or triton) with a warning. capability None means
+    SGLang's CPU device, whose backend is intel_amx (SGLang itself falls back to torch_native without AMX)."""
+    fa3_ok = capability is not None and (8, 0) <= capability < (10, 0)
+    if requested:
+        if requested == "fa3" and capability is not None and not fa3_ok:
+            raise ConfigError(f"fa3 needs an Ampere or Hopper GPU (sm80-sm90); this GPU is sm{capability[0]}"
+                              f"{capability[1]}: use flashinfer or triton",
+                              key="rollout.engine_kwargs.sglang.attention_backend")
+        return requested, None
+    if capability is None:
+        return "intel_amx", None
+    if fa3_ok:
+        return "fa3", None
+    fallback = "flashinfer" if have_flashinfer else "triton"
+    return fallback, (f"fa3 (FlashAttention 3) needs an sm80-sm90 GPU and this one is sm{capability[0]}"
+                      f"{capability[1]}: using the {fallback} attention backend. Set "
+                      f"rollout.engine_kwargs.sglang.attention_backend to choose another.")
+
+
+def local_gpu(device: str, gpu_count: int, env: Mapping[str, str] = os.environ) -> int:
+    """The GPU index this process's engine uses: LOCAL_RANK under a multi-process launcher that shows every GPU
+    to every process (torchrun), 0 where the launcher shows each process its own GPU (Ray, CUDA_VISIBLE_DEVICES).
+    veRL 0.6.0 passes base_gpu_id 0, which puts every engine of a torchrun job on GPU 0."""
+    if device == "cpu":
+        return 0
+    raw = env.get("LOCAL_RANK", "0")
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise ConfigError(f"LOCAL_RANK must be an integer, got {raw!r}", key="LOCAL_RANK") from None
+    if gpu_count <= 1:
+        return 0
+    if 0 <= rank < gpu_count:
+        return rank
+    raise ConfigError(f"LOCAL_RANK={rank} but this process sees {gpu_count} GPUs; set CUDA_VISIBLE_DEVICES or "
+                      f"rollout.engine_kwargs.sglang.base_gpu_id", key="LOCAL_RANK")
+
+
+def _check_one_gpu(extra: dict) -> None:
+    for key, why in ONE_GPU_ARGS.items():
+        value = extra.get(key)
+        if value is not None and value is not False and not (type(value) is int and value == 1):
+            raise ConfigError(f"{value!r} is not supported by final's in-process engine ({why})",
+                              key=f"rollout.engine_kwargs.sglang.{key}")
+
+
+def _check_memory_saver(extra: dict, device: str) -> None:
+    """veRL hard-codes enable_memory_saver: True for trainers that offload the engine between steps. An inference
+    wrapper never does, and the saver needs torch_memory_saver (not in sglang[srt]) preloaded into SGLang's
+    children, so final's default is False; true is honoured on CUDA when the package is installed."""
+    if not extra.get("enable_memory_saver"):
+        return
+    key = "rollout.engine_kwargs.sglang.enable_memory_saver"
+    if device == "cpu":
+        raise ConfigError("the memory saver pauses CUDA memory; it cannot run on SGLang's CPU device", key=key)
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        raise BackendUnavailableError(f"{key}: true needs the torch_memory_saver package: pip install {MEMORY_SAVER}"
+                                      f" (or leave it false, final's default)")
+
+
+def translate_config(config: Any, capability: tuple[int, int] | None, have_flashinfer: bool,
+                     gpu_count: int = 1) -> tuple[Any, dict]:
+    """RolloutConfig -> (the RolloutConfig veRL gets, ServerArgs that override veRL's for the engine)."""
+    from sglang.srt.server_args import ServerArgs
+
+    if config.tensor_model_parallel_size != 1:
+        raise ConfigError(f"must be 1 (one in-process engine), got {config.tensor_model_parallel_size}",
+                          key="rollout.tensor_model_parallel_size")
+    if not config.skip_tokenizer_init:
+        raise ConfigError("must be true: prompts reach SGLang as token ids", key="rollout.skip_tokenizer_init")
+    if config.load_format.startswith("dummy"):
+        logger.warning("rollout.load_format is %r: SGLang starts with random weights", config.load_format)
+    extra = {k: v for k, v in ((config.engine_kwargs or {}).get("sglang") or {}).items() if v is not None}
+    backend, warning = choose_attention_backend(extra.pop("attention_backend", None), capability, have_flashinfer)
+    if warning:
+        logger.warning(warning)
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    for key in extra:
+        where = f"rollout.engine_kwargs.sglang.{key}"
+        if key in OWNED_SERVER_ARGS:
+            raise ConfigError(f"is set by {OWNED_SERVER_ARGS[key]}; set it there", key=where)
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"is not an SGLang 0.5.2 ServerArgs field{hint}", key=where)
+    device = extra.get("device") or "cuda"
+    _check_one_gpu(extra)
+    _check_memory_saver(extra, device)
+    server_args = {"port": dist.free_port(), "nccl_port": dist.free_port(), "enable_memory_saver": False,
+                   "base_gpu_id": local_gpu(device, gpu_count), **extra}
+    engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
+    return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args
+
+
+def check_sampling_kwargs(kwargs: dict) -> None:
+    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    allowed = set(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
+    for key in kwargs:
+        if key == "seed":
+            raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",
+                                key)
+        if key not in allowed:
+            raise SamplingError(f"is not an SGLang 0.5.2 sampling parameter ({', '.join(sorted(allowed))})", key)
