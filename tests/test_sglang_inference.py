@@ -1,0 +1,72 @@
+"""InferenceEngine on the SGLang backend (the real SGLang 0.5.2 on CPU, tests/sglang_cpu): the same front door as
+every backend. Tools of tools.yaml are offered by default, what SGLang cannot serve is refused before any work,
+each row carries the engine's record, and `final eval gsm8k --config ...` runs it through InferenceEngine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_helpers import CPU_ARGS, TINY, use_sglang_cpu
+from final.errors import UnsupportedError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sglang_config(model: str = TINY, **rollout) -> dict:
+    return {"model_path": model, "progress": False, "rollout": {
+        "name": "sglang", "dtype": "float32", "prompt_length": 256, "response_length": 12,
+        "engine_kwargs": {"sglang": dict(CPU_ARGS)}, **rollout}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    use_sglang_cpu()
+    from final.inf import InferenceEngine
+    from final.models import resolve_model_path
+    from multiturn_helpers import make_tool_model
+
+    # veRL's SGLangRollout picks its tool-call parser from the vocabulary: a model with <tool_call> tokens
+    model = make_tool_model(resolve_model_path(TINY), tmp_path_factory.mktemp("tm") / "m")
+    tools = {"enable": True, "tool_config_path": str(ROOT / "tools.yaml"), "tokenization_sanity_check_mode": "disable"}
+    with InferenceEngine(sglang_config(model, multi_turn=tools, calculate_log_probs=False)) as eng:
+        yield eng
+
+
+def test_tools_of_tools_yaml_are_offered_by_default(engine):
+    assert engine.backend == "sglang" and engine.tool_names() == ["calc_gsm8k_reward"]
+    assert engine.prepare("What is 2+2?").tools_kwargs == [{"calc_gsm8k_reward": {}}]
+    out = engine.generate("What is 2+2?", temperature=0, max_tokens=8)
+    meta = out.metadata[0]
+    assert meta["messages"][0] == {"role": "user", "content": "What is 2+2?"} and meta["num_turns"] >= 1
+    assert meta["finish_reason"] in ("stop", "length") and meta["prompt_tokens"] > 0
+
+
+def test_what_sglang_cannot_serve_is_refused_before_any_work(engine):
+    with pytest.raises(UnsupportedError, match="random_seed") as exc:
+        engine.generate("hi", seed=1)
+    assert exc.value.backend == "sglang" and exc.value.field == "seed"
+    assert engine.generate("hi", temperature=0, max_tokens=2).completions  # still serving
+
+
+def test_eval_runs_the_sglang_backend_through_inference_engine(tmp_path, capsys):
+    use_sglang_cpu()
+    from final import cli
+
+    config = tmp_path / "sglang.yaml"
+    from final.models import resolve_model_path
+    from multiturn_helpers import make_tool_model
+
+    config.write_text(yaml.safe_dump(sglang_config(make_tool_model(resolve_model_path(TINY), tmp_path / "m"))))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Ann has {i} pens and buys {i} more. How many?",
+                                        "answer": f"#### {2 * i}"}) + "\n" for i in range(2)))
+    out = tmp_path / "r.jsonl"
+    assert cli.main(["eval", "gsm8k", "--config", str(config), "--data", str(data), "--limit", "2", "--tools",
+                     str(ROOT / "tools.yaml"), "--max-assistant-turns", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "backend: sglang" in printed and "tools                          yes" in printed
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
