@@ -94,26 +94,33 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
     """Token ids per prompt (chat template with generation prompt for conversations).
 
     A prompt that follows a cartridge continues the cartridge's token stream: no BOS, and in chat form the
-    conversation after the document's system turn (continuation_ids).
+    conversation after the document's system turn (continuation_ids). Conversations are rendered, then encoded
+    in one batch: the ids apply_chat_template(tokenize=True) gives, at about half its cost.
     """
-    out = []
+    out: list[list[int] | None] = [None] * len(prompts)
+    chats = []
     for i, p in enumerate(prompts):
         if after_cartridge is not None and after_cartridge[i] and p.ids is None:
             chat = p.messages is not None
-            ids = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
+            out[i] = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
         elif p.ids is not None:
-            ids = p.ids
-            if max(ids) >= len(tokenizer):
-                raise PromptError(f"token id {max(ids)} is outside the vocabulary of {len(tokenizer)}", i)
+            if max(p.ids) >= len(tokenizer):
+                raise PromptError(f"token id {max(p.ids)} is outside the vocabulary of {len(tokenizer)}", i)
+            out[i] = p.ids
         elif p.messages is not None:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise PromptError("the tokenizer has no chat template; pass raw=True to send plain text", i)
-            ids = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True))
+            chats.append(i)
         else:
-            ids = tokenizer(p.text)["input_ids"]
+            out[i] = tokenizer(p.text)["input_ids"]
+    if chats:
+        texts = [tokenizer.apply_chat_template(prompts[i].messages, add_generation_prompt=True, tokenize=False)
+                 for i in chats]
+        for i, ids in zip(chats, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
+    for i, ids in enumerate(out):
         if len(ids) > prompt_length:
             raise PromptError(f"has {len(ids)} tokens, over rollout.prompt_length={prompt_length}", i)
-        out.append(ids)
     return out
 
 
