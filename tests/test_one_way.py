@@ -135,3 +135,19 @@ def test_generate_from_a_folder_without_config(tmp_path):
     run = subprocess.run([sys.executable, "-m", "final.cli", "generate", "hi"], cwd=tmp_path,
                          env={**env, "FINAL_CONFIG": "mine.yaml"}, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "config mine.yaml" in run.stderr, run.stderr
+
+
+def test_a_batch_call_is_one_message_to_the_engine_thread(tiny_inference):
+    """The local batch path crosses threads twice: one Submit carries every row in, and one future (resolved on the
+    engine thread after the DataProto is assembled there) brings the result out."""
+    from final.engine.messages import Submit
+
+    engine = tiny_inference.engine
+    sent = []
+    put = engine.core.inbox.put
+    engine.core.inbox.put = lambda msg: (sent.append(type(msg)), put(msg))[1]
+    try:
+        out = tiny_inference.generate(["a", "b", "c", "d"], n=2, max_tokens=3, temperature=0)
+    finally:
+        engine.core.inbox.put = put
+    assert sent == [Submit] and len(out.completions) == 8
