@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
+from final.errors import EngineError
+
 ROW_INFO = "final_row_info"  # meta_info flag and non_tensor_batch key
 TRACE_KEY = "final_tool_trace"  # meta_info flag: multi-turn adds non_tensor_batch["tool_calls"] (call records)
 PROMPT_LOGPROBS = "final_prompt_logprobs"  # meta_info flag: score every prompt token (SGLang's logprob_start_len=0)
@@ -69,7 +71,8 @@ class Completion:
     def without_output(self) -> "Completion":
         """The row of a scoring call (max_tokens=0): nothing generated. Backends may still have made a token (veRL's
         batch path needs one per row, and SGLang 0.5.2 makes one even for max_new_tokens=0); it is dropped."""
-        return replace(self, output_ids=[], finish_reason="length", matched=None, logprobs=[],
+        return replace(self, output_ids=[], finish_reason="abort" if self.finish_reason == "abort" else "length",
+                       matched=None, logprobs=[],
                        top_logprobs=[] if self.top_logprobs is not None else None)
 
 
@@ -163,10 +166,11 @@ def scores_of(ids: list[list[int]], starts: list[int], metadata: list[dict], top
     """Scoring rows' records -> Scores. ids: each row's tokens (prompt + continuation), starts: where each
     continuation begins; metadata carries at least one alternative per position (the greedy check needs it)."""
     scores = []
-    for row_ids, start, meta in zip(ids, starts, metadata):
-        values, tops = meta["prompt_logprobs"], meta["prompt_top_logprobs"]
-        if values is None or len(values) != len(row_ids) or tops is None:
-            raise ValueError("a scoring row's record lacks its prompt logprobs or their alternatives")
+    for i, (row_ids, start, meta) in enumerate(zip(ids, starts, metadata)):
+        values, tops = meta.get("prompt_logprobs"), meta.get("prompt_top_logprobs")
+        if values is None or len(values) != len(row_ids) or tops is None or len(tops) != len(row_ids):
+            raise EngineError(f"the engine returned no prompt logprobs (or alternatives) for every token of row {i}"
+                              f"{': ' + meta['message'] if meta.get('message') else ''}")
         scored = range(start if start < len(row_ids) else 1, len(row_ids))
         greedy = all(values[j] >= tops[j][0][1] or row_ids[j] == tops[j][0][0] for j in scored)
         cut = (lambda t: [None if x is None else x[:top_logprobs] for x in t]) if top_logprobs else None  # noqa: E731
