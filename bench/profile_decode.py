@@ -60,7 +60,7 @@ def main() -> None:
             seq.slot = slot
 
         def append(logits) -> None:
-            tokens, _ = sample(logits, seqs)
+            tokens, _, _ = sample(logits, seqs)
             for seq, tok in zip(seqs, tokens):
                 seq.append(tok, None, None)
 

@@ -33,8 +33,8 @@ from typing import Any, AsyncIterator
 
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
-from final.outputs import Completion, GenerationOutput
-from final.request import CallRules, Request, prepare
+from final.outputs import Completion, GenerationOutput, Score, scores_of
+from final.request import CallRules, Request, prepare, prepare_score
 from final.chunks import Chunk, assemble, plan_chunks
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
                            stop_actors)
@@ -133,6 +133,14 @@ class ReplicaPool:
         """Awaitable generate(); cancelling it stops handing out chunks (running ones finish on their replica)."""
         return await self.arun(self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw,
                                             progress=progress, **sampling))
+
+    def score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
+              raw: bool = False) -> list[Score]:
+        """InferenceEngine.score over the replicas (each prompt is scored whole on one of them)."""
+        self._require_open()
+        request = prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
+                                cartridge=cartridge)
+        return scores_of(request.ids, request.continuation_starts, self.run(request).metadata, top_logprobs)
 
     def run(self, request: Request) -> GenerationOutput:
         return _run_blocking(self.arun(request))

@@ -22,13 +22,13 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
-from final.outputs import ROW_INFO, Completion, GenerationOutput, completion_text, completions_of
-from final.request import CallRules, Request, prepare
+from final.outputs import ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of, scores_of
+from final.request import CallRules, Request, prepare, prepare_score
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
 from final.tools.outputs import conversation_rows
 
-__all__ = ["GenerationOutput", "InferenceEngine", "Request"]
+__all__ = ["GenerationOutput", "InferenceEngine", "Request", "Score"]
 PROGRESS_MIN_ROWS = 32
 
 
@@ -73,7 +73,9 @@ class InferenceEngine:
         """Generate for a str, list[str], a message list, a list of message lists, or token ids.
 
         Sampling keys (seed 003 plus ours): temperature, top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop,
-        stop_token_ids, ignore_eos, logprobs, presence/frequency/repetition_penalty, min_new_tokens.
+        stop_token_ids, ignore_eos, logprobs, presence/frequency/repetition_penalty, min_new_tokens; top_logprobs=k
+        (metadata "top_logprobs": the k most likely (token id, logprob) at each generated token) and
+        prompt_logprobs=True (metadata "prompt_logprobs": every prompt token's; max_tokens may then be 0).
         on_event sees each tool call and result of a multi-turn call as it happens."""
         request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
                                **sampling)
@@ -86,6 +88,36 @@ class InferenceEngine:
         request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
                                **sampling)
         return await self.arun(request, on_event=on_event)
+
+    def score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
+              raw: bool = False) -> list[Score]:
+        """Log-probs of given text: per prompt, every token's log p(token | tokens before it) in one forward pass,
+        nothing generated. continuations: one per prompt (text, token ids, or None), appended to the prompt's
+        tokens; Score.logprob sums the continuation's and Score.is_greedy says whether greedy decoding would
+        produce it (lm-eval's loglikelihood). top_logprobs=k adds the k most likely tokens at every position.
+        Prompts take generate()'s shapes (text gets the chat template unless raw=True); with a cartridge the
+        scores are conditional on it, at the positions generation uses."""
+        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
+        return self.scores(request, self.run(request))
+
+    async def ascore(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
+                     raw: bool = False) -> list[Score]:
+        """Awaitable score(); safe inside a running event loop."""
+        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
+        return self.scores(request, await self.arun(request))
+
+    def prepare_score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
+                      raw: bool = False) -> Request:
+        """score()'s checks and tokenization, nothing run (score() = prepare_score + run + scores)."""
+        if self._closed:
+            raise EngineError("this InferenceEngine has been shut down")
+        return prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
+                             cartridge=cartridge)
+
+    @staticmethod
+    def scores(request: Request, out: GenerationOutput) -> list[Score]:
+        """A prepared scoring request's output -> one Score per prompt."""
+        return scores_of(request.ids, request.continuation_starts, out.metadata, request.score_top_logprobs)
 
     def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
                 progress: bool | None = None, **sampling: Any) -> Request:
@@ -128,7 +160,7 @@ class InferenceEngine:
         async with self._aholding(request) as carts:
             data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
             async for row in self.rollout.astream(data, **request.sampling.params):
-                yield row
+                yield row.without_output() if request.sampling.max_new_tokens == 0 else row
 
     def tool_names(self) -> list[str]:
         return [s["function"]["name"] for s in self.tool_schemas()]
@@ -182,24 +214,33 @@ class InferenceEngine:
                      "cached_tokens": info["cached_tokens"], **w} for r, info, w in zip(conv, infos, where)]
             return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n)
         rows = completions_of(out)
+        if request.sampling.max_new_tokens == 0:
+            rows = [r.without_output() for r in rows]
         prompt_width = out.batch["prompts"].shape[1]
         meta = []
         for r, w in zip(rows, where):
             mask = out.batch["attention_mask"][r.index, prompt_width:prompt_width + r.completion_tokens].tolist()
             m = {"response_ids": r.output_ids, "response_mask": mask, "finish_reason": r.finish_reason,
                  "matched": r.matched, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                 "completion_tokens": r.completion_tokens, **w}
-            if request.sampling.logprobs:
-                m["logprobs"] = self._logprobs(r)
+                 "completion_tokens": r.completion_tokens, **w, **self._logprobs(r, request.sampling)}
             meta.append(m)
         return GenerationOutput([self.text(r, request) for r in rows], [r.output_ids for r in rows], meta, n)
 
-    def _logprobs(self, row: Completion) -> list[float]:
+    def _logprobs(self, row: Completion, sampling: Any) -> dict[str, Any]:
+        """The logprob entries of a row's metadata that the call asked for (final.sampling.Sampling)."""
         values = row.logprobs
-        if values is None or len(values) != row.completion_tokens or any(v != v for v in values):  # NaN: missing
+        if sampling.logprobs and (values is None or len(values) != row.completion_tokens
+                                  or any(v != v for v in values)):  # NaN: missing
             raise EngineError(f"the {self.backend} backend returned no logprobs for row {row.index} (a Tokasaurus "
                               "server needs enable_chosen_logprobs=True)")
-        return list(values)
+        m: dict[str, Any] = {"logprobs": list(values)} if sampling.logprobs else {}
+        if sampling.top_logprobs:
+            m["top_logprobs"] = [t[:sampling.top_logprobs] for t in row.top_logprobs or []]
+        if sampling.prompt_logprobs:
+            m["prompt_logprobs"] = row.prompt_logprobs
+            if sampling.top_logprobs:
+                m["prompt_top_logprobs"] = row.prompt_top_logprobs
+        return m
 
     # ---- cartridges ------------------------------------------------------------------------------------
     def _cartridge_service(self):

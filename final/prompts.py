@@ -124,6 +124,30 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
     return out
 
 
+def tokenize_continuations(continuations: Any, n_prompts: int, tokenizer: Any, max_tokens: int) -> list[list[int]]:
+    """Scoring: one continuation per prompt (text, token ids, or None for none; one prompt may take it bare).
+    Text is encoded without special tokens, as lm-eval encodes a continuation: it goes right after the prompt."""
+    one = isinstance(continuations, str) or _is_ids(continuations)
+    items = [continuations] if one and n_prompts == 1 else continuations
+    if not isinstance(items, (list, tuple)) or len(items) != n_prompts:
+        raise PromptError(f"continuations must be one entry (text, token ids or None) per prompt ({n_prompts})")
+    out = []
+    for i, c in enumerate(items):
+        if c is None:
+            ids = []
+        elif isinstance(c, str) and c:
+            ids = tokenizer(c, add_special_tokens=False)["input_ids"]
+        elif _is_ids(c) and all(0 <= t < len(tokenizer) for t in c):
+            ids = list(c)
+        else:
+            raise PromptError(f"continuation must be non-empty text, token ids in [0, {len(tokenizer)}) or None, "
+                              f"got {c!r:.80}", i)
+        if len(ids) > max_tokens:
+            raise PromptError(f"continuation has {len(ids)} tokens, over rollout.response_length={max_tokens}", i)
+        out.append(ids)
+    return out
+
+
 # ---- the token stream that follows a cartridge ---------------------------------------------------------------
 # In chat mode a cartridge's document is a system turn (`<|im_start|>system\n{text}<|im_end|>\n` for ChatML) and
 # a question is the rest of the conversation rendered after it, tokenized without special tokens: no second BOS

@@ -4,6 +4,8 @@
 and tools_kwargs, limits, what the backend can serve — and tokenizes. `Request.dataproto` is the veRL input:
 each prompt repeated n times (prompt-major, as veRL's trainer repeats rows), with the flags that ask the
 backend for each row's engine record (final.outputs.ROW_INFO) and, for tool calls, their trace.
+`prepare_score` is the same for InferenceEngine.score: each prompt's tokens with its continuation appended,
+asking for every token's logprob and nothing generated.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
-from final.outputs import ROW_INFO, TRACE_KEY
-from final.prompts import Prompt, build_dataproto, normalize_prompts, tokenize
-from final.sampling import Limits, Sampling, parse_sampling, row_seed
+from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY
+from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
+                           tokenize_continuations)
+from final.sampling import Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Request:
     cartridges: list[tuple[Any, ...]] | None = None  # per prompt: ids or specs, composed in order
     tools_kwargs: list[dict] | None = None  # per prompt (multi-turn)
     show_progress: bool = False
+    continuation_starts: list[int] | None = None  # scoring: where each prompt's continuation begins in ids
+    score_top_logprobs: int = 0  # scoring: the alternatives the caller asked for (the call asks for >= 1)
 
     @property
     def n(self) -> int:
@@ -47,7 +52,8 @@ class Request:
             params["seed"] = row_seed(self.sampling.seed, p0 * self.n + s0)  # the part's first row, globally
         cut = (lambda values: None if values is None else values[p0:p1])  # noqa: E731
         return Request(self.prompts[p0:p1], self.ids[p0:p1], dataclasses.replace(self.sampling, params=params, n=k),
-                       cut(self.cartridges), cut(self.tools_kwargs))
+                       cut(self.cartridges), cut(self.tools_kwargs), False, cut(self.continuation_starts),
+                       self.score_top_logprobs)
 
     def dataproto(self, pad_token_id: int, eos_token_ids: list[int], cartridge_ids: list[tuple[str, ...]] | None):
         """The veRL DataProto of this request: rows prompt-major (prompt i's samples are rows i*n .. i*n+n-1)."""
@@ -59,6 +65,10 @@ class Request:
         if self.tools_kwargs is not None:
             non_tensor["tools_kwargs"] = rep(self.tools_kwargs)
         meta = {"do_sample": self.sampling.do_sample, ROW_INFO: True, TRACE_KEY: self.tools_kwargs is not None}
+        if self.sampling.prompt_logprobs:
+            meta[PROMPT_LOGPROBS] = True
+        if self.sampling.top_logprobs:
+            meta[TOP_LOGPROBS] = self.sampling.top_logprobs
         eos = sorted(set(eos_token_ids) | set(self.sampling.params.get("stop_token_ids") or []))
         return build_dataproto(rep(self.ids), rep(self.prompts), pad_token_id, eos, meta_info=meta,
                                non_tensor=non_tensor)
@@ -84,8 +94,9 @@ class CallRules:
 
 
 def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bool = False, cartridge: Any = None,
-            tools_kwargs: Any = None, progress: bool | None = None) -> Request:
-    """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does."""
+            tools_kwargs: Any = None, progress: bool | None = None, continuations: Any = None) -> Request:
+    """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does.
+    continuations (scoring): token ids or text appended to each prompt's tokens."""
     limits = rules.limits
     parsed = parse_sampling(sampling, response_length=rules.response_length, limits=limits)
     items = normalize_prompts(prompts, raw=raw)
@@ -94,12 +105,31 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
     carts = cartridges_per_prompt(cartridge, len(items))
     ids = tokenize(items, rules.tokenizer, rules.prompt_length,
                    after_cartridge=[bool(c) for c in carts] if carts else None)
-    kwargs = _tools_kwargs(items, parsed, tools_kwargs, rules.tool_names)
+    starts = None
+    if continuations is not None:  # a continuation takes the place of a response: at most response_length tokens
+        starts = [len(i) for i in ids]
+        ids = [i + c for i, c in zip(ids, tokenize_continuations(continuations, len(ids), rules.tokenizer,
+                                                                  rules.response_length))]
+    # a scoring call is no conversation: it takes the batch path even where tools are on
+    kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else rules.tool_names)
     rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None)
-    request = Request(items, ids, parsed, carts, kwargs)
+    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts)
     _check_cartridges(request, rules)
     show = rules.progress if progress is None else progress
     request.show_progress = bool(show) and request.rows >= rules.progress_min_rows
+    return request
+
+
+def prepare_score(prompts: Any, continuations: Any, rules: CallRules, *, top_logprobs: int = 0, raw: bool = False,
+                  cartridge: Any = None) -> Request:
+    """InferenceEngine.score's call: every token's logprob, the k best alternatives (at least one, for the greedy
+    check), nothing generated, greedy (no seed or temperature moves a logprob)."""
+    check_top_logprobs(top_logprobs, rules.limits)
+    request = prepare(prompts, rules, sampling={"max_tokens": 0, "temperature": 0.0, "prompt_logprobs": True,
+                                                "top_logprobs": max(top_logprobs, 1)},
+                      raw=raw, cartridge=cartridge, progress=False,
+                      continuations=[None] * len(prompt_items(prompts)) if continuations is None else continuations)
+    request.score_top_logprobs = top_logprobs
     return request
 
 
@@ -113,9 +143,11 @@ def _tools_kwargs(items: list[Prompt], parsed: Sampling, tools_kwargs: Any, tool
     if any(p.messages is None for p in items):
         raise PromptError("multi-turn tool calling needs chat prompts (strings or message lists), not raw text "
                           "or token ids")
-    if parsed.logprobs:
+    asked = [f for f, on in (("logprobs", parsed.logprobs), ("prompt_logprobs", parsed.prompt_logprobs)) if on]
+    if asked:  # (top_logprobs implies logprobs)
         raise SamplingError("per-token logprobs are for single-turn calls; a multi-turn call returns veRL's "
-                            "rollout_log_probs in its DataProto (rollout.calculate_log_probs)", "logprobs")
+                            "rollout_log_probs in its DataProto (rollout.calculate_log_probs); score a "
+                            "conversation's tokens with InferenceEngine.score", asked[0])
     # each row offers the tools named in its tools_kwargs (veRL); default: every tool, no kwargs
     return per_prompt({name: {} for name in tool_names} if tools_kwargs is None else tools_kwargs, len(items))
 

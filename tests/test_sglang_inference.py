@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from sglang_helpers import CPU_ARGS, TINY, use_sglang_cpu
-from final.errors import UnsupportedError
+from final.errors import SamplingError, UnsupportedError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +50,15 @@ def test_what_sglang_cannot_serve_is_refused_before_any_work(engine):
         engine.generate("hi", seed=1)
     assert exc.value.backend == "sglang" and exc.value.field == "seed"
     assert engine.generate("hi", temperature=0, max_tokens=2).completions  # still serving
+
+
+def test_scoring_takes_veRLs_batch_path_where_tools_are_on(engine):
+    """A scoring call is one forward pass per row, not a conversation: veRL's batch path even in multi-turn mode."""
+    [score] = engine.score("What is 2+2?", " 4", top_logprobs=2)
+    assert len(score.continuation_logprobs) == len(score.continuation_ids) == 2
+    assert score.prompt_logprobs[0] is None and all(v < 0 for v in score.prompt_logprobs[1:])
+    with pytest.raises(SamplingError, match="single-turn"):
+        engine.generate("What is 2+2?", prompt_logprobs=True, max_tokens=2)
 
 
 def test_eval_runs_the_sglang_backend_through_inference_engine(tmp_path, capsys):

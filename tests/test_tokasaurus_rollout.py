@@ -14,7 +14,7 @@ from serve_helpers import FlakyServer, spec
 from final.cartridges.build import continuation_ids
 from final.client import RequestRejectedError
 from final.dist import free_port
-from final.errors import BackendUnavailableError, CartridgeError, ConfigError, SamplingError
+from final.errors import BackendUnavailableError, CartridgeError, ConfigError, SamplingError, UnsupportedError
 from final.inf import InferenceEngine
 from final.rollout.tokasaurus import TokasaurusSettings
 
@@ -111,6 +111,18 @@ def test_unsupported_sampling_and_lifecycle(toka):
         toka.generate("hi", top_k=5, max_tokens=2)
     with pytest.raises(BackendUnavailableError, match="cartridge"):
         asyncio.run(toka.rollout.update_weights(iter([])))
+    assert toka.generate("hi", max_tokens=2, temperature=0).completions  # still serving
+
+
+def test_scoring_is_refused_naming_what_the_server_lacks(toka):
+    with pytest.raises(UnsupportedError, match="only the generated tokens' own logprobs") as exc:
+        toka.score("hi", " there")  # refused before anything is sent
+    assert (exc.value.backend, exc.value.field) == ("tokasaurus", "prompt_logprobs")
+    with pytest.raises(UnsupportedError) as exc:
+        toka.generate("hi", max_tokens=2, top_logprobs=2)
+    assert exc.value.field == "top_logprobs"
+    with pytest.raises(UnsupportedError, match="no prompt"):  # veRL-style callers reach the engine the same way
+        toka.rollout.engine.submit_generate([[1, 2]], {"max_new_tokens": 1}, logprob_start_len=0)
     assert toka.generate("hi", max_tokens=2, temperature=0).completions  # still serving
 
 

@@ -150,10 +150,10 @@ class EngineCore:
         self._finish([s for s in running if s.finish_reason is not None])
 
     def _append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        tokens, logprobs = sample(logits, seqs)
+        tokens, logprobs, tops = sample(logits, seqs)
         stop_texts = self._stop_matcher if any(s.params.stop for s in seqs) else None
         for i, seq in enumerate(seqs):
-            seq.append(tokens[i], logprobs[i] if logprobs is not None else None, stop_texts)
+            seq.append(tokens[i], logprobs[i] if logprobs is not None else None, stop_texts, tops and tops[i])
         self.stats.generated_tokens += len(seqs)
 
     def _stop_matcher(self, output_ids: list[int], stops: list[str]) -> str | None:

@@ -102,14 +102,13 @@ class EmbeddedEngine:
             raise TypeError(f"async_generate() got unsupported arguments: {sorted(unsupported)}")
         if prompt is not None:
             raise PromptError("the embedded engine is token-in-token-out (skip_tokenizer_init): pass input_ids")
-        if top_logprobs_num:
-            raise SamplingError("top logprobs are not supported by the embedded engine", "top_logprobs_num")
         if image_data is not None and any(x is not None for x in (image_data if isinstance(image_data, list)
                                                                    else [image_data])):
             raise PromptError("the embedded engine is text-only; image_data must be None")
         single = bool(input_ids) and isinstance(input_ids[0], int)
         seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
-                              logprob_start_len=logprob_start_len, rid=rid, cartridges=cartridges)
+                              logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
+                              cartridges=cartridges)
         if stream:
             if len(seqs) != 1:
                 raise SamplingError("streaming takes one prompt with n=1", "stream")
@@ -148,7 +147,8 @@ class EmbeddedEngine:
 
     # ---- batches -------------------------------------------------------------------------------------
     def sequences(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
-                  logprob_start_len: Any = None, rid: Any = None, cartridges: Any = None) -> list[Sequence]:
+                  logprob_start_len: Any = None, top_logprobs_num: Any = None, rid: Any = None,
+                  cartridges: Any = None) -> list[Sequence]:
         """Validate SGLang-style arguments (one value or one per prompt) into sequences, n expanded
         prompt-major. Raises PromptError / SamplingError / CartridgeError naming the prompt and field."""
         batch = [input_ids] if bool(input_ids) and isinstance(input_ids[0], int) else input_ids
@@ -159,19 +159,24 @@ class EmbeddedEngine:
         flags, starts = _per_item(return_logprob, n, "return_logprob"), _per_item(logprob_start_len, n,
                                                                                   "logprob_start_len")
         rids, carts = _per_item(rid, n, "rid"), _per_cartridge(cartridges, n)
-        return [self._make_sequence(i, ids, params[i], j, bool(flags[i]), -1 if starts[i] is None else starts[i],
+        tops = [self._top_logprobs_num(k) for k in _per_item(top_logprobs_num, n, "top_logprobs_num")]
+        seqs = [self._make_sequence(i, ids, params[i], j, bool(flags[i]), -1 if starts[i] is None else starts[i],
                                     rids[i], carts[i])
                 for i, ids in enumerate(batch) for j in range(params[i].n)]
+        for seq, k in zip(seqs, [k for i, k in enumerate(tops) for _ in range(params[i].n)]):
+            seq.top_logprobs_num = k if seq.return_logprob else 0  # SGLang: alternatives come with return_logprob
+        return seqs
 
     def submit_generate(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
-                        logprob_start_len: Any = None, rid: Any = None, cartridges: Any = None,
-                        finish: Callable[[list[dict]], Any] | None = None,
+                        logprob_start_len: Any = None, top_logprobs_num: Any = None, rid: Any = None,
+                        cartridges: Any = None, finish: Callable[[list[dict]], Any] | None = None,
                         on_row: Callable[[int, dict], None] | None = None) -> Submission:
         """async_generate's batch form for callers without an event loop: validate now, send the rows in one
         message, and return at once. The submission's future resolves when every row has finished, with their
         output dicts in order, or with finish(outputs) run on the engine thread; on_row(i, out) sees each row."""
         seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
-                              logprob_start_len=logprob_start_len, rid=rid, cartridges=cartridges)
+                              logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
+                              cartridges=cartridges)
         return self.submit(seqs, finish, on_row)
 
     def submit(self, seqs: list[Sequence], finish: Callable[[list[dict]], Any] | None = None,
@@ -224,11 +229,12 @@ class EmbeddedEngine:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {spec.vocab_size})", index)
         prefix_len = self.core.prefixes.length_of(cartridges)
         context = len(ids) + prefix_len
-        if context >= max_len and prefix_len and len(ids) < max_len:
+        room = max_len + (params.max_new_tokens == 0)  # scoring only (nothing generated): the whole window is prompt
+        if context >= room and prefix_len and len(ids) < max_len:
             raise CartridgeError(f"prompt {index}: {context} tokens (cartridge {prefix_len} + prompt {len(ids)}) do "
                                  f"not fit the context window of {max_len} (max_model_len)",
                                  file=",".join(cartridges), field="max_model_len")
-        if context >= max_len:
+        if context >= room:
             raise PromptError(f"{context} tokens (prompt {len(ids)} + cartridge {prefix_len}) do not fit the "
                               f"context window of {max_len} (max_model_len)", index)
         if logprob_start_len >= len(ids):
@@ -236,7 +242,8 @@ class EmbeddedEngine:
         seed = splitmix64(params.seed + sample_index) if params.seed is not None else self._rng.randrange(2**63)
         seq = Sequence(
             rid=(rid if params.n == 1 else f"{rid}-{sample_index}") if rid else uuid.uuid4().hex,
-            prompt_ids=list(ids), params=params, max_new_tokens=min(params.max_new_tokens, max_len - context - 1),
+            prompt_ids=list(ids), params=params,
+            max_new_tokens=max(0, min(params.max_new_tokens, max_len - context - 1)),
             stop_ids=frozenset() if params.ignore_eos else self.core.eos_token_ids | frozenset(params.stop_token_ids),
             generator=None if params.greedy else torch.Generator(device="cpu").manual_seed(seed),
             cartridges=cartridges, prefix_len=prefix_len, return_logprob=return_logprob,
@@ -244,6 +251,14 @@ class EmbeddedEngine:
         if self.core.scheduler.too_big(seq):
             raise PromptError(f"needs {seq.reserved_tokens} tokens of KV memory, more than the engine's budget", index)
         return seq
+
+    def _top_logprobs_num(self, k: Any) -> int:
+        if k is None:
+            return 0
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.core.spec.vocab_size:
+            raise SamplingError(f"must be an integer in [0, {self.core.spec.vocab_size}], got {k!r}",
+                                "top_logprobs_num")
+        return k
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[dict]:
         """Yield seq's output after every token; closing the iterator early aborts the request."""

@@ -7,7 +7,10 @@ import torch
 from final.engine.attention import DecodePlan, PrefillPlan, flash_attn_for
 from final.engine.kv_cache import KVCache, PrefixKV
 from final.engine.model import CausalLM
+from final.engine.sampler import top_k
 from final.engine.sequence import Sequence
+
+PROMPT_LOGPROB_CHUNK = 256  # prompt positions per log_softmax when scoring (256 x 49k vocab = 50 MB of fp32)
 
 
 class ModelRunner:
@@ -38,18 +41,26 @@ class ModelRunner:
         last = hidden[torch.arange(len(seqs)), self._long(lengths) - 1]
         for row, seq in enumerate(seqs):
             if seq.return_logprob:
-                seq.input_logprobs = self._prompt_logprobs(hidden[row], seq)
+                self._prompt_logprobs(hidden[row], seq)
         return self.model.logits(last, upcast=False)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> list[float | None]:
-        """SGLang's input_token_logprobs values: None for the first scored token, then log p(t_j | t_<j)."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence) -> None:
+        """SGLang's input_token_logprobs values: None for the first scored token, then log p(t_j | t_<j) from the
+        fp32 log_softmax of the logits (HF's numbers); with top_logprobs_num, the k most likely at each position.
+        Logits are made a chunk of positions at a time, so scoring a long prompt never holds a [T, V] matrix."""
         L = len(seq.prompt_ids)
         start = seq.logprob_start_len if seq.logprob_start_len >= 0 else L - 1
-        if start >= L - 1:
-            return [None]
-        logprobs = torch.log_softmax(self.model.logits(hidden[start : L - 1]), dim=-1)
-        targets = self._long(seq.prompt_ids[start + 1 : L])
-        return [None] + logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        values: list[float | None] = [None]
+        tops: list[list[tuple[float, int]] | None] = [None]
+        for lo in range(start, L - 1, PROMPT_LOGPROB_CHUNK):
+            hi = min(lo + PROMPT_LOGPROB_CHUNK, L - 1)
+            logprobs = torch.log_softmax(self.model.logits(hidden[lo:hi]), dim=-1)
+            targets = self._long(seq.prompt_ids[lo + 1 : hi + 1])
+            values += logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            if seq.top_logprobs_num:
+                tops += top_k(logprobs, seq.top_logprobs_num)
+        seq.input_logprobs = values
+        seq.input_top_logprobs = tops if seq.top_logprobs_num else None
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""

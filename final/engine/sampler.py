@@ -3,7 +3,8 @@
 Greedy rows take the argmax. Sampled rows use softmax(logits / temperature) filtered by top-k, top-p and min-p
 exactly as SGLang's torch fallback (`top_k_top_p_min_p_sampling_from_probs_torch`), then draw with the row's own
 torch.Generator, so a request with a seed gets the same tokens whatever else is in the batch. Logprobs are
-SGLang's: log of the temperature-scaled probabilities before filtering (plain log_softmax for greedy rows).
+SGLang's: log of the temperature-scaled probabilities before filtering (plain log_softmax for greedy rows), and a
+row's top-k alternatives (top_logprobs_num) come from the same distribution.
 """
 
 from __future__ import annotations
@@ -49,15 +50,22 @@ def _filtered_draw(probs: torch.Tensor, seq: Sequence) -> int:
     return int(probs_idx[torch.multinomial(probs_sort, 1, generator=seq.generator)])
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
-    """logits [B,V] (fp32, or the model dtype; may be modified in place) -> one token per row, and logprobs if
-    any row asked for them."""
+def top_k(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """The k most likely tokens of each row of logprobs [N,V]: (logprob, token id), most likely first."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]
+           ) -> tuple[list[int], list[float] | None, list[list[tuple[float, int]] | None] | None]:
+    """logits [B,V] (fp32, or the model dtype; may be modified in place) -> one token per row, and logprobs and
+    top-k alternatives if any row asked for them."""
     want_logprobs = any(s.return_logprob for s in seqs)
     greedy = [s.params.greedy for s in seqs]
     plain = all(greedy) and not want_logprobs and not any(
         s.params.has_penalties or len(s.output_ids) < s.params.min_new_tokens for s in seqs)
     if plain:  # argmax is unchanged by the (exact) bf16 -> fp32 upcast, so skip the [B,V] copy
-        return logits.max(dim=-1).indices.tolist(), None
+        return logits.max(dim=-1).indices.tolist(), None, None
     logits = logits.float()
     apply_penalties(logits, seqs)
     block_early_stop(logits, seqs)
@@ -75,5 +83,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         logprobs = torch.log(probs).clamp(min=torch.finfo(probs.dtype).min) if want_logprobs else None
     token_list = tokens.tolist()
     if logprobs is None:
-        return token_list, None
-    return token_list, logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        return token_list, None, None
+    tops = None
+    if any(s.top_logprobs_num for s in seqs):
+        tops = [top_k(logprobs[row:row + 1], s.top_logprobs_num)[0] if s.top_logprobs_num else None
+                for row, s in enumerate(seqs)]
+    return token_list, logprobs.gather(1, tokens[:, None]).squeeze(1).tolist(), tops

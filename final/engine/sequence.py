@@ -34,9 +34,12 @@ class Sequence:
     row: int = 0
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each scored/generated position
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)  # (logprob, token id)
     input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     status: Status = Status.WAITING
     slot: int = -1
     finish_reason: dict | None = None
@@ -53,11 +56,14 @@ class Sequence:
         return len(self.prompt_ids) + self.max_new_tokens
 
     def append(self, token: int, logprob: float | None,
-               stop_texts: Callable[[list[int], list[str]], str | None] | None) -> None:
+               stop_texts: Callable[[list[int], list[str]], str | None] | None,
+               top: list[tuple[float, int]] | None = None) -> None:
         """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order)."""
         self.output_ids.append(token)
         if self.return_logprob:
             self.output_logprobs.append(logprob)
+            if self.top_logprobs_num:
+                self.output_top_logprobs.append(top or [])
         if len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = {"type": "length", "length": self.max_new_tokens}
         elif token in self.stop_ids:
@@ -87,4 +93,12 @@ class Sequence:
             values = self.input_logprobs if self.input_logprobs is not None else [None]
             meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(values, self.prompt_ids[start:])]
             meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(self.output_logprobs, self.output_ids)]
+            if self.top_logprobs_num:  # SGLang's layout: [(logprob, token id, None)] per position, None where none
+                tops = self.input_top_logprobs if self.input_top_logprobs is not None else [None]
+                meta["input_top_logprobs"] = [_triples(t) for t in tops]
+                meta["output_top_logprobs"] = [_triples(t) for t in self.output_top_logprobs]
         return {"output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def _triples(top: list[tuple[float, int]] | None) -> list[tuple[float, int, None]] | None:
+    return None if top is None else [(lp, tok, None) for lp, tok in top]

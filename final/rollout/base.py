@@ -8,7 +8,9 @@ returns out) plus:
   cannot stream), both with a per-call `Observer` for progress and tool events;
 - `tool_schemas()`, the `cartridge_target` a CartridgeService drives (None: no local cartridge store),
   `pad_token_id`, `preflight` (checks that need no model), and `shutdown`.
-When a call's meta_info sets final.outputs.ROW_INFO, the output carries each row's engine record.
+When a call's meta_info sets final.outputs.ROW_INFO, the output carries each row's engine record; with
+PROMPT_LOGPROBS / TOP_LOGPROBS that record has every prompt token's logprob and the k best alternatives per position
+(scoring: such a call takes the batch path, one engine request per row, even where multi-turn is on).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Capabilities:
     seed: bool = True  # generate(seed=...): reproducible rows
     stop_strings: bool = True
     logprobs: bool = True  # the chosen tokens' logprobs
-    prompt_logprobs: bool = True  # logprobs of given tokens (multi-turn's calculate_log_probs scoring pass)
+    prompt_logprobs: bool = True  # logprobs of given tokens (scoring, echo; multi-turn's calculate_log_probs pass)
+    top_logprobs: bool = True  # the k most likely tokens at each position
     cartridges: bool = False
     tools: bool = False  # multi-turn tool calling
     tool_events: bool = False  # Observer.tool_event as calls happen
@@ -46,6 +49,8 @@ class Capabilities:
     def check(self, backend: str, sampling: Sampling, *, cartridges: bool = False, tools: bool = False) -> None:
         """Refuse, naming the backend and the field, what this backend cannot serve."""
         wanted = [("seed", sampling.seed is not None, self.seed), ("stop", bool(sampling.stop), self.stop_strings),
+                  ("prompt_logprobs", sampling.prompt_logprobs, self.prompt_logprobs),
+                  ("top_logprobs", sampling.top_logprobs > 0, self.top_logprobs),
                   ("logprobs", sampling.logprobs, self.logprobs), ("cartridge", cartridges, self.cartridges),
                   ("tools_kwargs", tools, self.tools)]
         notes = dict(self.notes)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from final.errors import PromptError
-from final.outputs import ROW_INFO, row_infos
+from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, row_infos
 from final.prompts import object_array
 from final.sampling import row_seed
 
@@ -109,6 +109,16 @@ def plan_rows(prompts, base: dict, config, kwargs: dict, pad: int) -> Rows:
     return Rows(ids, per_row, row_cartridges(prompts))
 
 
+def logprob_request(prompts) -> dict[str, int]:
+    """The engine arguments (SGLang's) a call's meta_info asks for beyond veRL's: every prompt token's logprob
+    (logprob_start_len=0) and k alternatives per position (top_logprobs_num). Empty for a plain veRL call."""
+    meta = prompts.meta_info
+    args = {"logprob_start_len": 0} if meta.get(PROMPT_LOGPROBS) else {}
+    if meta.get(TOP_LOGPROBS):
+        args["top_logprobs_num"] = int(meta[TOP_LOGPROBS])
+    return args
+
+
 def row_cartridges(prompts) -> list[tuple[str, ...]] | None:
     """The per-row cartridge ids carried in non_tensor_batch["cartridges"] (None when absent)."""
     values = prompts.non_tensor_batch.get("cartridges")
@@ -133,8 +143,8 @@ def assemble_batch(prompts, outputs: list[dict], config, pad_token_id: int):
     ids, logprobs = [], []
     for out in outputs:
         pairs = out["meta_info"]["output_token_logprobs"]
-        logprobs.append(torch.tensor([lp for lp, _, _ in pairs]))
-        ids.append(torch.tensor([tok for _, tok, _ in pairs]))
+        logprobs.append(torch.tensor([lp for lp, _, _ in pairs], dtype=torch.float32))
+        ids.append(torch.tensor([tok for _, tok, _ in pairs], dtype=torch.long))  # typed: a scoring row may be empty
     response = pad_sequence(ids, batch_first=True, padding_value=pad_token_id).to(idx.device)
     rollout_log_probs = pad_sequence(logprobs, batch_first=True, padding_value=pad_token_id).to(idx.device)
     if response.shape[1] < config.response_length:
@@ -150,5 +160,5 @@ def assemble_batch(prompts, outputs: list[dict], config, pad_token_id: int):
         batch["rollout_log_probs"] = rollout_log_probs
     non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k != "raw_prompt_ids"}
     if prompts.meta_info.get(ROW_INFO):  # each row's engine record, for InferenceEngine and the server
-        non_tensor[ROW_INFO] = object_array(row_infos(outputs))
+        non_tensor[ROW_INFO] = object_array(row_infos(outputs, bool(prompts.meta_info.get(PROMPT_LOGPROBS))))
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={})

@@ -8,6 +8,8 @@ final/rollout/tokasaurus.py speaks it over HTTP, so both backends share this one
   call crosses threads twice (rows in, DataProto out);
 - the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable;
 - `astream`: per-token updates of every row, merged in arrival order, where the engine can stream.
+A call whose meta_info asks for prompt logprobs / top-k alternatives (final.outputs.PROMPT_LOGPROBS, TOP_LOGPROBS)
+passes the engine SGLang's logprob_start_len=0 / top_logprobs_num, and always takes the batch path (scoring).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from final.errors import ToolConfigError, UnsupportedError
 from final.outputs import Completion
 from final.rollout.base import Backend, Observer
-from final.rollout.batch import assemble_batch, base_sampling_params, pad_token_id, plan_rows
+from final.rollout.batch import assemble_batch, base_sampling_params, logprob_request, pad_token_id, plan_rows
 
 
 class EngineRollout(Backend):
@@ -54,12 +56,12 @@ class EngineRollout(Backend):
     # ---- Backend ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
-        if self.multi_turn is not None:
+        if self.multi_turn is not None and not logprob_request(prompts):
             return self.multi_turn.generate_sequences(prompts, observer=observer, **kwargs)
         return self._submit(prompts, observer, kwargs).result()
 
     async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
-        if self.multi_turn is not None:
+        if self.multi_turn is not None and not logprob_request(prompts):
             return await self.multi_turn.agenerate_sequences(prompts, observer=observer, **kwargs)
         return await self._submit(prompts, observer, kwargs).wait()
 
@@ -74,7 +76,7 @@ class EngineRollout(Backend):
             for ids, params, carts in zip(rows.ids, rows.params, rows.cartridges or [()] * len(rows.ids)):
                 streams.append(await self.engine.async_generate(input_ids=ids, sampling_params=params,
                                                                 return_logprob=True, cartridges=carts or None,
-                                                                stream=True))
+                                                                stream=True, **logprob_request(prompts)))
             async for index, out in merge_streams(streams):
                 yield Completion.from_engine(index, out)
         finally:
@@ -94,7 +96,7 @@ class EngineRollout(Backend):
             raise UnsupportedError(self.name, "n", "must be 1 per row: veRL repeats a prompt's rows for n > 1")
         rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
         return self.engine.submit_generate(
-            rows.ids, rows.params, return_logprob=True, cartridges=rows.cartridges,
+            rows.ids, rows.params, return_logprob=True, cartridges=rows.cartridges, **logprob_request(prompts),
             finish=lambda outputs: assemble_batch(prompts, outputs, self.config, self.pad_token_id),
             on_row=(lambda _row, _out: observer.row_done()) if observer is not None else None)
 

@@ -47,7 +47,7 @@ from final.errors import EngineError, PromptError
 from final.outputs import ROW_INFO, row_infos
 from final.prompts import object_array
 from final.rollout import sglang_scheduler
-from final.rollout.batch import row_cartridges
+from final.rollout.batch import logprob_request, row_cartridges
 from final.rollout.sglang_cartridges import ModelDims, SGLangCartridges
 from final.rollout.sglang_procs import kill_processes, new_children
 
@@ -57,6 +57,8 @@ REQUEST_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_reque
 # final.outputs.ROW_INFO: the engine's result dicts of this call (batch path) / of this request (multi-turn)
 BATCH_OUTPUTS: contextvars.ContextVar = contextvars.ContextVar("final_batch_outputs", default=None)
 REQUEST_RECORD: contextvars.ContextVar = contextvars.ContextVar("final_request_record", default=None)
+# Scoring / top-k: the engine arguments beyond veRL's (final.rollout.batch.logprob_request) for this call's batch
+LOGPROB_ARGS: contextvars.ContextVar = contextvars.ContextVar("final_logprob_args", default=None)
 _START_LOCK = threading.Lock()  # the patches below are module globals: one engine start at a time
 
 
@@ -93,6 +95,10 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
             input_ids = input_ids.reshape(-1).tolist() if input_ids.dim() == 2 and len(input_ids) == 1 \
                 else input_ids.tolist()
         self._check_vocabulary(input_ids)
+        extra = LOGPROB_ARGS.get()
+        if extra and return_logprob and not _rows(input_ids)[0]:  # veRL's batch call of a scoring/top-k request
+            logprob_start_len = extra.get("logprob_start_len", logprob_start_len)
+            kwargs = {**kwargs, "top_logprobs_num": extra.get("top_logprobs_num", 0)}
         out = await self._generate_with_cartridges(dict(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, image_data=image_data,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs))
@@ -261,20 +267,30 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
             super()._init_inference_engine(trust_remote_code, actor_module, port)
 
     def generate_sequences(self, prompts: Any, **kwargs: Any) -> Any:
+        """veRL's generate_sequences, with what veRL's call cannot carry set in context for the engine wrapper.
+        veRL's batch path calls engine.async_generate(..., return_logprob=True) on this (the owner) thread without
+        SGLang's logprob_start_len or top_logprobs_num; FinalSGLangEngine.async_generate adds them from
+        LOGPROB_ARGS, so scoring and top-k run on SGLang's own logprob machinery. Such a call is one batch (a
+        multi-turn conversation has no single prompt to score), as on the embedded engine."""
+        extra = logprob_request(prompts)
         token = BATCH_CARTRIDGES.set(row_cartridges(prompts))
         outputs: list = []
         records: dict = {}
-        tokens = (BATCH_OUTPUTS.set(outputs), REQUEST_RECORD.set(None))
+        tokens = (BATCH_OUTPUTS.set(outputs), REQUEST_RECORD.set(None), LOGPROB_ARGS.set(extra or None))
         self._final_records = records
         try:
-            out = super().generate_sequences(prompts, **kwargs)
+            if extra:
+                out = self._batch_level_generate_sequences(prompts, **kwargs)
+            else:
+                out = super().generate_sequences(prompts, **kwargs)
         finally:
             BATCH_CARTRIDGES.reset(token)
-            BATCH_OUTPUTS.reset(tokens[0])
-            REQUEST_RECORD.reset(tokens[1])
+            for var, t in zip((BATCH_OUTPUTS, REQUEST_RECORD, LOGPROB_ARGS), tokens):
+                var.reset(t)
         if prompts.meta_info.get(ROW_INFO):
             out.non_tensor_batch[ROW_INFO] = object_array(
-                _conversation_infos(out, records) if "messages" in out.non_tensor_batch else row_infos(outputs))
+                _conversation_infos(out, records) if "messages" in out.non_tensor_batch
+                else row_infos(outputs, "logprob_start_len" in extra))
         return out
 
     async def _async_rollout_a_request(self, req: Any, do_sample: bool = True, is_validate: bool = False,

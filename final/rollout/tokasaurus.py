@@ -28,7 +28,8 @@ import torch
 
 from final.config import check_cartridge_specs
 from final.engine.messages import Submission
-from final.errors import BackendUnavailableError, CartridgeError, ConfigError, EngineError, PromptError, SamplingError
+from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, PromptError, SamplingError,
+                          UnsupportedError)
 from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
 from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RetryPolicy, apost_json
@@ -37,6 +38,8 @@ from final.rollout.engine_rollout import EngineRollout
 from final.rollout.thread import LoopThread
 
 ENDPOINT = "/custom/cartridge/completions"
+LACKS = ("a Tokasaurus server returns only the generated tokens' own logprobs (packed_chosen_logprobs): no prompt "
+         "(echo) logprobs and no top-k alternatives, so scoring needs the local or sglang backend")
 # SGLang keys that only shape text output (the server decodes; we read token ids)
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 
@@ -156,8 +159,12 @@ class TokasaurusEngine:
 
     def submit_generate(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
                         cartridges: Any = None, finish: Callable[[list[dict]], Any] | None = None,
-                        on_row: Callable[[int, dict], None] | None = None) -> Submission:
+                        on_row: Callable[[int, dict], None] | None = None, logprob_start_len: int | None = None,
+                        top_logprobs_num: int | None = None) -> Submission:
         """Build and check every row's body now (typed errors before any request), then send them concurrently."""
+        for field, value in (("prompt_logprobs", logprob_start_len), ("top_logprobs", top_logprobs_num)):
+            if value is not None and value >= (0 if field == "prompt_logprobs" else 1):
+                raise UnsupportedError("tokasaurus", field, LACKS)
         if self._closed:
             raise EngineError("the tokasaurus backend has been shut down")
         rows = [input_ids] if bool(input_ids) and isinstance(input_ids[0], int) else list(input_ids or [])
@@ -234,9 +241,11 @@ async def gather_or_cancel(coros: list) -> list:
 
 class TokasaurusRollout(EngineRollout):
     name = "tokasaurus"
-    # tools run here against the remote model; no token streams or prompt logprobs over this protocol
+    # tools run here against the remote model; no token streams, prompt logprobs or top-k alternatives over this
+    # protocol: the server reports only the chosen tokens' logprobs (in system_fingerprint)
     capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, prompt_logprobs=False,
-                                sampling_keys=BASIC_KEYS)
+                                top_logprobs=False, sampling_keys=BASIC_KEYS, notes=(
+                                    ("prompt_logprobs", LACKS), ("top_logprobs", LACKS)))
 
     def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
         engine = TokasaurusEngine(settings, config.max_num_seqs, bool(config.calculate_log_probs))

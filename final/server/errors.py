@@ -15,7 +15,7 @@ from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, 
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs",
-                "cartridge": "cartridges"}
+                "cartridge": "cartridges", "prompt_logprobs": "echo"}
 
 
 class APIError(Exception):

@@ -2,8 +2,9 @@
 
 Every check of a call lives in final/request.py and runs here before any engine work, so a bad body is a 400
 naming the field and `final serve` refuses exactly what generate() refuses. What is particular to HTTP stays
-here: OpenAI's defaults (completions max_tokens=16, temperature 1.0; chat 0.7), its parameter names, and what
-Tokasaurus refuses (echo, best_of, suffix, logit_bias, top-k logprobs).
+here: OpenAI's defaults (completions max_tokens=16, temperature 1.0; chat 0.7), its parameter names, what
+Tokasaurus refuses (best_of, suffix, logit_bias), and vLLM's scoring fields: `echo` (the prompt's tokens and their
+logprobs before the completion's), `logprobs: k` and `max_tokens: 0` on completions, `top_logprobs: k` on chat.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class Call:
     model: str | None
     chat: bool
     logprobs: bool = False  # render OpenAI logprobs
+    top_logprobs: int = 0  # completions' logprobs: k / chat's top_logprobs: k
+    echo: bool = False  # completions: the prompt's text and tokens come first
     fingerprint_logprobs: bool = False  # Tokasaurus' packed logprobs in system_fingerprint
     stream: bool = False
     include_usage: bool = False
@@ -37,34 +40,29 @@ class Call:
 
 
 def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] | None = None) -> Call:
-    if req.echo:
-        raise SamplingError("echo is not supported", "echo")
     if req.best_of not in (None, 1):
         raise SamplingError("best_of is not supported", "best_of")
     if req.suffix is not None:
         raise SamplingError("suffix is not supported", "suffix")
-    if req.logprobs is not None and req.logprobs < 0:
-        raise SamplingError("must be >= 0", "logprobs")
-    if req.logprobs:  # Tokasaurus, too, refuses top-k logprobs unless started with max_topk_logprobs
-        raise SamplingError("top logprobs are not supported; use logprobs=0 for the chosen tokens' logprobs",
-                            "logprobs")
-    want = req.logprobs is not None
+    k = _top_count(inference, req.logprobs, "logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if req.echo and req.stream:
+        raise SamplingError("echo is not supported with stream: true", "echo")
+    if max_tokens == 0 and not req.echo:
+        raise SamplingError("0 generates nothing: it is for scoring a prompt (echo: true)", "max_tokens")
+    sampling = _sampling(req, max_tokens, req.logprobs is not None or req.logprobs_in_fingerprint)
+    sampling["top_logprobs"] = k
+    # echo's logprobs are the prompt's own (one forward pass); with max_tokens 0 the call is scoring only
+    sampling["prompt_logprobs"] = bool(req.echo) and (req.logprobs is not None or max_tokens == 0)
     # text is sent as is (the tokenizer's BOS, no chat template)
-    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False,
-                                **_sampling(req, max_tokens, want or req.logprobs_in_fingerprint))
-    return _call(request, req, chat=False, logprobs=want)
+    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **sampling)
+    return _call(request, req, chat=False, logprobs=req.logprobs is not None, top=k, echo=bool(req.echo))
 
 
 def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | None = None) -> Call:
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise SamplingError("needs logprobs: true", "top_logprobs")
-        if req.top_logprobs < 0:
-            raise SamplingError("must be >= 0", "top_logprobs")
-        if req.top_logprobs > 0:
-            raise SamplingError("top logprobs are not supported; logprobs: true gives the chosen tokens' logprobs",
-                                "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise SamplingError("needs logprobs: true", "top_logprobs")
+    k = _top_count(inference, req.top_logprobs, "top_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
         raise SamplingError(f"{req.response_format.type!r} is not supported (only 'text')", "response_format")
     if req.apply_chat_template_overrides:
@@ -77,9 +75,9 @@ def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | No
     if not req.messages:
         raise PromptError("messages is empty")
     messages = [_flatten_content(m, j) for j, m in enumerate(req.messages)]
-    request = inference.prepare([messages], cartridge=specs, progress=False,
+    request = inference.prepare([messages], cartridge=specs, progress=False, top_logprobs=k,
                                 **_sampling(req, max_tokens, bool(req.logprobs) or req.logprobs_in_fingerprint))
-    return _call(request, req, chat=True, logprobs=bool(req.logprobs))
+    return _call(request, req, chat=True, logprobs=bool(req.logprobs), top=k)
 
 
 def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None = None) -> Call:
@@ -94,9 +92,22 @@ def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None
     return Call(request, req.model, chat=True)
 
 
-def _call(request: Request, req: Any, *, chat: bool, logprobs: bool) -> Call:
+def _call(request: Request, req: Any, *, chat: bool, logprobs: bool, top: int = 0, echo: bool = False) -> Call:
     include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return Call(request, req.model, chat, logprobs, req.logprobs_in_fingerprint, bool(req.stream), include)
+    return Call(request, req.model, chat, logprobs, top, echo, req.logprobs_in_fingerprint, bool(req.stream),
+                include)
+
+
+def _top_count(inference: Any, k: int | None, field: str) -> int:
+    """OpenAI's count of alternatives per token, checked against limits.max_top_logprobs (named as sent)."""
+    if k is None:
+        return 0
+    if k < 0:
+        raise SamplingError("must be >= 0", field)
+    limit = inference.rules.limits.max_top_logprobs
+    if k > limit:
+        raise SamplingError(f"{k} exceeds the server's limits.max_top_logprobs={limit}", field)
+    return k
 
 
 def _flatten_content(message: dict, j: int) -> dict:
@@ -127,6 +138,8 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
     for key in ("presence_penalty", "frequency_penalty"):  # OpenAI's 0 defaults: leave them to the backend
         if out.get(key) == 0:
             del out[key]
+    if out["temperature"] == 0:  # a greedy row draws nothing: its seed means nothing (lm-eval sends one always,
+        out.pop("seed", None)    # which a backend without per-request seeds, sglang, would refuse)
     if getattr(req, "ignore_eos", False):
         out["ignore_eos"] = True
     return out

@@ -2,7 +2,8 @@
 
 Every field comes from the rows InferenceEngine returns (final/outputs.py): the text as generate() gives it
 (ids up to the first eos, special tokens skipped, cut before a stop string), the finish reason and token counts
-the engine reported. Logprobs are the chosen tokens' (OpenAI layouts); `system_fingerprint` carries
+the engine reported. Logprobs are OpenAI's layouts with vLLM's token strings (final/server/logprobs.py): the chosen
+tokens', their top-k alternatives, and with `echo` the prompt's tokens first; `system_fingerprint` carries
 Tokasaurus' packed completion ids and logprobs (final/protocol/fingerprint.py). usage counts each prompt once;
 a cartridge's tokens count as cached prompt tokens.
 """
@@ -15,15 +16,14 @@ from typing import Any
 
 from final.outputs import Completion, GenerationOutput, cut_at_stop, raw_text
 from final.protocol.fingerprint import make_fingerprint
+from final.server.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from final.server.prepare import Call
 
 
 class Renderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-
-    def tokens(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in ids]
+        self.text = TokenText(tokenizer)
 
     # ---- bodies ----------------------------------------------------------------------------------------
     def completion(self, call: Call, out: GenerationOutput) -> dict:
@@ -33,7 +33,10 @@ class Renderer:
         for r, text in zip(rows, out.completions):
             logprobs = None
             if call.logprobs:
-                logprobs = (self.chat_logprobs if call.chat else self.completion_logprobs)(r.output_ids, r.logprobs)
+                logprobs = (self.chat_logprobs if call.chat else self.completion_logprobs)(call, r)
+            if call.echo:  # vLLM: the prompt as sent (token ids decoded), then the completion
+                prompt = call.request.prompts[r.index // call.request.n]
+                text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)) + text
             content = {"message": {"role": "assistant", "content": text}} if call.chat else {"text": text}
             choices.append({"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": logprobs})
         if call.chat:
@@ -56,17 +59,25 @@ class Renderer:
         }
 
     # ---- logprobs ----------------------------------------------------------------------------------------
-    def completion_logprobs(self, ids: list[int], logprobs: list[float] | None) -> dict:
-        tokens = self.tokens(ids)
-        offsets, at = [], 0
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
-        return {"tokens": tokens, "token_logprobs": list(logprobs or []), "top_logprobs": None, "text_offset": offsets}
+    def completion_logprobs(self, call: Call, row: Completion, start: int = 0, offset: int = 0) -> dict:
+        """The row's output tokens from `start` (a stream's new ones; `offset`: the text sent before them), after
+        the prompt's with echo."""
+        entries = self.entries(row, start)
+        if call.echo:
+            prompt_ids = call.request.ids[row.index // call.request.n]
+            entries = self.text.entries(prompt_ids, row.prompt_logprobs or [None] * len(prompt_ids),
+                                        row.prompt_top_logprobs if call.top_logprobs else None) + entries
+        return completion_logprobs(entries, call.top_logprobs, offset)
 
-    def chat_logprobs(self, ids: list[int], logprobs: list[float] | None) -> dict:
-        return {"content": [{"token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp, "top_logprobs": []}
-                            for tok, lp in zip(self.tokens(ids), logprobs or [])]}
+    def chat_logprobs(self, call: Call, row: Completion, start: int = 0) -> dict:
+        return chat_logprobs(self.entries(row, start), call.top_logprobs)
+
+    def entries(self, row: Completion, start: int = 0) -> list[Entry]:
+        """Output positions [start:] of a row (the output's earlier tokens are their context)."""
+        ids = row.output_ids
+        return self.text.entries(ids[start:], (row.logprobs or [])[start:len(ids)],
+                                 row.top_logprobs[start:] if row.top_logprobs is not None else None,
+                                 context=ids[max(0, start - 4):start])
 
 
 def usage(rows: list[Completion], n: int) -> dict[str, Any]:

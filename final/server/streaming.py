@@ -48,13 +48,13 @@ async def sse(call: Call, updates: AsyncIterator[Completion], renderer: Renderer
         async for s in updates:
             delta = deltas.setdefault(s.index, TextDelta(renderer.tokenizer, eos_ids, call.request.sampling.stop,
                                                          bool(params.get("ignore_eos"))))
+            sent_before = delta.sent
             text = delta.update(s.output_ids, final=s.finish_reason is not None)
             start = reported.get(s.index, 0)
             logprobs = None
-            if call.logprobs and len(s.output_ids) > start:
-                new_ids, new_lps = s.output_ids[start:], (s.logprobs or [])[start:]
-                logprobs = renderer.chat_logprobs(new_ids, new_lps) if call.chat else \
-                    renderer.completion_logprobs(new_ids, new_lps)
+            if call.logprobs and len(s.output_ids) > start:  # the tokens that arrived (their text offsets continue)
+                logprobs = renderer.chat_logprobs(call, s, start) if call.chat else \
+                    renderer.completion_logprobs(call, s, start, sent_before)
                 reported[s.index] = len(s.output_ids)
             if not text and logprobs is None and s.finish_reason is None:
                 continue
