@@ -99,6 +99,9 @@ def _parse_block(body: str, closed: bool) -> list[ParsedCall]:
     except json.JSONDecodeError as exc:
         why = "the output ended before </tool_call>" if not closed else f"invalid JSON ({exc.msg} at char {exc.pos})"
         return [ParsedCall(None, None, f"could not parse tool call: {why}", raw)]
+    except (ValueError, RecursionError) as exc:  # model output: an int past 4300 digits, nesting past the stack
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        return [ParsedCall(None, None, f"could not parse tool call: invalid JSON ({why})", raw)]
     items = payload if isinstance(payload, list) else [payload]
     if not items:
         return [ParsedCall(None, None, "could not parse tool call: empty list", raw)]
