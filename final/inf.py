@@ -19,10 +19,11 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from final.admission import Admission
 from final.config import EngineConfig, load_config
-from final.errors import CartridgeError, EngineError
+from final.errors import CartridgeError, DeadlineError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
-from final.outputs import ROW_INFO, Completion, GenerationOutput, completion_text, completions_of
+from final.outputs import ROW_INFO, Completion, GenerationOutput, completion_text, completions_of, raise_if_aborted
 from final.request import CallRules, Request, prepare
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
@@ -46,6 +47,7 @@ class InferenceEngine:
         self.rollout: Backend = build_backend(self.config, self.rollout_config, self.model_config)
         self._closed = False
         self._side: RolloutThread | None = None  # for blocking calls made inside a running event loop
+        self._admission = Admission(self.config.limits.max_queued_rows)  # rows of calls in flight, bounded
         try:
             self.capabilities = self.rollout.capabilities
             self.tokenizer = getattr(self.model_config.tokenizer, "tokenizer", self.model_config.tokenizer)
@@ -106,16 +108,24 @@ class InferenceEngine:
                          self._known_cartridges, self.config.progress, PROGRESS_MIN_ROWS)
 
     def run(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
-        """Run a prepared request and wait."""
+        """Run a prepared request and wait. Raises OverloadedError when limits.max_queued_rows are taken, and
+        DeadlineError past limits.deadline_s."""
         if _loop_running():  # veRL's blocking calls refuse a running loop (a notebook cell): run on a side thread
             return self._side_thread().run(self.run, request, on_event=on_event)
-        with self._holding(request) as carts, _Observer.open(request, on_event) as observer:
+        if self.config.limits.deadline_s is not None:  # a deadline needs a wait it can cancel: the awaitable path
+            return asyncio.run(self.arun(request, on_event=on_event))
+        with self._admission.hold(request.rows), self._holding(request) as carts, \
+                _Observer.open(request, on_event) as observer:
             data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
             out = self.rollout.generate_sequences(data, observer=observer, **request.sampling.params)
         return self._output(request, out)
 
     async def arun(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
-        """Run a prepared request from a running event loop; cancelling it aborts its rows."""
+        """Run a prepared request from a running event loop; cancelling it (or its deadline) aborts its rows."""
+        with self._admission.hold(request.rows):
+            return await self._within_deadline(self._arun(request, on_event))
+
+    async def _arun(self, request: Request, on_event: Callable[[dict], None] | None) -> GenerationOutput:
         async with self._aholding(request) as carts:
             with _Observer.open(request, on_event) as observer:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
@@ -124,11 +134,31 @@ class InferenceEngine:
 
     async def astream(self, request: Request) -> AsyncIterator[Completion]:
         """Row updates of a prepared request as they come (every token where capabilities.streaming, else each
-        row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason."""
-        async with self._aholding(request) as carts:
-            data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
-            async for row in self.rollout.astream(data, **request.sampling.params):
-                yield row
+        row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason. A row the
+        engine aborted raises SequenceError; closing the iterator early aborts the request's rows."""
+        with self._admission.hold(request.rows):
+            async with self._aholding(request) as carts:
+                data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
+                updates = self.rollout.astream(data, **request.sampling.params)
+                try:
+                    async for row in _until(updates, self.config.limits.deadline_s):
+                        raise_if_aborted([row])
+                        yield row
+                finally:
+                    await updates.aclose()
+
+    async def _within_deadline(self, work: Any) -> Any:
+        deadline = self.config.limits.deadline_s
+        if deadline is None:
+            return await work
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        try:
+            return await asyncio.wait_for(work, deadline)  # on expiry it cancels the work: its rows are aborted
+        except asyncio.TimeoutError:
+            if loop.time() < end:  # a timeout of the work's own (a tool's), not the deadline
+                raise
+            raise DeadlineError(deadline) from None
 
     def tool_names(self) -> list[str]:
         return [s["function"]["name"] for s in self.tool_schemas()]
@@ -182,6 +212,7 @@ class InferenceEngine:
                      "cached_tokens": info["cached_tokens"], **w} for r, info, w in zip(conv, infos, where)]
             return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n)
         rows = completions_of(out)
+        raise_if_aborted(rows)
         prompt_width = out.batch["prompts"].shape[1]
         meta = []
         for r, w in zip(rows, where):
@@ -286,6 +317,24 @@ def _ids(cartridges: list[tuple[Any, ...]] | None) -> list[tuple[str, ...]] | No
     if cartridges is None:
         return None
     return [tuple(c if isinstance(c, str) else (c.get("id") or c.get("path")) for c in row) for row in cartridges]
+
+
+async def _until(updates: AsyncIterator[Any], deadline_s: float | None) -> AsyncIterator[Any]:
+    """`updates` until the deadline: then DeadlineError (the stream under it is cancelled, aborting its rows)."""
+    if deadline_s is None:
+        async for item in updates:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        try:
+            item = await asyncio.wait_for(updates.__anext__(), max(end - loop.time(), 0.0))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise DeadlineError(deadline_s) from None
+        yield item
 
 
 def _loop_running() -> bool:
