@@ -31,6 +31,7 @@ from final.errors import FinalError
 from final.protocol import bodies
 from final.server import prepare
 from final.server.errors import APIError, from_final, from_validation
+from final.server.limits import read_body
 from final.server.responses import Renderer
 from final.server.streaming import sse
 
@@ -56,9 +57,10 @@ class Service:
         self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
         self.renderer = Renderer(inference.tokenizer)
         self.model_id = inference.config.model_path
+        self.max_body_bytes = inference.config.limits.max_body_bytes
 
     async def handle(self, raw: Request, model: type[BaseModel], make_call: Any) -> Any:
-        body = await _parse(raw, model)
+        body = await _parse(raw, model, self.max_body_bytes)
         param = "messages" if make_call is prepare.chat_call else "prompt"
         try:
             loaded = self.inference.cartridge_ids()
@@ -147,8 +149,8 @@ async def _chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
         await rest.aclose()
 
 
-async def _parse(raw: Request, model: type[BaseModel]) -> Any:
-    body = await raw.body()
+async def _parse(raw: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    body = await read_body(raw, max_bytes)
     try:
         return model.model_validate_json(body or b"null")
     except ValidationError as exc:
