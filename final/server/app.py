@@ -151,8 +151,10 @@ async def _chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
 
 async def _parse(raw: Request, model: type[BaseModel], max_bytes: int) -> Any:
     body = await read_body(raw, max_bytes)
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body or b"null")
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation(exc) from None
 
