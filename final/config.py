@@ -215,8 +215,8 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
 
 
 def _check_limits(value: Any, path: str | None) -> Limits:
-    """`limits:` — bounds on one call's work (final.sampling.Limits): positive integers, and deadline_s a positive
-    number of seconds or null."""
+    """`limits:` — bounds on the work and memory requests may take (final.sampling.Limits): positive integers,
+    deadline_s a positive number of seconds or null, max_cartridge_bytes null for no bound."""
     if value is None:
         return Limits()
     if not isinstance(value, dict):
@@ -236,6 +236,8 @@ def check_limit(key: str, item: Any, path: str | None = None) -> None:
                                  or not 0 < item < math.inf):
             raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key="limits.deadline_s",
                               path=path)
+    elif key == "max_cartridge_bytes" and item is None:
+        return
     elif isinstance(item, bool) or not isinstance(item, int) or item < 1:
         raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
 

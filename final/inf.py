@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import threading
 import weakref
 from pathlib import Path
@@ -240,7 +241,8 @@ class InferenceEngine:
             return None
         from final.cartridges.service import CartridgeService
 
-        service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges")
+        service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges",
+                                   budget_bytes=self.config.limits.max_cartridge_bytes)
         for spec in self.config.cartridges:
             service.load(**spec)
         return service
@@ -260,6 +262,16 @@ class InferenceEngine:
     def cartridge_ids(self) -> list[str] | None:
         """Ids of the cartridges loaded here (None: this backend keeps no cartridge store)."""
         return self.cartridges.ids() if self.cartridges is not None else None
+
+    def cartridge_usage(self) -> dict | None:
+        """Each loaded cartridge (id, bytes, pinned, the references requests hold on it now) and the store's
+        counters (loads, evictions, hits, misses); None when this backend keeps no cartridge store."""
+        if self.cartridges is None:
+            return None
+        entries = [self.cartridges.store.get(cid) for cid in self.cartridges.ids()]
+        return {"cartridges": [{"id": e.cartridge_id, "bytes": e.nbytes, "pinned": e.pinned, "refcount": e.refcount}
+                               for e in entries if e is not None],
+                "metrics": dataclasses.asdict(self.cartridges.metrics())}
 
     def _known_cartridges(self) -> list[str] | None:
         return self.cartridge_ids() if self.cartridges is not None else self.rollout.cartridge_ids()

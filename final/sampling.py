@@ -40,6 +40,7 @@ class Limits:
     max_queued_rows: int = 4096  # rows admitted and not yet finished, over every call in flight (admission)
     max_body_bytes: int = 8 * 2**20  # one HTTP request body (final serve: 413 beyond it)
     deadline_s: float | None = None  # a call's rows are aborted this many seconds after it starts (None: never)
+    max_cartridge_bytes: int | None = None  # loaded cartridges; beyond, the least recently used unused ones leave
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ import time
 
 import httpx
 import pytest
+import torch
 import yaml
 
 from conftest import tiny_config
-from final.errors import ConfigError, DeadlineError, OverloadedError, PromptError, SamplingError
+from final.errors import CartridgeError, ConfigError, DeadlineError, OverloadedError, PromptError, SamplingError
 from final.inf import InferenceEngine
 from final.server.app import ServerThread, create_app
 
@@ -275,3 +276,57 @@ def _status(url: str) -> int:
         return httpx.get(f"{url}/ping", timeout=30).status_code
     except httpx.HTTPError:
         return 0
+
+
+# ---- loaded cartridges -------------------------------------------------------------------------------------------
+def _cart_file(inference, path, seed: int):
+    from final.cartridges.format import CartridgeKV, save_cartridge
+
+    spec, g = inference.engine.spec, torch.Generator().manual_seed(seed)
+    shape = (1, spec.num_kv_heads, 8, spec.head_dim)
+    keys = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
+    return save_cartridge(CartridgeKV(keys, [k.clone() for k in keys], 1), path), sum(k.numel() * 8 for k in keys)
+
+
+def test_the_cartridge_budget_evicts_unused_ones_and_refs_go_back_to_zero(tmp_path):
+    """limits.max_cartridge_bytes: request-loaded cartridges cannot pile up; /custom/cartridges shows the store."""
+    probe = InferenceEngine(tiny_config())
+    try:
+        files = [_cart_file(probe, tmp_path / f"c{i}.pt", i) for i in range(3)]
+    finally:
+        probe.shutdown()
+    one = files[0][1]
+    eng = InferenceEngine({**tiny_config(), "limits": {"max_cartridge_bytes": 2 * one}})
+    try:
+        with ServerThread(create_app(eng, cartridge_dir=str(tmp_path))) as server, \
+                httpx.Client(base_url=server.url, timeout=120) as http:
+            for path, _ in files + files[:1]:
+                body = {**GOOD, "cartridges": [{"id": path.name, "source": "local"}]}
+                assert http.post("/custom/cartridge/completions", json=body).status_code == 200
+            usage = http.get("/custom/cartridges").json()
+            assert [c["id"] for c in usage["cartridges"]] == ["c2.pt", "c0.pt"]  # c1 was least recently used
+            assert all(c["refcount"] == 0 for c in usage["cartridges"]) and usage["metrics"]["evictions"] == 2
+    finally:
+        eng.shutdown()
+    with pytest.raises(ConfigError, match="limits.max_cartridge_bytes"):
+        InferenceEngine({**tiny_config(), "limits": {"max_cartridge_bytes": -1}})
+
+
+def test_a_resident_cartridge_is_never_read_from_its_id_as_a_path(tmp_path):
+    """The server checks which ids are loaded, then the call loads what is not. A file under --cartridge-dir goes
+    on with its path even when resident (evicted in between, it is reloaded from the folder); a loaded id from
+    elsewhere goes on as a bare id (evicted in between: unknown id), never as a path the server would read."""
+    from final.protocol.bodies import CartridgeCompletionsRequest
+    from final.server.prepare import cartridge_specs
+
+    def req(cid: str):
+        return CartridgeCompletionsRequest(model="m", prompt="hi", cartridges=[{"id": cid, "source": "local"}])
+
+    inside = tmp_path / "a.pt"
+    assert cartridge_specs(req("a.pt"), ["a.pt"], tmp_path)[0]["path"] == str(inside)
+    assert cartridge_specs(req("/data/doc.pt"), ["/data/doc.pt"], tmp_path) == ["/data/doc.pt"]
+    assert cartridge_specs(req("/data/doc.pt"), ["/data/doc.pt"], None) == ["/data/doc.pt"]
+    for cid, folder, words in (("/data/doc.pt", tmp_path, "outside"), ("b.pt", None, "--cartridge-dir"),
+                               ("../b.pt", tmp_path, "outside")):
+        with pytest.raises(CartridgeError, match=words):
+            cartridge_specs(req(cid), [], folder)

@@ -8,6 +8,7 @@ Endpoints, as in ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasa
        the same bodies + cartridges: [{id, source, force_redownload}]
        (also under /v1/cartridge/..., the names older Tokasaurus branches and clients use)
   POST /generate                          seed 001's native `protocol: toka` body (not in real Tokasaurus)
+  GET  /custom/cartridges                 loaded cartridges and the references held on them (ours)
 Not served: files/batches and the pickled synchronous-batch endpoints (we never send pickles).
 Errors are OpenAI-style JSON (final/server/errors.py); a request's failure never stops the server.
 """
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from final.errors import FinalError
+from final.inf import InferenceEngine
 from final.protocol import bodies
 from final.server import prepare
 from final.server.errors import APIError, from_final, from_validation
@@ -103,6 +105,12 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
     async def models() -> dict:
         return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "final"}]}
+
+    @app.get("/custom/cartridges")
+    async def cartridges() -> dict:
+        """The loaded cartridges and the references requests hold on them now (for operators, and the soak)."""
+        usage = inference.cartridge_usage() if isinstance(inference, InferenceEngine) else None
+        return usage or {"cartridges": None, "metrics": None}
 
     for path, (model, make_call) in ROUTES.items():
         async def endpoint(raw: Request, model=model, make_call=make_call) -> Any:

@@ -29,6 +29,7 @@ LIMIT_FLAGS = (
     ("--max-queued-rows", "max_queued_rows", int, "most rows queued in the engine; beyond, 429 with Retry-After"),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body; beyond, 413"),
     ("--deadline", "deadline_s", float, "seconds a request may run before its rows are aborted (504)"),
+    ("--max-cartridge-bytes", "max_cartridge_bytes", int, "bytes of loaded cartridges; beyond, LRU eviction"),
 )
 
 
