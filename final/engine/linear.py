@@ -71,8 +71,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            rows, m = _padded(x)
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [None], "")
+            m = x.numel() // x.shape[-1]
+            if padded_rows(m) == m:  # the common case (decode of <= 32 rows): no copy
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+            out = torch.ops.mkldnn._linear_pointwise(_padded(x, m), self.packed, self.bias, "none", [None], "")
             return out[:m].reshape(*x.shape[:-1], self.out_features)
         if self._want_pack:  # updated since the last use: reorder once, not once per streamed slice
             self._pack(self.weight)
@@ -83,8 +85,11 @@ class Linear:
         """residual + self(x). In fp32 oneDNN adds in the GEMM's epilogue (one op, bitwise the same result);
         in bf16 the separate add keeps HF's rounding (product rounded to bf16, then added)."""
         if self.packed is not None and self.dtype == torch.float32:
-            rows, m = _padded(x)
-            out = torch.ops.mkldnn._linear_pointwise.binary(rows, _padded(residual)[0], self.packed, self.bias, "add")
+            m = x.numel() // x.shape[-1]
+            if padded_rows(m) == m:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            out = torch.ops.mkldnn._linear_pointwise.binary(_padded(x, m), _padded(residual, m), self.packed,
+                                                            self.bias, "add")
             return out[:m].reshape(residual.shape)
         return residual + self(x)
 
@@ -105,9 +110,6 @@ class Linear:
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def _padded(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """x as [m, K] rows, with zero rows added up to padded_rows(m); and m."""
-    rows = x.reshape(-1, x.shape[-1])
-    m = rows.shape[0]
-    extra = padded_rows(m) - m
-    return (F.pad(rows, (0, 0, 0, extra)) if extra else rows), m
+def _padded(x: torch.Tensor, m: int) -> torch.Tensor:
+    """x as its m rows [m, K], with zero rows added up to padded_rows(m)."""
+    return F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, padded_rows(m) - m))
