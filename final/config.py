@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
 import types
 import typing
@@ -141,17 +142,35 @@ def load_config(source: str | Path | dict | None, overrides: dict[str, Any] | No
 def _read_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError("config file not found", path=str(path))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", path=str(path)) from exc
+    data = read_yaml(path)
     if data is None:
         raise ConfigError("config file is empty", path=str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"top level must be a mapping, got {type(data).__name__}", path=str(path))
     return data
+
+
+def read_yaml(path: Path, error: type[ConfigError] = ConfigError) -> Any:
+    """A YAML file's document (config.yaml, tools.yaml). Every way a file can be unreadable is an `error` naming
+    the file: not UTF-8, a syntax error (with its line), a value YAML cannot build (a 13th month), nesting past
+    Python's recursion limit."""
+    where = str(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"is not UTF-8 text (bad byte at offset {exc.start})", path=where) from None
+    except OSError as exc:
+        raise error(f"cannot be read: {exc.strerror or exc}", path=where) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise error(f"invalid YAML: syntax error{at}: {getattr(exc, 'problem', None) or exc}", path=where) from None
+    except RecursionError:
+        raise error("invalid YAML: nested too deeply", path=where) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # safe_load builds dates and tagged scalars itself
+        raise error(f"invalid YAML: a value cannot be built: {exc}", path=where) from None
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -196,7 +215,8 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
 
 
 def _check_limits(value: Any, path: str | None) -> Limits:
-    """`limits:` — bounds on one call's work (final.sampling.Limits); each a positive integer."""
+    """`limits:` — bounds on the work and memory requests may take (final.sampling.Limits): positive integers,
+    deadline_s a positive number of seconds or null, max_cartridge_bytes null for no bound."""
     if value is None:
         return Limits()
     if not isinstance(value, dict):
@@ -204,10 +224,22 @@ def _check_limits(value: Any, path: str | None) -> Limits:
     names = [f.name for f in dataclasses.fields(Limits)]
     for key, item in value.items():
         if key not in names:
-            raise _unknown(key, names, "limits.", path)
-        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
-            raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
+            raise _unknown(str(key), names, "limits.", path)
+        check_limit(key, item, path)
     return Limits(**value)
+
+
+def check_limit(key: str, item: Any, path: str | None = None) -> None:
+    """One `limits:` value (the config's, or a `final serve` flag's)."""
+    if key == "deadline_s":
+        if item is not None and (isinstance(item, bool) or not isinstance(item, (int, float))
+                                 or not 0 < item < math.inf):
+            raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key="limits.deadline_s",
+                              path=path)
+    elif key == "max_cartridge_bytes" and item is None:
+        return
+    elif isinstance(item, bool) or not isinstance(item, int) or item < 1:
+        raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
 
 
 def check_replicas(value: Any, path: str | None = None) -> int:
@@ -230,6 +262,7 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     from verl.workers.config import RolloutConfig
 
     _check_fields(rollout, RolloutConfig, "rollout.", path, skip={"name"})
+    _check_sampling_defaults(rollout, path)
     if rollout["name"] not in BACKENDS:
         raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)
     if rollout["mode"] not in ("sync", "async"):
@@ -252,6 +285,27 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
         if not isinstance(value, LOCAL_ENGINE_KEYS[key]) or isinstance(value, bool):
             raise ConfigError(f"must be {LOCAL_ENGINE_KEYS[key].__name__}, got {value!r}",
                               key=f"rollout.engine_kwargs.local.{key}", path=path)
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty")
+
+
+def _check_sampling_defaults(rollout: dict, path: str | None) -> None:
+    """The rollout's default sampling and its val_kwargs go into every request: SGLang's value rules now, so a
+    NaN temperature in the config is a ConfigError at start rather than a refused request later."""
+    from final.errors import SamplingError
+    from final.sampling import check_params
+
+    sections = (("rollout.", rollout), ("rollout.val_kwargs.", rollout.get("val_kwargs") or {}))
+    for where, values in sections:
+        for key in SAMPLING_DEFAULTS:
+            if values.get(key) is None:
+                continue
+            try:
+                check_params({key: values[key]})
+            except SamplingError as exc:
+                raise ConfigError(exc.reason, key=f"{where}{key}", path=path) from None
 
 
 def _check_fields(values: dict, cls: type, where: str, path: str | None, skip: set[str] = frozenset()) -> None:
@@ -286,8 +340,8 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is float:  # NaN and inf pass every comparison check below them: only finite numbers
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is str:
         return isinstance(value, str)
     if origin in (list, dict) or hint in (list, dict):
@@ -298,6 +352,8 @@ def _matches(value: Any, hint: Any) -> bool:
 def _describe(hint: Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if hint is float:
+        return "float (a finite number)"
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 

@@ -47,6 +47,7 @@ class SamplingError(FinalError, ValueError):
 
     def __init__(self, message: str, field: str | None = None):
         self.field = field
+        self.reason = message  # without the field's name, for errors that name it their own way (a config key)
         super().__init__(f"sampling parameter '{field}': {message}" if field else message)
 
 
@@ -66,6 +67,35 @@ class CartridgeError(FinalError, ValueError):
 
 class EngineError(FinalError, RuntimeError):
     """The engine cannot serve a request (shut down, internal failure)."""
+
+
+class SequenceError(EngineError):
+    """The engine aborted a request's sequence (row) while serving it: its logits were not finite, sampling or
+    finishing it failed, or its engine step failed. Only that request fails; the engine keeps serving. `row` is
+    the row's index in the request (None: every row of the step), `cause` what the engine reported."""
+
+    def __init__(self, cause: str, row: int | None = None):
+        self.cause = cause
+        self.row = row
+        super().__init__(f"row {row} was aborted by the engine: {cause}" if row is not None else cause)
+
+
+class OverloadedError(EngineError):
+    """Admission control: running this request now would queue more rows than limits.max_queued_rows. Nothing
+    has run; retry after `retry_after` seconds (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class DeadlineError(EngineError):
+    """The request ran past its deadline (limits.deadline_s); its rows were aborted (HTTP 504)."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
+        super().__init__(f"the request ran past its deadline of {deadline_s:g} s (limits.deadline_s); its rows were "
+                         "aborted")
 
 
 class UnsupportedError(SamplingError):

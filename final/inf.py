@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import threading
+import dataclasses
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from final.admission import Admission
+from final.calls import CallObserver, loop_running, until_deadline, within_deadline
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
-from final.outputs import ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of, scores_of
+from final.outputs import (ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of,
+                            raise_if_aborted, scores_of)
 from final.request import CallRules, Request, prepare, prepare_score
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
@@ -46,6 +49,7 @@ class InferenceEngine:
         self.rollout: Backend = build_backend(self.config, self.rollout_config, self.model_config)
         self._closed = False
         self._side: RolloutThread | None = None  # for blocking calls made inside a running event loop
+        self._admission = Admission(self.config.limits.max_queued_rows)  # rows of calls in flight, bounded
         try:
             self.capabilities = self.rollout.capabilities
             self.tokenizer = getattr(self.model_config.tokenizer, "tokenizer", self.model_config.tokenizer)
@@ -138,29 +142,44 @@ class InferenceEngine:
                          self._known_cartridges, self.config.progress, PROGRESS_MIN_ROWS)
 
     def run(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
-        """Run a prepared request and wait."""
-        if _loop_running():  # veRL's blocking calls refuse a running loop (a notebook cell): run on a side thread
+        """Run a prepared request and wait. Raises OverloadedError when limits.max_queued_rows are taken, and
+        DeadlineError past limits.deadline_s."""
+        if loop_running():  # veRL's blocking calls refuse a running loop (a notebook cell): run on a side thread
             return self._side_thread().run(self.run, request, on_event=on_event)
-        with self._holding(request) as carts, _Observer.open(request, on_event) as observer:
+        if self.config.limits.deadline_s is not None:  # a deadline needs a wait it can cancel: the awaitable path
+            return asyncio.run(self.arun(request, on_event=on_event))
+        with self._admission.hold(request.rows), self._holding(request) as carts, \
+                CallObserver.open(request, on_event) as observer:
             data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
             out = self.rollout.generate_sequences(data, observer=observer, **request.sampling.params)
         return self._output(request, out)
 
     async def arun(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
-        """Run a prepared request from a running event loop; cancelling it aborts its rows."""
+        """Run a prepared request from a running event loop; cancelling it (or its deadline) aborts its rows."""
+        with self._admission.hold(request.rows):
+            return await within_deadline(self._arun(request, on_event), self.config.limits.deadline_s)
+
+    async def _arun(self, request: Request, on_event: Callable[[dict], None] | None) -> GenerationOutput:
         async with self._aholding(request) as carts:
-            with _Observer.open(request, on_event) as observer:
+            with CallObserver.open(request, on_event) as observer:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
                 out = await self.rollout.agenerate_sequences(data, observer=observer, **request.sampling.params)
         return self._output(request, out)
 
     async def astream(self, request: Request) -> AsyncIterator[Completion]:
         """Row updates of a prepared request as they come (every token where capabilities.streaming, else each
-        row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason."""
-        async with self._aholding(request) as carts:
-            data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
-            async for row in self.rollout.astream(data, **request.sampling.params):
-                yield row.without_output() if request.sampling.max_new_tokens == 0 else row
+        row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason. A row the
+        engine aborted raises SequenceError; closing the iterator early aborts the request's rows."""
+        with self._admission.hold(request.rows):
+            async with self._aholding(request) as carts:
+                data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
+                updates = self.rollout.astream(data, **request.sampling.params)
+                try:
+                    async for row in until_deadline(updates, self.config.limits.deadline_s):
+                        raise_if_aborted([row])
+                        yield row.without_output() if request.sampling.max_new_tokens == 0 else row
+                finally:
+                    await updates.aclose()
 
     def tool_names(self) -> list[str]:
         return [s["function"]["name"] for s in self.tool_schemas()]
@@ -214,6 +233,7 @@ class InferenceEngine:
                      "cached_tokens": info["cached_tokens"], **w} for r, info, w in zip(conv, infos, where)]
             return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n)
         rows = completions_of(out)
+        raise_if_aborted(rows)
         if request.sampling.max_new_tokens == 0:
             rows = [r.without_output() for r in rows]
         prompt_width = out.batch["prompts"].shape[1]
@@ -250,7 +270,8 @@ class InferenceEngine:
             return None
         from final.cartridges.service import CartridgeService
 
-        service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges")
+        service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges",
+                                   budget_bytes=self.config.limits.max_cartridge_bytes)
         for spec in self.config.cartridges:
             service.load(**spec)
         return service
@@ -270,6 +291,16 @@ class InferenceEngine:
     def cartridge_ids(self) -> list[str] | None:
         """Ids of the cartridges loaded here (None: this backend keeps no cartridge store)."""
         return self.cartridges.ids() if self.cartridges is not None else None
+
+    def cartridge_usage(self) -> dict | None:
+        """Each loaded cartridge (id, bytes, pinned, the references requests hold on it now) and the store's
+        counters (loads, evictions, hits, misses); None when this backend keeps no cartridge store."""
+        if self.cartridges is None:
+            return None
+        entries = [self.cartridges.store.get(cid) for cid in self.cartridges.ids()]
+        return {"cartridges": [{"id": e.cartridge_id, "bytes": e.nbytes, "pinned": e.pinned, "refcount": e.refcount}
+                               for e in entries if e is not None],
+                "metrics": dataclasses.asdict(self.cartridges.metrics())}
 
     def _known_cartridges(self) -> list[str] | None:
         return self.cartridge_ids() if self.cartridges is not None else self.rollout.cartridge_ids()
@@ -327,45 +358,6 @@ def _ids(cartridges: list[tuple[Any, ...]] | None) -> list[tuple[str, ...]] | No
     if cartridges is None:
         return None
     return [tuple(c if isinstance(c, str) else (c.get("id") or c.get("path")) for c in row) for row in cartridges]
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-class _Observer:
-    """Per call: a tqdm bar over finished rows, and the caller's tool-event callback."""
-
-    def __init__(self, bar: Any, on_event: Callable[[dict], None] | None):
-        self.bar, self.on_event = bar, on_event
-        self._lock = threading.Lock()
-
-    @classmethod
-    @contextlib.contextmanager
-    def open(cls, request: Request, on_event: Callable[[dict], None] | None) -> Iterator["_Observer | None"]:
-        bar = None
-        if request.show_progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=request.rows, desc="generate", unit="seq")
-        try:
-            yield cls(bar, on_event) if bar is not None or on_event is not None else None
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def row_done(self) -> None:
-        if self.bar is not None:
-            with self._lock:
-                self.bar.update()
-
-    def tool_event(self, event: dict) -> None:
-        if self.on_event is not None:
-            self.on_event(event)
 
 
 _live: "weakref.WeakSet[InferenceEngine]" = weakref.WeakSet()

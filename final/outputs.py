@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from final.errors import EngineError
+from final.errors import EngineError, SequenceError
 
 ROW_INFO = "final_row_info"  # meta_info flag and non_tensor_batch key
 TRACE_KEY = "final_tool_trace"  # meta_info flag: multi-turn adds non_tensor_batch["tool_calls"] (call records)
@@ -102,6 +102,14 @@ def completions_of(output: Any) -> list[Completion]:
                                info["cached_tokens"], info.get("logprobs"), info.get("message"),
                                info.get("top_logprobs"), info.get("prompt_logprobs"), info.get("prompt_top_logprobs")))
     return rows
+
+
+def raise_if_aborted(rows: Iterable[Completion]) -> None:
+    """A row the engine aborted (its logits were not finite, sampling it failed, its step failed) has no answer:
+    the call fails with SequenceError naming the row and the engine's cause. Other calls are untouched."""
+    failed = next((r for r in rows if r.finish_reason == "abort"), None)
+    if failed is not None:
+        raise SequenceError(failed.message or "aborted", failed.index)
 
 
 def completion_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], stop: Sequence[str] = (),

@@ -102,6 +102,10 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
     items = normalize_prompts(prompts, raw=raw)
     if len(items) > limits.max_prompts:
         raise PromptError(f"{len(items)} prompts exceed limits.max_prompts={limits.max_prompts}")
+    if len(items) * parsed.n > limits.max_queued_rows:  # it could never be admitted: refuse it now, not with 429s
+        raise SamplingError(f"{len(items)} prompts x n={parsed.n} = {len(items) * parsed.n} rows exceed "
+                            f"limits.max_queued_rows={limits.max_queued_rows}", "n")
+    _check_stop_ids(parsed, len(rules.tokenizer))
     carts = cartridges_per_prompt(cartridge, len(items))
     ids = tokenize(items, rules.tokenizer, rules.prompt_length,
                    after_cartridge=[bool(c) for c in carts] if carts else None)
@@ -131,6 +135,14 @@ def prepare_score(prompts: Any, continuations: Any, rules: CallRules, *, top_log
                       continuations=[None] * len(prompt_items(prompts)) if continuations is None else continuations)
     request.score_top_logprobs = top_logprobs
     return request
+
+
+def _check_stop_ids(parsed: Sampling, vocab: int) -> None:
+    """Stop token ids past the vocabulary can never be sampled, and index past the logits when min_new_tokens
+    masks them: refused like out-of-vocabulary prompt ids."""
+    bad = [i for i in parsed.params.get("stop_token_ids") or [] if i >= vocab]
+    if bad:
+        raise SamplingError(f"token ids {bad[:5]} are outside the vocabulary of {vocab}", "stop_token_ids")
 
 
 def _tools_kwargs(items: list[Prompt], parsed: Sampling, tools_kwargs: Any, tool_names: list[str] | None

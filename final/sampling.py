@@ -24,17 +24,24 @@ SAMPLING_KEYS = frozenset({
     "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_new_tokens"})
 GREEDY_KEYS = ("temperature", "top_p", "top_k", "min_p")  # dropped when sampling is off: veRL's greedy settings win
+TOP_K_ALL = 1 << 30  # SGLang's top_k for "all tokens"; larger values are refused (they overflow index arithmetic)
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one call's work. The config's `limits:` can raise them for big offline batches."""
+    """Bounds on one call's work, checked before any work, so no request can occupy the engine without bound.
+    The config's `limits:` (and `final serve`'s flags) can raise them for big offline batches."""
 
-    max_n: int = 64
-    max_prompts: int = 4096
-    max_stop: int = 16
-    max_stop_length: int = 256
+    max_n: int = 64  # samples per prompt
+    max_prompts: int = 4096  # prompts per call
+    max_stop: int = 16  # stop strings per call
+    max_stop_length: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # alternatives per token (top_logprobs; HTTP logprobs: k), as vLLM's max_logprobs
+    max_queued_rows: int = 4096  # rows admitted and not yet finished, over every call in flight (admission)
+    max_body_bytes: int = 8 * 2**20  # one HTTP request body (final serve: 413 beyond it)
+    deadline_s: float | None = None  # a call's rows are aborted this many seconds after it starts (None: never)
+    max_cartridge_bytes: int | None = None  # loaded cartridges; beyond, the least recently used unused ones leave
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Li
     do_sample = s.pop("do_sample", True)
     for key, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("do_sample", do_sample)):
         if not isinstance(value, bool):
-            raise SamplingError(f"must be true or false, got {value!r}", key)
+            raise SamplingError(f"must be true or false, got {_short(value)}", key)
     top = check_top_logprobs(s.pop("top_logprobs", 0), limits)
     max_tokens = _max_tokens(s.pop("max_tokens", s.pop("max_new_tokens", response_length)), response_length,
                              prompt_logprobs)
@@ -98,18 +105,19 @@ def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Li
 def _max_tokens(value: Any, response_length: int, prompt_logprobs: bool) -> int:
     """0 generates nothing: only a scoring call (prompt_logprobs) has a use for that."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not prompt_logprobs):
-        raise SamplingError(f"must be a positive integer (0 only with prompt_logprobs=True), got {value!r}",
+        raise SamplingError(f"must be a positive integer (0 only with prompt_logprobs=True), got {_short(value)}",
                             "max_tokens")
     if value > response_length:
-        raise SamplingError(f"{value} exceeds rollout.response_length={response_length}", "max_tokens")
+        raise SamplingError(f"{_short(value)} exceeds rollout.response_length={response_length}", "max_tokens")
     return value
 
 
 def check_top_logprobs(value: Any, limits: Limits) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SamplingError(f"must be an integer >= 0, got {value!r}", "top_logprobs")
+        raise SamplingError(f"must be an integer >= 0, got {_short(value)}", "top_logprobs")
     if value > limits.max_top_logprobs:
-        raise SamplingError(f"{value} exceeds limits.max_top_logprobs={limits.max_top_logprobs}", "top_logprobs")
+        raise SamplingError(f"{_short(value)} exceeds limits.max_top_logprobs={limits.max_top_logprobs}",
+                            "top_logprobs")
     return value
 
 
@@ -130,7 +138,7 @@ def _number(params: dict, name: str, integer: bool = False) -> Any:
     value = params[name]
     kinds = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise SamplingError(f"must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+        raise SamplingError(f"must be {'an integer' if integer else 'a number'}, got {_short(value)}", name)
     if not integer and not math.isfinite(value):
         raise SamplingError(f"must be a finite number, got {value!r}", name)
     return value
@@ -142,7 +150,7 @@ def _in_range(params: dict, name: str, low: float, high: float, *, low_open: boo
         return
     value = _number(params, name, integer)
     if value < low or (low_open and value == low) or value > high:
-        raise SamplingError(f"must be {text or f'in [{low}, {high}]'}, got {value}", name)
+        raise SamplingError(f"must be {text or f'in [{low}, {high}]'}, got {_short(value)}", name)
 
 
 def check_params(params: dict[str, Any]) -> None:
@@ -153,25 +161,35 @@ def check_params(params: dict[str, Any]) -> None:
               text=f"in [0, max_new_tokens={params.get('max_new_tokens', 'unset')}]")
     _in_range(params, "temperature", 0.0, 1e6, text="in [0, 1e6]")
     _in_range(params, "top_p", 0.0, 1.0, low_open=True, text="in (0, 1]")
-    if "top_k" in params and (_number(params, "top_k", True) == 0 or params["top_k"] < -1):
-        raise SamplingError(f"must be -1 (off) or >= 1, got {params['top_k']}", "top_k")
+    if "top_k" in params and (_number(params, "top_k", True) == 0 or not -1 <= params["top_k"] <= TOP_K_ALL):
+        raise SamplingError(f"must be -1 (off) or in [1, {TOP_K_ALL}], got {params['top_k']}", "top_k")
     _in_range(params, "min_p", 0.0, 1.0)
-    _in_range(params, "n", 1, big, integer=True, text=">= 1")
+    _in_range(params, "n", 1, big, integer=True, text=f"in [1, {big}]")
     _in_range(params, "presence_penalty", -2.0, 2.0)
     _in_range(params, "frequency_penalty", -2.0, 2.0)
-    _in_range(params, "repetition_penalty", 0.0, 2.0, low_open=True, text="in (0, 2]")
+    # SGLang takes (0, 2]; below 0.01 the division overflows float32 logits to inf (then NaN probabilities)
+    _in_range(params, "repetition_penalty", MIN_REPETITION_PENALTY, 2.0, text=f"in [{MIN_REPETITION_PENALTY}, 2]")
     seed = params.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
-        raise SamplingError(f"must be a 64-bit integer, got {seed!r}", "seed")
+        raise SamplingError(f"must be a 64-bit integer, got {_short(seed)}", "seed")
     stop = params.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
-        raise SamplingError(f"must be a string or a list of non-empty strings, got {stop!r}", "stop")
+        raise SamplingError(f"must be a string or a list of non-empty strings, got {_short(stop)}", "stop")
     if isinstance(stop, str) and not stop:
         raise SamplingError("must not be empty", "stop")
     ids = params.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, (list, tuple, set)) and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-        raise SamplingError(f"must be a list of token ids, got {ids!r}", "stop_token_ids")
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < big for i in ids)):
+        raise SamplingError(f"must be a list of token ids, got {_short(ids)}", "stop_token_ids")
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
-        raise SamplingError(f"must be true or false, got {params['ignore_eos']!r}", "ignore_eos")
+        raise SamplingError(f"must be true or false, got {_short(params['ignore_eos'])}", "ignore_eos")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """A value for an error message, cut so a huge request cannot make a huge message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -76,3 +76,19 @@ def test_table_output_has_the_dp_line():
                   "rows_per_replica": {0: 4, 1: 4}, "same_tokens": "8/8", "note": "share the cores"}}
     text = report(res)
     assert "DP data parallelism" in text and "2.00x" in text and "same greedy tokens 8/8" in text
+
+
+def test_soak_smoke():
+    """`final bench --only soak` end to end on a few requests: a real `final serve` subprocess, every request
+    answered as it should be, no cartridge reference left behind, the server alive and exiting 0 on SIGTERM.
+    (The 2,000-request figures are bench/RESULTS.md's; RSS drift and latency are not asserted.)"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "final.cli", "bench", "--only", "soak", "--quick", "--json",
+                           "--soak-requests", "40", "--soak-concurrency", "4"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    soak = json.loads(proc.stdout.strip().splitlines()[-1])["soak"]
+    assert soak["requests"] == 40 and sum(soak["kinds"].values()) == 40
+    assert soak["unexpected"] == 0, soak["unexpected_examples"]
+    assert soak["cartridge_refs_end"] == 0 and soak["alive"] and soak["exit_code_after_sigterm"] == 0
+    assert soak["p50_ms"] > 0 and soak["rss_end_mb"] > 0

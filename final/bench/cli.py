@@ -4,6 +4,7 @@
   final bench --quick --json  smoke run on the tiny model; one JSON object {"p1", "p2", "p3", "p4", ...}
   final bench --only p1,p4    a subset
   final bench --only dp       one engine vs 2 replicas on Ray (final.distributed); not in the default run
+  final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
 Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
 """
 
@@ -24,7 +25,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark the embedded engine against HF generate (P1-P4)")
     p.add_argument("--quick", action="store_true", help="tiny model, small sizes: a smoke run in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--only", default="p1,p2,p3,p4", help="comma-separated subset of p1,p2,p3,p4,dp (dp starts Ray)")
+    p.add_argument("--only", default="p1,p2,p3,p4",
+                   help="comma-separated subset of p1,p2,p3,p4,dp,soak (dp starts Ray; soak runs final serve on the "
+                        "tiny model unless --model)")
     p.add_argument("--model", help=f"model for P1-P3 (default {DEFAULT_MODEL}; --quick: {QUICK_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=int, help="timed repeats per figure (default 3; --quick 1)")
@@ -36,6 +39,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--p4-prompts", type=int, help="P4 prompts (default 256; --quick 16)")
     p.add_argument("--dp-replicas", type=int, default=2, help="DP: replicas in the pool (default 2)")
     p.add_argument("--dp-prompts", type=int, help="DP: prompts, greedy, new tokens = --new-tokens (default 64; --quick 8)")
+    p.add_argument("--soak-requests", type=int, help="soak: requests (default 2000; --quick 200)")
+    p.add_argument("--soak-seconds", type=float, default=1200.0, help="soak: stop sending after this long (default 1200)")
+    p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
     p.set_defaults(func=_main, argv=[])
     return p
 
@@ -126,7 +132,15 @@ def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:
                          else 64), repeats, args.dp_replicas, args.device)}
 
 
-MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "dp": _dp}
+def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.soak import run_soak
+
+    # robustness, not speed: the tiny model keeps 2,000 requests to minutes on a CPU
+    return run_soak(args.model or QUICK_MODEL, args.soak_requests or (200 if args.quick else 2000),
+                    args.soak_seconds, args.soak_concurrency)
+
+
+MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "dp": _dp, "soak": _soak}
 
 
 def report(res: dict) -> str:
@@ -177,6 +191,12 @@ def report(res: dict) -> str:
         from final.bench.dp import describe as describe_dp
 
         lines += ["", f"DP data parallelism, greedy, tok/s ({res['dp']['note']})", "  " + describe_dp(res["dp"])]
+    if "soak" in res:
+        from final.bench.soak import describe as describe_soak
+
+        s = res["soak"]
+        lines += ["", f"Soak: final serve under mixed load (goals: 0 unexpected statuses, RSS drift < 5%, 0 cartridge "
+                      f"references held, alive: {'met' if s['met'] else 'NOT met'})", "  " + describe_soak(s)]
     return "\n".join(lines)
 
 

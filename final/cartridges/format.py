@@ -131,6 +131,8 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
 
 
 def _read_pt(path: Path, head: bytes) -> dict:
+    from safetensors import SafetensorError  # torch >= 2.10 hands a *.safetensors name to safetensors itself
+
     name = str(path)
     if head[:2] == b"PK" and not zipfile.is_zipfile(path):
         raise CartridgeError("torch zip archive is truncated or corrupt", file=name, field="file")
@@ -151,7 +153,7 @@ def _read_pt(path: Path, head: bytes) -> dict:
             raise CartridgeError(f"refused: the pickle holds more than tensors ({detail})", file=name,
                                  field="pickle") from None
         raise CartridgeError("not a cartridge file (.pt or .safetensors)", file=name, field="file") from None
-    except (RuntimeError, EOFError, ValueError, OSError, struct.error, KeyError, IndexError) as exc:
+    except (RuntimeError, EOFError, ValueError, OSError, struct.error, KeyError, IndexError, SafetensorError) as exc:
         raise CartridgeError(f"not a readable cartridge file (truncated, corrupt or not .pt/.safetensors): "
                              f"{type(exc).__name__}: {str(exc)[:200]}", file=name, field="file") from None
     if not isinstance(obj, dict):

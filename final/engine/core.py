@@ -35,6 +35,7 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     aborted: int = 0
+    faults: int = 0  # rows aborted because serving them failed (of `aborted`)
 
 
 def total_memory_bytes(device: torch.device) -> int:
@@ -78,7 +79,7 @@ class EngineCore:
                 if self.scheduler.has_work():
                     try:
                         self._step()
-                    except Exception as exc:  # keep serving: fail what was in flight, not the engine
+                    except Exception as exc:  # the bookkeeping after a step broke: nothing is known good
                         logger.exception("engine step failed")
                         self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
 
@@ -91,21 +92,26 @@ class EngineCore:
 
     # ---- handlers ------------------------------------------------------------------------------------
     def _submit(self, msg: Submit) -> bool:
-        try:  # composing several cartridges (a per-layer concatenation) is tensor work: it belongs here
-            prefixes = [self.prefixes.get(seq.cartridges) for seq in msg.seqs]
-        except Exception as exc:  # noqa: BLE001 - e.g. a cartridge unloaded since the request was made
-            for batch in {id(s.batch): s.batch for s in msg.seqs}.values():
-                batch.fail(exc)
-            return True
-        for seq, prefix in zip(msg.seqs, prefixes):
-            seq.prefix = prefix
-            self.stats.requests += 1
-            self.stats.prompt_tokens += len(seq.prompt_ids)
-            self.scheduler.add(seq)
+        failed: set[int] = set()  # batches (requests) refused here: a cartridge unloaded since they were made
+        for seq in msg.seqs:
+            if id(seq.batch) in failed:
+                continue
+            try:  # composing several cartridges (a per-layer concatenation) is tensor work: it belongs here
+                seq.prefix = self.prefixes.get(seq.cartridges)
+            except Exception as exc:  # noqa: BLE001 - that request fails with the cause, the others go on
+                failed.add(id(seq.batch))
+                seq.batch.fail(exc)
+        for seq in msg.seqs:
+            if id(seq.batch) not in failed:
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(seq.prompt_ids)
+                self.scheduler.add(seq)
         return True
 
     def _abort(self, msg: Abort) -> bool:
-        match = (lambda s: True) if msg.abort_all else (lambda s: s.rid == msg.rid)
+        def match(s: Sequence) -> bool:
+            return msg.abort_all or s.rid == msg.rid or s.rid in msg.rids
+
         for seq in self.scheduler.drop_waiting(match):
             seq.abort(msg.message)
             self.stats.aborted += 1
@@ -131,30 +137,93 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------------------
     def _step(self) -> None:
+        """A prefill batch of admitted requests, else one decode step of every running row. An exception that no
+        single row caused (the forward pass) aborts this step's rows only: rows running while a prefill fails, and
+        requests still waiting, go on."""
         batch = self.scheduler.next_prefill()
-        if batch:
-            logits = self.runner.prefill(batch)
-            self.stats.prefill_steps += 1
-            rows = [i for i, s in enumerate(batch) if s.max_new_tokens > 0]
-            for s in batch:
-                if s.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): the prefill was the work
-                    s.finish_reason = {"type": "length", "length": 0}
-            if rows:
-                self._append(logits[rows], [batch[i] for i in rows])
-            self._finish([s for s in batch if s.finish_reason is not None])
-            return
-        running = list(self.scheduler.running)
+        seqs = batch or list(self.scheduler.running)
+        try:
+            self._prefill(batch) if batch else self._decode(seqs)
+        except Exception as exc:  # noqa: BLE001 - reported to the step's rows, the engine keeps serving
+            logger.exception("engine step failed")
+            self._abort_faulty([s for s in seqs if s.finish_reason is None],
+                               f"engine step failed: {type(exc).__name__}: {exc}")
+        self._finish([s for s in seqs if s.finish_reason is not None])
+
+    def _prefill(self, batch: list[Sequence]) -> None:
+        logits = self.runner.prefill(batch)
+        self.stats.prefill_steps += 1
+        rows = [i for i, s in enumerate(batch) if s.max_new_tokens > 0]
+        for s in batch:
+            if s.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): the prefill was the work
+                s.finish_reason = {"type": "length", "length": 0}
+        if rows:
+            self._append(logits[rows], [batch[i] for i in rows])
+
+    def _decode(self, running: list[Sequence]) -> None:
         logits = self.runner.decode(running)
         self.stats.decode_steps += 1
         self._append(logits, running)
-        self._finish([s for s in running if s.finish_reason is not None])
 
     def _append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        tokens, logprobs, tops = sample(logits, seqs)
-        stop_texts = self._stop_matcher if any(s.params.stop for s in seqs) else None
-        for i, seq in enumerate(seqs):
-            seq.append(tokens[i], logprobs[i] if logprobs is not None else None, stop_texts, tops and tops[i])
-        self.stats.generated_tokens += len(seqs)
+        """One new token per row. A row whose logits are not finite, or whose sampling or bookkeeping raises, is
+        aborted alone with the cause; every other row gets exactly the token it would have got without it."""
+        logits, seqs = self._drop_nonfinite(logits, seqs)
+        picked = self._sample(logits, seqs) if seqs else []
+        stop_texts = self._stop_matcher if any(s.params.stop for s, _, _, _ in picked) else None
+        for seq, token, logprob, top in picked:
+            try:  # the stop-string check decodes, a stream's callback runs: either may raise for this row
+                seq.append(token, logprob, stop_texts, top)
+            except Exception as exc:  # noqa: BLE001 - this row's fault
+                logger.exception("recording a token failed")
+                self._abort_faulty([seq], f"recording its token failed: {type(exc).__name__}: {exc}")
+        self.stats.generated_tokens += len(picked)
+
+    def _drop_nonfinite(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Rows whose logits hold NaN or inf (a corrupt weight, an overflow, a NaN cartridge) would sample garbage
+        (argmax of NaN) or raise in the draw: abort them here. One sum per row finds them (NaN and inf propagate)."""
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        if bool(finite.all()):
+            return logits, seqs
+        ok = finite.tolist()
+        self._abort_faulty([s for s, good in zip(seqs, ok) if not good],
+                           "the model's logits for this sequence are not finite (NaN or inf)")
+        keep = [i for i, good in enumerate(ok) if good]
+        return logits[keep], [seqs[i] for i in keep]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int, float | None, Any]]:
+        """sample() over the batch. If it raises, every row is sampled alone from the state it had before (its
+        generator restored, its logits unpenalised), so only the rows that fail on their own are lost."""
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        pristine = logits.clone() if any(s.params.has_penalties for s in seqs) else logits  # penalised in place
+        try:
+            tokens, logprobs, tops = sample(logits, seqs)
+            none = [None] * len(seqs)
+            return list(zip(seqs, tokens, logprobs if logprobs is not None else none, tops or none))
+        except Exception as exc:  # noqa: BLE001 - find the row(s) that cause it
+            logger.warning("sampling %d rows failed (%s: %s); sampling them one by one", len(seqs),
+                           type(exc).__name__, exc)
+        picked = []
+        for i, (seq, state) in enumerate(zip(seqs, states)):
+            if state is not None:
+                seq.generator.set_state(state)
+            try:
+                tokens, logprobs, tops = sample(pristine[i:i + 1], [seq])
+            except Exception as exc:  # noqa: BLE001 - this row's fault
+                self._abort_faulty([seq], f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
+            picked.append((seq, tokens[0], logprobs[0] if logprobs is not None else None, tops and tops[0]))
+        return picked
+
+    def _abort_faulty(self, seqs: list[Sequence], cause: str) -> None:
+        """Abort rows that failed, each with the cause (finish reason "abort"). Their slots are zeroed: a NaN left
+        in a slot's K/V would reach the next row that moves in, since masked keys still multiply values by 0."""
+        for seq in seqs:
+            seq.abort(cause)
+            self.stats.aborted += 1
+            self.stats.faults += 1
+            if seq.slot >= 0:
+                self.cache.clear_slot(seq.slot)
 
     def _stop_matcher(self, output_ids: list[int], stops: list[str]) -> str | None:
         """SGLang's stop-string check: decode the tail of the output and look for any stop string."""

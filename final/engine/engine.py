@@ -185,7 +185,8 @@ class EmbeddedEngine:
         for row, seq in enumerate(seqs):
             seq.batch, seq.row = batch, row
         self._post(Submit(seqs))
-        return Submission(batch.future, lambda: [self.abort_request(s.rid) for s in seqs if not self._closed])
+        rids = frozenset(s.rid for s in seqs)  # one message: every row leaves at the same step boundary
+        return Submission(batch.future, lambda: None if self._closed else self._post(Abort(rids=rids)))
 
     # ---- cartridges ----------------------------------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> PrefixKV:
@@ -227,6 +228,8 @@ class EmbeddedEngine:
         bad = [t for t in ids if not 0 <= t < spec.vocab_size]
         if bad:
             raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {spec.vocab_size})", index)
+        if any(t >= spec.vocab_size for t in params.stop_token_ids):  # they would index past the logits
+            raise SamplingError(f"token ids outside the vocabulary [0, {spec.vocab_size})", "stop_token_ids")
         prefix_len = self.core.prefixes.length_of(cartridges)
         context = len(ids) + prefix_len
         room = max_len + (params.max_new_tokens == 0)  # scoring only (nothing generated): the whole window is prompt

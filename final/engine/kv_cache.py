@@ -46,6 +46,13 @@ class KVCache:
             t = min(-(-t // 64) * 64, max(self.max_tokens_per_row, tokens))
         return r, t
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero one slot's K/V (after a row that left NaN/inf in it, before another row moves in)."""
+        if slot < self.rows:
+            for k, v in zip(self.k, self.v):
+                k[slot].zero_()
+                v[slot].zero_()
+
     def reserve(self, rows: int, tokens: int) -> None:
         """Make room for `rows` slots of `tokens` tokens each, keeping the contents."""
         r, t = self._grown(rows, tokens)

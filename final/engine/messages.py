@@ -95,11 +95,13 @@ class Submit:
 
 @dataclass
 class Abort:
-    """Abort the sequence with this rid (or every one): it finishes with finish_reason "abort"."""
+    """Abort the sequence with this rid, those in `rids` (one message for a whole request, so all its rows leave
+    at the same step boundary), or every one: they finish with finish_reason "abort"."""
 
     rid: str = ""
     abort_all: bool = False
     message: str = "aborted"
+    rids: frozenset[str] = frozenset()
 
 
 @dataclass

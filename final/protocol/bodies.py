@@ -18,8 +18,9 @@ CartridgeSource = Literal["wandb", "local", "huggingface", "s3"]
 
 
 class _Strict(BaseModel):
-    # JSON types are taken as sent: "5" is not an int, true is not a number.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # JSON types are taken as sent: "5" is not an int, true is not a number; NaN and Infinity (which Python's
+    # json sends) are not numbers either, so a non-finite float is a 400 naming its field before any work.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Cartridge(_Strict):

@@ -30,7 +30,7 @@ from verl import DataProto
 from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolCall
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum, FinishReasonTypeEnum
 
-from final.errors import EngineError, PromptError, ToolConfigError
+from final.errors import PromptError, SequenceError, ToolConfigError
 from final.outputs import ROW_INFO, TRACE_KEY
 from final.prompts import object_array
 from final.sampling import row_seed
@@ -363,7 +363,8 @@ def _check_multi_turn(mt: Any) -> None:
 
 
 def _finish_reason(output: dict) -> Finish:
-    kind = output["meta_info"]["finish_reason"]["type"]
-    if kind == "abort":
-        raise EngineError(f"the engine aborted request {output['meta_info'].get('id')}")
+    reason = output["meta_info"]["finish_reason"]
+    kind = reason["type"]
+    if kind == "abort":  # the conversation has no answer for this turn: the call fails with the engine's cause
+        raise SequenceError(f"request {output['meta_info'].get('id')}: {reason.get('message') or 'aborted'}")
     return Finish.from_str(kind)

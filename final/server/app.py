@@ -8,6 +8,7 @@ Endpoints, as in ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasa
        the same bodies + cartridges: [{id, source, force_redownload}]
        (also under /v1/cartridge/..., the names older Tokasaurus branches and clients use)
   POST /generate                          seed 001's native `protocol: toka` body (not in real Tokasaurus)
+  GET  /custom/cartridges                 loaded cartridges and the references held on them (ours)
 Not served: files/batches and the pickled synchronous-batch endpoints (we never send pickles).
 Errors are OpenAI-style JSON (final/server/errors.py); a request's failure never stops the server.
 """
@@ -28,9 +29,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from final.errors import FinalError
+from final.inf import InferenceEngine
 from final.protocol import bodies
 from final.server import prepare
 from final.server.errors import APIError, from_final, from_validation
+from final.server.limits import read_body
 from final.server.responses import Renderer
 from final.server.streaming import sse
 
@@ -56,9 +59,10 @@ class Service:
         self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
         self.renderer = Renderer(inference.tokenizer)
         self.model_id = inference.config.model_path
+        self.max_body_bytes = inference.config.limits.max_body_bytes
 
     async def handle(self, raw: Request, model: type[BaseModel], make_call: Any) -> Any:
-        body = await _parse(raw, model)
+        body = await _parse(raw, model, self.max_body_bytes)
         param = "messages" if make_call is prepare.chat_call else "prompt"
         try:
             loaded = self.inference.cartridge_ids()
@@ -102,6 +106,12 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
         return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "final"}]}
 
+    @app.get("/custom/cartridges")
+    async def cartridges() -> dict:
+        """The loaded cartridges and the references requests hold on them now (for operators, and the soak)."""
+        usage = inference.cartridge_usage() if isinstance(inference, InferenceEngine) else None
+        return usage or {"cartridges": None, "metrics": None}
+
     for path, (model, make_call) in ROUTES.items():
         async def endpoint(raw: Request, model=model, make_call=make_call) -> Any:
             return await service.handle(raw, model, make_call)
@@ -113,7 +123,7 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -147,10 +157,12 @@ async def _chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
         await rest.aclose()
 
 
-async def _parse(raw: Request, model: type[BaseModel]) -> Any:
-    body = await raw.body()
+async def _parse(raw: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    body = await read_body(raw, max_bytes)
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body or b"null")
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation(exc) from None
 

@@ -17,8 +17,21 @@ import sys
 import time
 
 from final.cli import add_replica_args
+from final.sampling import Limits
 
 DEFAULT_PORT = 10210  # Tokasaurus' default
+# flag, limits key, type, what it bounds (README "Limits")
+LIMIT_FLAGS = (
+    ("--max-n", "max_n", int, "most samples per prompt"),
+    ("--max-prompts", "max_prompts", int, "most prompts per request"),
+    ("--max-stop", "max_stop", int, "most stop strings per request"),
+    ("--max-stop-length", "max_stop_length", int, "most characters per stop string"),
+    ("--max-top-logprobs", "max_top_logprobs", int, "most alternatives per token (logprobs: k, top_logprobs)"),
+    ("--max-queued-rows", "max_queued_rows", int, "most rows queued in the engine; beyond, 429 with Retry-After"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body; beyond, 413"),
+    ("--deadline", "deadline_s", float, "seconds a request may run before its rows are aborted (504)"),
+    ("--max-cartridge-bytes", "max_cartridge_bytes", int, "bytes of loaded cartridges; beyond, LRU eviction"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cartridge-dir", default=None,
                        help="allow requests to load local cartridge files under this folder (default: none; "
                             "cartridges from the config are always served)")
+    for flag, key, kind, what in LIMIT_FLAGS:
+        serve.add_argument(flag, type=kind, default=None, dest=f"limit_{key}", metavar="S" if kind is float else "N",
+                           help=f"{what} (overrides the config's limits.{key}; default {getattr(Limits(), key)})")
+    serve.add_argument("--grace", type=float, default=30.0,
+                       help="after SIGTERM: new requests get 503 and those in flight get this many seconds to "
+                            "finish before they are cut (default 30)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_cmd_serve)
 
@@ -59,16 +78,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from final.cli import open_engine
     from final.server.app import create_app
+    from final.server.limits import Drain, DrainingServer
 
     if not _is_loopback(args.host):
         print(f"warning: serving on {args.host}, reachable from other machines"
               f"{'' if args.api_key else ' without an API key (--api-key)'}", file=sys.stderr)
-    overrides = {"model_path": args.model} if args.model else {}
+    overrides: dict = {"model_path": args.model} if args.model else {}
+    limits = {key: getattr(args, f"limit_{key}") for _, key, _, _ in LIMIT_FLAGS
+              if getattr(args, f"limit_{key}") is not None}
+    if limits:  # deep-merged over the config's limits: and checked with them (ConfigError naming limits.KEY)
+        overrides["limits"] = limits
     with open_engine(args, **overrides) as inference:
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
-        uvicorn.run(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir),
-                    host=args.host, port=args.port,
-                    log_level=args.log_level)
+        app = Drain(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=1)  # what is left after --grace is cut
+        DrainingServer(config, app, args.grace).run()
     return 0
 
 

@@ -1,7 +1,9 @@
 """OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 
 Every failure of a request becomes one of these; none takes the server down. Bad input (our typed errors,
-pydantic validation, malformed JSON) is a 400 naming the offending field; an engine that cannot serve is 503.
+pydantic validation, malformed JSON) is a 400 naming the offending field; a body past limits.max_body_bytes 413,
+a body that is not JSON 415; a full queue 429 with Retry-After; a row the engine aborted 500; a request past its
+deadline 504; an engine that cannot serve (shut down, shutting down) 503.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, FinalError, PromptError,
-                          SamplingError, UnsupportedError)
+from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, DeadlineError, EngineError, FinalError,
+                          OverloadedError, PromptError, SamplingError, SequenceError, UnsupportedError)
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs",
@@ -20,13 +22,14 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_l
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):  # noqa: A002 - OpenAI's field name
+                 type: str | None = None, headers: dict[str, str] | None = None):  # noqa: A002 - OpenAI's name
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -47,6 +50,13 @@ def from_validation(exc: ValidationError) -> APIError:
 def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
     """One of final.errors' typed errors -> an APIError (4xx for input, 503 when the engine cannot serve)."""
     message = str(exc)
+    if isinstance(exc, SequenceError):  # this request's row failed in the engine; the engine serves on
+        return APIError(500, message, code="sequence_aborted")
+    if isinstance(exc, OverloadedError):
+        return APIError(429, message, code="engine_overloaded", type="rate_limit_error",
+                        headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    if isinstance(exc, DeadlineError):
+        return APIError(504, message, code="deadline_exceeded")
     if isinstance(exc, (EngineError, BackendUnavailableError)):
         return APIError(503, message, code="engine_unavailable")
     if isinstance(exc, UnsupportedError):

@@ -16,6 +16,7 @@ from typing import Any
 from final.errors import CartridgeError, PromptError, SamplingError
 from final.protocol.bodies import ChatCompletionRequest, CompletionsRequest, GenerateRequest
 from final.request import Request
+from final.sampling import check_params
 
 _SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
 
@@ -138,30 +139,42 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
     for key in ("presence_penalty", "frequency_penalty"):  # OpenAI's 0 defaults: leave them to the backend
         if out.get(key) == 0:
             del out[key]
-    if out["temperature"] == 0:  # a greedy row draws nothing: its seed means nothing (lm-eval sends one always,
-        out.pop("seed", None)    # which a backend without per-request seeds, sglang, would refuse)
+    if out["temperature"] == 0 and "seed" in out:  # a greedy row draws nothing: its seed means nothing (lm-eval
+        check_params({"seed": out.pop("seed")})     # sends one always, which sglang would refuse); a bad one is still bad
     if getattr(req, "ignore_eos", False):
         out["ignore_eos"] = True
     return out
 
 
-def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None) -> list[dict] | None:
+def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None) -> list[dict | str] | None:
     """The request's cartridges as specs to load. HTTP clients may load local files only from --cartridge-dir,
     so a request never reads an arbitrary path: a local file's spec gets its resolved path under that folder.
-    Ids already loaded (the config's cartridges) are served without touching files. loaded=None: this server
-    holds no cartridges (InferenceEngine refuses the specs)."""
-    specs = []
+    Ids already loaded (the config's cartridges) are served by id, never from a file: had the spec gone on
+    without a path, a cartridge evicted between this check and the load would be read from the id as a path.
+    loaded=None: this server holds no cartridges (InferenceEngine refuses the specs)."""
+    specs: list[dict | str] = []
     for spec in getattr(req, "cartridges", None) or []:
         out = spec.model_dump()
-        if loaded is not None and spec.source == "local" and not (spec.id in loaded and not spec.force_redownload):
-            if cartridge_dir is None:
+        if loaded is not None and spec.source == "local":
+            path = _under(cartridge_dir, spec.id)
+            if path is not None:
+                out["path"] = str(path)  # resident: served from memory; evicted meanwhile: reloaded from here
+            elif spec.id in loaded and not spec.force_redownload:
+                out = spec.id
+            elif cartridge_dir is None:
                 raise CartridgeError("loading local cartridge files over HTTP is off; start the server with "
                                      "--cartridge-dir DIR to allow files under DIR", file=spec.id, field="source")
-            path = Path(spec.id).expanduser()
-            resolved = (path if path.is_absolute() else cartridge_dir / path).resolve()
-            if not resolved.is_relative_to(cartridge_dir):
+            else:
                 raise CartridgeError(f"is outside the server's --cartridge-dir {cartridge_dir}", file=spec.id,
                                      field="id")
-            out["path"] = str(resolved)
         specs.append(out)
     return specs or None
+
+
+def _under(folder: Path | None, name: str) -> Path | None:
+    """`name` resolved under `folder` (symlinks followed), or None when there is no folder or it leads out."""
+    if folder is None:
+        return None
+    path = Path(name).expanduser()
+    resolved = (path if path.is_absolute() else folder / path).resolve()
+    return resolved if resolved.is_relative_to(folder) else None

@@ -17,6 +17,7 @@ Formats:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,14 +96,28 @@ def _vocab(tokenizer: Any) -> dict:
 def _parse_block(body: str, closed: bool) -> list[ParsedCall]:
     raw = body.strip()
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     except json.JSONDecodeError as exc:
         why = "the output ended before </tool_call>" if not closed else f"invalid JSON ({exc.msg} at char {exc.pos})"
         return [ParsedCall(None, None, f"could not parse tool call: {why}", raw)]
+    except (ValueError, RecursionError) as exc:  # NaN, 1e999, an int past 4300 digits, nesting past the stack
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        return [ParsedCall(None, None, f"could not parse tool call: invalid JSON ({why})", raw)]
     items = payload if isinstance(payload, list) else [payload]
     if not items:
         return [ParsedCall(None, None, "could not parse tool call: empty list", raw)]
     return [_to_call(item, raw) for item in items]
+
+
+def _not_json(word: str) -> float:
+    raise ValueError(f"{word} is not a JSON number")  # Python's json would accept NaN/Infinity: a tool must not
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 def _to_call(item: Any, raw: str) -> ParsedCall:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
+from final.config import read_yaml
 from final.errors import ToolConfigError
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -64,10 +64,7 @@ def load_tools(path: str | Path) -> ToolSet:
     where = str(path)
     if not path.is_file():
         raise ToolConfigError("tool config file not found", path=where)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ToolConfigError(f"invalid YAML: {exc}", path=where) from exc
+    doc = read_yaml(path, ToolConfigError)
     if not isinstance(doc, dict) or "tools" not in doc:
         raise ToolConfigError("expected a mapping with a 'tools' list", key="tools", path=where)
     entries = doc["tools"]

@@ -1,0 +1,83 @@
+"""What one InferenceEngine call needs around it: its deadline, its progress bar and tool-event callback, and
+whether the caller is inside a running event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from final.errors import DeadlineError
+from final.request import Request
+
+
+async def within_deadline(work: Any, deadline: float | None) -> Any:
+    """`work` awaited; past `deadline` seconds it is cancelled (its rows aborted) and DeadlineError raised."""
+    if deadline is None:
+        return await work
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    try:
+        return await asyncio.wait_for(work, deadline)  # on expiry it cancels the work: its rows are aborted
+    except asyncio.TimeoutError:
+        if loop.time() < end:  # a timeout of the work's own (a tool's), not the deadline
+            raise
+        raise DeadlineError(deadline) from None
+
+
+async def until_deadline(updates: AsyncIterator[Any], deadline_s: float | None) -> AsyncIterator[Any]:
+    """`updates` until the deadline: then DeadlineError (the stream under it is cancelled, aborting its rows)."""
+    if deadline_s is None:
+        async for item in updates:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        try:
+            item = await asyncio.wait_for(updates.__anext__(), max(end - loop.time(), 0.0))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise DeadlineError(deadline_s) from None
+        yield item
+
+
+def loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class CallObserver:
+    """Per call: a tqdm bar over finished rows, and the caller's tool-event callback."""
+
+    def __init__(self, bar: Any, on_event: Callable[[dict], None] | None):
+        self.bar, self.on_event = bar, on_event
+        self._lock = threading.Lock()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, request: Request, on_event: Callable[[dict], None] | None) -> Iterator["CallObserver | None"]:
+        bar = None
+        if request.show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=request.rows, desc="generate", unit="seq")
+        try:
+            yield cls(bar, on_event) if bar is not None or on_event is not None else None
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def row_done(self) -> None:
+        if self.bar is not None:
+            with self._lock:
+                self.bar.update()
+
+    def tool_event(self, event: dict) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
