@@ -17,6 +17,9 @@
 - A replica that dies (killed, crashed, out of memory) is dropped for good and its unfinished chunk goes back to
   the front of the queue; results are taken once per chunk, so no row is lost or duplicated. With none left,
   ReplicaError names every dead replica and why.
+- limits.max_queued_rows and limits.deadline_s hold at the pool's door as on one engine (OverloadedError,
+  DeadlineError); a call cancelled or past its deadline stops handing out chunks, and the chunks already on a
+  replica finish there (Ray cannot interrupt a running actor call), their rows dropped.
 - ray_address=None starts a private local Ray that the last pool using it stops; an address joins an existing
   cluster; a process that already called ray.init() keeps its Ray (and stops it itself).
 """
@@ -31,6 +34,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from final.admission import Admission
+from final.calls import within_deadline
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score, scores_of
@@ -71,6 +76,7 @@ class ReplicaPool:
         self.chunk_rows = chunk_rows
         self._dead: dict[int, str] = {}
         self._closed = False
+        self._admission = Admission(self.config.limits.max_queued_rows)
         self._owns_ray = acquire_ray(address, self.replicas)
         try:
             self._actors, self.info = start_replicas(self.replicas, config_dict(config), overrides, num_gpus,
@@ -150,6 +156,10 @@ class ReplicaPool:
         self._require_open()
         if not self.alive:
             raise self._no_replica_left()
+        with self._admission.hold(request.rows):
+            return await within_deadline(self._arun(request), self.config.limits.deadline_s)
+
+    async def _arun(self, request: Request) -> GenerationOutput:
         n = request.n
         chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
         bar = _progress_bar(request.rows) if request.show_progress else None

@@ -182,6 +182,35 @@ def test_bad_input_raises_typed_errors_and_the_pool_keeps_serving(pool, ray_clus
         ReplicaPool({**tiny_config(), "model_path": "/nonexistent/model"}, replicas=1, num_cpus=0)
 
 
+def test_the_pool_applies_the_queue_bound_and_the_deadline(pool):
+    """limits.max_queued_rows and limits.deadline_s hold at the pool's door as on one engine; the pool serves on."""
+    import dataclasses
+
+    from final.admission import Admission
+    from final.errors import DeadlineError, OverloadedError
+
+    config, admission = pool.config, pool._admission
+    try:
+        pool._admission = Admission(4)  # as if limits.max_queued_rows were 4
+
+        async def two_calls():
+            first = asyncio.ensure_future(pool.agenerate(PROMPTS[:4], max_tokens=8, ignore_eos=True))
+            await asyncio.sleep(0)  # the first call is admitted (its rows counted) before the second asks
+            with pytest.raises(OverloadedError, match="max_queued_rows=4") as err:
+                await pool.agenerate("Hi", max_tokens=2)
+            assert err.value.retry_after > 0
+            return await first
+
+        assert len(asyncio.run(two_calls()).completions) == 4
+        pool._admission = admission
+        pool.config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, deadline_s=0.001))
+        with pytest.raises(DeadlineError):
+            pool.generate(PROMPTS, max_tokens=16, ignore_eos=True)
+    finally:
+        pool.config, pool._admission = config, admission
+    assert pool.generate("Hi", max_tokens=2).completions  # still serving
+
+
 def test_open_engine_with_one_replica_never_starts_ray(monkeypatch):
     import ray
 
