@@ -136,8 +136,10 @@ def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
     from final.bench.soak import run_soak
 
     # robustness, not speed: the tiny model keeps 2,000 requests to minutes on a CPU
-    return run_soak(args.model or QUICK_MODEL, args.soak_requests or (200 if args.quick else 2000),
-                    args.soak_seconds, args.soak_concurrency)
+    soak_model = args.model or QUICK_MODEL
+    soak = run_soak(soak_model, args.soak_requests or (200 if args.quick else 2000), args.soak_seconds,
+                    args.soak_concurrency)["soak"]
+    return {"soak": {"model": soak_model, **soak}}
 
 
 MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "dp": _dp, "soak": _soak}
