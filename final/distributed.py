@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from final.admission import Admission
-from final.calls import within_deadline
+from final.calls import loop_running, within_deadline
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
-from final.outputs import Completion, GenerationOutput, Score, scores_of
+from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
 from final.chunks import Chunk, assemble, plan_chunks
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
@@ -116,7 +116,7 @@ class ReplicaPool:
     def rules(self) -> CallRules:
         """What preparing a call needs (final.request.CallRules): the replicas' backend, this pool's tokenizer."""
         rollout = self.rollout_config
-        tools = [t["function"]["name"] for t in self._tool_schemas] if rollout.multi_turn.enable else None
+        tools = self.tool_names() if rollout.multi_turn.enable else None
         return CallRules(self.tokenizer, rollout.prompt_length, rollout.response_length, self.config.limits,
                          self.backend, self.capabilities, tools, self.cartridge_ids, self.cartridge_ids,
                          self.config.progress)
@@ -146,7 +146,7 @@ class ReplicaPool:
         self._require_open()
         request = prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
                                 cartridge=cartridge)
-        return scores_of(request.ids, request.continuation_starts, self.run(request).metadata, top_logprobs)
+        return request.scores(self.run(request).metadata)
 
     def run(self, request: Request) -> GenerationOutput:
         return _run_blocking(self.arun(request))
@@ -333,9 +333,7 @@ class ReplicaPool:
 
 def _run_blocking(coro: Any) -> Any:
     """asyncio.run(coro), also from inside a running event loop (a notebook cell), as InferenceEngine allows."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if not loop_running():
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()

@@ -25,7 +25,7 @@ from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
 from final.outputs import (ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of,
-                            raise_if_aborted, scores_of)
+                            raise_if_aborted)
 from final.request import CallRules, Request, prepare, prepare_score
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
@@ -102,26 +102,21 @@ class InferenceEngine:
         Prompts take generate()'s shapes (text gets the chat template unless raw=True); with a cartridge the
         scores are conditional on it, at the positions generation uses."""
         request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
-        return self.scores(request, self.run(request))
+        return request.scores(self.run(request).metadata)
 
     async def ascore(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
                      raw: bool = False) -> list[Score]:
         """Awaitable score(); safe inside a running event loop."""
         request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
-        return self.scores(request, await self.arun(request))
+        return request.scores((await self.arun(request)).metadata)
 
     def prepare_score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
                       raw: bool = False) -> Request:
-        """score()'s checks and tokenization, nothing run (score() = prepare_score + run + scores)."""
+        """score()'s checks and tokenization, nothing run (score() = prepare_score + run + Request.scores)."""
         if self._closed:
             raise EngineError("this InferenceEngine has been shut down")
         return prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
                              cartridge=cartridge)
-
-    @staticmethod
-    def scores(request: Request, out: GenerationOutput) -> list[Score]:
-        """A prepared scoring request's output -> one Score per prompt."""
-        return scores_of(request.ids, request.continuation_starts, out.metadata, request.score_top_logprobs)
 
     def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
                 progress: bool | None = None, **sampling: Any) -> Request:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
-from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY
+from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY, Score, scores_of
 from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
                            tokenize_continuations)
 from final.sampling import Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
@@ -43,6 +43,10 @@ class Request:
     def cartridge_refs(self) -> list[Any]:
         """Every cartridge the request names (ids and specs), for loading and holding them while it runs."""
         return [c for row in self.cartridges or [] for c in row]
+
+    def scores(self, metadata: list[dict]) -> list[Score]:
+        """A scoring request's output metadata (GenerationOutput.metadata) -> one Score per prompt."""
+        return scores_of(self.ids, self.continuation_starts, metadata, self.score_top_logprobs)
 
     def part(self, p0: int, p1: int, s0: int, k: int) -> "Request":
         """Samples [s0, s0+k) of prompts [p0, p1) as a request of their own, each row keeping the seed it has in
