@@ -216,6 +216,13 @@ class ReplicaPool:
             self._cartridges.remove(cartridge_id)
         return any(results.values())
 
+    def cartridge_usage(self) -> dict | None:
+        """InferenceEngine.cartridge_usage of every live replica (each holds its own copy and references), under
+        "replicas" in replica order; None when the backend keeps no cartridge store."""
+        if self._cartridges is None:
+            return None
+        return {"cartridges": None, "metrics": None, "replicas": self.call(_cartridge_usage)}
+
     def call(self, fn: Any, replica: int | None = None) -> Any:
         """Run fn(engine) in each live replica's process (or in one), e.g. to update weights; returns the results
         in replica order (or the one result). fn must be picklable by Ray (cloudpickle)."""
@@ -337,6 +344,10 @@ def _run_blocking(coro: Any) -> Any:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def _cartridge_usage(engine: Any) -> dict | None:
+    return engine.cartridge_usage()
 
 
 def _tokenizer(config: Any) -> Any:

@@ -321,6 +321,9 @@ def test_final_serve_on_a_pool(pool, tiny_inference):
         bad = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Hi", "temperature": -1},
                          timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        usage = httpx.get(f"{server.url}/custom/cartridges", timeout=60).json()
+        assert len(usage["replicas"]) == len(pool.alive)  # each replica's own store and references
+        assert all(r["metrics"] is not None for r in usage["replicas"])
 
 
 def _hang_when_generating(engine, started: str) -> None:

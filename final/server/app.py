@@ -29,7 +29,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from final.errors import FinalError
-from final.inf import InferenceEngine
 from final.protocol import bodies
 from final.server import prepare
 from final.server.errors import APIError, from_final, from_validation
@@ -89,7 +88,7 @@ class Service:
 
 
 def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None) -> FastAPI:
-    """An app serving `inference` (an InferenceEngine); with api_key, every route but /ping needs the bearer key.
+    """An app serving `inference` (an InferenceEngine, or a ReplicaPool: the same API); with api_key, every route but /ping needs the bearer key.
     Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids)."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
     service = Service(inference, cartridge_dir)
@@ -109,7 +108,7 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
     @app.get("/custom/cartridges")
     async def cartridges() -> dict:
         """The loaded cartridges and the references requests hold on them now (for operators, and the soak)."""
-        usage = inference.cartridge_usage() if isinstance(inference, InferenceEngine) else None
+        usage = inference.cartridge_usage()
         return usage or {"cartridges": None, "metrics": None}
 
     for path, (model, make_call) in ROUTES.items():
