@@ -151,3 +151,32 @@ def test_a_batch_call_is_one_message_to_the_engine_thread(tiny_inference):
     finally:
         engine.core.inbox.put = put
     assert sent == [Submit] and len(out.completions) == 8
+
+
+def test_gather_or_cancel_stops_the_others_when_one_fails():
+    """The one gather rule of the rollouts (tokasaurus' requests, multi-turn rows): a failure cancels the siblings
+    before it propagates, so no orphaned request keeps the engine busy."""
+    import asyncio
+
+    from final.rollout.thread import gather_or_cancel
+
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def bad():
+        await asyncio.sleep(0)
+        raise ValueError("row 1")
+
+    async def main():
+        with pytest.raises(ValueError, match="row 1"):
+            await gather_or_cancel([slow(), bad(), slow()])
+        assert await gather_or_cancel([asyncio.sleep(0, result=i) for i in range(3)]) == [0, 1, 2]
+
+    asyncio.run(main())
+    assert cancelled == [True, True]

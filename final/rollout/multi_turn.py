@@ -37,7 +37,7 @@ from final.sampling import row_seed
 from final.rollout.batch import (base_sampling_params, pad_token_id, request_sampling_params, row_cartridges,
                                  strip_left)
 from final.rollout.multi_turn_batch import collate, padding_request
-from final.rollout.thread import run_until_complete
+from final.rollout.thread import gather_or_cancel, run_until_complete
 from final.tools.executor import ToolExecutor
 from final.tools.parser import ParsedCall, ParseResult, ToolCallParser
 from final.tools.registry import ToolSet, load_tools
@@ -106,7 +106,7 @@ class MultiTurnRollout:
         call = _Call(request_sampling_params(self.sampling_params, self.config, meta, kwargs), observer)
         rollouts = self._preprocess(prompts)
         if meta.get("validate", False):
-            done = await asyncio.gather(*(self._rollout(r, call) for r in rollouts))
+            done = await gather_or_cancel([self._rollout(r, call) for r in rollouts])  # a failed row stops the rest
         else:
             done = await self._rollout_with_over_sampling(rollouts, call)
         done = sorted(done, key=lambda r: (r.req.batch_data_id, r.req.rollout_offset))

@@ -19,7 +19,6 @@ Rows that name cartridges (generate(cartridge=...)) send the configured specs wi
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
@@ -35,7 +34,7 @@ from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RetryPolicy, apost_json
 from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities
 from final.rollout.engine_rollout import EngineRollout
-from final.rollout.thread import LoopThread
+from final.rollout.thread import LoopThread, gather_or_cancel
 
 ENDPOINT = "/custom/cartridge/completions"
 LACKS = ("a Tokasaurus server returns only the generated tokens' own logprobs (packed_chosen_logprobs): no prompt "
@@ -225,18 +224,6 @@ async def _client(timeout: float, limits: Any) -> Any:
     import httpx
 
     return httpx.AsyncClient(timeout=timeout, limits=limits)
-
-
-async def gather_or_cancel(coros: list) -> list:
-    """asyncio.gather, except that one failure (or a cancelled caller) cancels the rest before it propagates."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 class TokasaurusRollout(EngineRollout):
