@@ -330,3 +330,30 @@ def test_a_resident_cartridge_is_never_read_from_its_id_as_a_path(tmp_path):
                                ("../b.pt", tmp_path, "outside")):
         with pytest.raises(CartridgeError, match=words):
             cartridge_specs(req(cid), [], folder)
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_a_stream_closed_between_updates_closes_cleanly_and_frees_its_rows(inference, how):
+    """A stream left at a yield (the caller stopped reading: a hang-up, or a deadline that expired while the caller
+    was busy, which throws CancelledError in right there) closes without an error and aborts its rows. Its
+    engine streams were once closed while the merge was still reading them: "asynchronous generator is already
+    running" instead of a clean close (the deadline test saw it as a stream ending in a generic error)."""
+    before = _stats(inference)
+    request = inference.prepare(["Hi", "Name a color."], max_tokens=LONG, ignore_eos=True, n=2, temperature=1.0)
+
+    async def main():
+        updates = inference.rollout.astream(request.dataproto(inference.pad_token_id, inference.eos_token_ids, None),
+                                            **request.sampling.params)
+        await updates.__anext__()  # streaming; the generator now waits at its yield
+        if how == "aclose":
+            await updates.aclose()
+        else:  # what wait_for does when the time left is 0: cancel a step that has not started
+            step = asyncio.ensure_future(updates.__anext__())
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            await updates.aclose()
+
+    asyncio.run(main())
+    _until(lambda: _stats(inference)["aborted"] >= before["aborted"] + 4, "all 4 streamed rows aborted")
+    assert inference.generate("Hi", max_tokens=2).completions

@@ -71,15 +71,20 @@ class EngineRollout(Backend):
                 yield row
             return
         rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
-        streams = []
+        streams, merged = [], None
         try:  # every stream is opened (its request validated) before the first update is awaited
             for ids, params, carts in zip(rows.ids, rows.params, rows.cartridges or [()] * len(rows.ids)):
                 streams.append(await self.engine.async_generate(input_ids=ids, sampling_params=params,
                                                                 return_logprob=True, cartridges=carts or None,
                                                                 stream=True, **logprob_request(prompts)))
-            async for index, out in merge_streams(streams):
+            merged = merge_streams(streams)
+            async for index, out in merged:
                 yield Completion.from_engine(index, out)
         finally:
+            # Closed (or cancelled) at the yield above, the merge's pumps are still reading the streams, and a
+            # stream being read cannot be closed ("asynchronous generator is already running"): stop them first.
+            if merged is not None:
+                await merged.aclose()
             for s in streams:
                 await s.aclose()
 
