@@ -34,10 +34,17 @@ def padded_rows(m: int) -> int:
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: CPU, fp32/bf16, oneDNN built in; FINAL_PACK_WEIGHTS=0 turns it off."""
+    """oneDNN prepacking: CPU, fp32/bf16, oneDNN built in; FINAL_PACK_WEIGHTS=0 turns it off. bf16 packing also
+    needs the CPU's bf16 support (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU oneDNN refuses it."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and os.environ.get("FINAL_PACK_WEIGHTS", "1") != "0"
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (dtype != torch.bfloat16 or _cpu_has_bf16()))
+
+
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # torch's own probe of the CPU
+    return bool(check()) if check is not None else False
 
 
 class Linear:
