@@ -26,14 +26,15 @@ import yaml
 
 from final.errors import ConfigError
 from final.sampling import Limits
-from final.protocol.bodies import CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
+from final.protocol.bodies import CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
 TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
-             "replicas", "ray_address")
+             "replicas", "ray_address", "cartridge_sources")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
-CARTRIDGE_KEYS = WIRE_CARTRIDGE_KEYS + ("path", "pin")  # a config's spec: the wire's plus a local path and pinning
+# a config's spec: the wire's plus a local path and pinning (the wire's `positions` is ours too: see bodies.py)
+CARTRIDGE_KEYS = tuple(dict.fromkeys(WIRE_CARTRIDGE_KEYS + ("positions", "path", "pin")))
 REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
 
@@ -63,6 +64,8 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     replicas: int = 1  # data-parallel InferenceEngines on Ray (final.distributed); 1 = this process only
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
+    # the cartridge sources HTTP requests to `final serve` may name (--cartridge-sources); local: under --cartridge-dir
+    cartridge_sources: tuple[str, ...] = ("local",)
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -211,6 +214,7 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         progress=raw.get("progress", True), limits=_check_limits(raw.get("limits"), path), source=path,
         replicas=check_replicas(raw.get("replicas", 1), path),
         ray_address=check_ray_address(raw.get("ray_address"), path),
+        cartridge_sources=check_cartridge_sources(raw.get("cartridge_sources", ["local"]), path),
     )
 
 
@@ -231,15 +235,35 @@ def _check_limits(value: Any, path: str | None) -> Limits:
 
 def check_limit(key: str, item: Any, path: str | None = None) -> None:
     """One `limits:` value (the config's, or a `final serve` flag's)."""
-    if key == "deadline_s":
+    if key in ("deadline_s", "cartridge_fetch_s"):
         if item is not None and (isinstance(item, bool) or not isinstance(item, (int, float))
                                  or not 0 < item < math.inf):
-            raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key="limits.deadline_s",
+            raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key=f"limits.{key}",
                               path=path)
     elif key == "max_cartridge_bytes" and item is None:
         return
     elif isinstance(item, bool) or not isinstance(item, int) or item < 1:
         raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
+
+
+SOURCE_ALIASES = {"hf": "huggingface"}  # --cartridge-sources local,hf,s3,wandb
+
+
+def check_cartridge_sources(value: Any, path: str | None = None, key: str = "cartridge_sources") -> tuple[str, ...]:
+    """`cartridge_sources` (and `final serve --cartridge-sources`): which sources HTTP requests may name, a list
+    or comma-separated string of local, hf (huggingface), s3, wandb. Remote ones download with the server's own
+    credentials, so they are off unless listed."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ConfigError(f"must be a list of sources ({', '.join(CARTRIDGE_SOURCES)}), got {value!r}", key=key,
+                          path=path)
+    out = []
+    for item in (s.strip() for s in items if s.strip()):
+        name = SOURCE_ALIASES.get(item, item)
+        if name not in CARTRIDGE_SOURCES:
+            raise ConfigError(f"unknown source {item!r}; choose from local, hf, s3, wandb", key=key, path=path)
+        out.append(name)
+    return tuple(dict.fromkeys(out))
 
 
 def check_replicas(value: Any, path: str | None = None) -> int:
@@ -399,6 +423,8 @@ def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str
         raise error("is required (a non-empty string)", f"{at}.id")
     if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
         raise error(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}", f"{at}.source")
+    if item.get("positions") is not None and item["positions"] not in CARTRIDGE_POSITIONS:
+        raise error(f"must be one of {', '.join(CARTRIDGE_POSITIONS)}, got {item['positions']!r}", f"{at}.positions")
     for key in ("force_redownload", "pin", "allow_nonfinite"):
         if key in item and not isinstance(item[key], bool):
             raise error(f"must be true or false, got {item[key]!r}", f"{at}.{key}")

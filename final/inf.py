@@ -191,10 +191,12 @@ class InferenceEngine:
                                stop=request.sampling.stop, ignore_eos=bool(params.get("ignore_eos")))
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
-                       force_redownload: bool = False, pin: bool = False) -> str:
-        """Load a cartridge (file checked against its manifest and the model) and return its id."""
+                       force_redownload: bool = False, pin: bool = False, positions: str | None = None) -> str:
+        """Load a cartridge (file checked against its manifest and the model) and return its id.
+        positions: after_prefix | from_zero, the convention it was trained with (None: its manifest or run
+        config.yaml says, else after_prefix); see final.cartridges.positions."""
         return self._require_cartridges().load(id=id, source=source, path=path,
-                                               force_redownload=force_redownload, pin=pin)
+                                               force_redownload=force_redownload, pin=pin, positions=positions)
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Forget a cartridge; requests already running with it finish normally."""
@@ -266,7 +268,8 @@ class InferenceEngine:
         from final.cartridges.service import CartridgeService
 
         service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges",
-                                   budget_bytes=self.config.limits.max_cartridge_bytes)
+                                   budget_bytes=self.config.limits.max_cartridge_bytes,
+                                   fetch_timeout_s=self.config.limits.cartridge_fetch_s)
         for spec in self.config.cartridges:
             service.load(**spec)
         return service
