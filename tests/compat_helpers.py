@@ -79,3 +79,15 @@ def write_run(folder: Path, keys, values, *, layout: str, config: dict | None, s
     if config is not None:
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
     return folder / "cache_last.pt"
+
+
+def reference() -> dict:
+    """The test cartridge (DOC at positions 0..p-1, HF's K/V) and HF's logprobs of CONTINUATION after it at p
+    (after_prefix) and at 0 (from_zero)."""
+    model, tok = hf_model()
+    doc = tok(DOC).input_ids  # the BOS is the cartridge's first (frozen) token, as the repo initialises it
+    cont = tok(CONTINUATION, add_special_tokens=False).input_ids
+    keys, values = hf_cartridge(model, doc)
+    return {"keys": keys, "values": values, "cont": cont, "p": len(doc),
+            "after_prefix": hf_logprobs(model, keys, values, cont, len(doc)),
+            "from_zero": hf_logprobs(model, keys, values, cont, 0)}

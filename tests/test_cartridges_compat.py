@@ -13,8 +13,7 @@ import pytest
 import torch
 import yaml
 
-from compat_helpers import (CONTINUATION, DOC, JUNE_CONFIG, LATER_CONFIG, hf_cartridge, hf_logprobs, hf_model,
-                            save_repo_file, write_run)
+from compat_helpers import JUNE_CONFIG, LATER_CONFIG, hf_model, reference, save_repo_file, write_run
 from conftest import tiny_config
 from final.cartridges.format import load_cartridge
 from final.cartridges.manifest import CartridgeManifest, read_manifest
@@ -25,14 +24,7 @@ from final.errors import CartridgeError
 
 @pytest.fixture(scope="module")
 def ref():
-    model, tok = hf_model()
-    doc = tok(DOC).input_ids  # the BOS is the cartridge's first (frozen) token, as the repo initialises it
-    cont = tok(CONTINUATION, add_special_tokens=False).input_ids
-    keys, values = hf_cartridge(model, doc)
-    p = len(doc)
-    return {"keys": keys, "values": values, "cont": cont, "p": p,
-            "after_prefix": hf_logprobs(model, keys, values, cont, p),
-            "from_zero": hf_logprobs(model, keys, values, cont, 0)}
+    return reference()
 
 
 @pytest.fixture(scope="module")

@@ -206,6 +206,8 @@ def _huggingface(cid: str, path: str | None, root: Path, force: bool) -> Fetched
         file = download(filename)
         if file is not None:
             return Fetched(file, download(filename + MANIFEST_SUFFIX), download(RUN_CONFIG))
+        if unreachable and not _hf_offline():  # the hub did not answer (after its own retries): no more names
+            break
     if unreachable and not _hf_offline():  # not a missing file: the hub did not answer
         raise CartridgeSourceError(f"the Hugging Face hub ({os.environ.get('HF_ENDPOINT', 'huggingface.co')}) is "
                                    f"unreachable and {names[0]} is not in the local cache", file=cid,
