@@ -7,6 +7,7 @@ a cache_last.pt symlink, with the run's config.yaml beside them (W&B's {desc, va
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -81,6 +82,7 @@ def write_run(folder: Path, keys, values, *, layout: str, config: dict | None, s
     return folder / "cache_last.pt"
 
 
+@functools.lru_cache(maxsize=1)  # one HF model load per test process
 def reference() -> dict:
     """The test cartridge (DOC at positions 0..p-1, HF's K/V) and HF's logprobs of CONTINUATION after it at p
     (after_prefix) and at 0 (from_zero)."""
