@@ -26,7 +26,8 @@ import yaml
 
 from final.errors import ConfigError
 from final.sampling import Limits
-from final.protocol.bodies import CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
+from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
+                                   check_cartridge_sources)
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
 TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
@@ -246,26 +247,6 @@ def check_limit(key: str, item: Any, path: str | None = None) -> None:
         raise ConfigError(f"must be a positive integer, got {item!r}", key=f"limits.{key}", path=path)
 
 
-SOURCE_ALIASES = {"hf": "huggingface"}  # --cartridge-sources local,hf,s3,wandb
-
-
-def check_cartridge_sources(value: Any, path: str | None = None, key: str = "cartridge_sources") -> tuple[str, ...]:
-    """`cartridge_sources` (and `final serve --cartridge-sources`): which sources HTTP requests may name, a list
-    or comma-separated string of local, hf (huggingface), s3, wandb. Remote ones download with the server's own
-    credentials, so they are off unless listed."""
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-        raise ConfigError(f"must be a list of sources ({', '.join(CARTRIDGE_SOURCES)}), got {value!r}", key=key,
-                          path=path)
-    out = []
-    for item in (s.strip() for s in items if s.strip()):
-        name = SOURCE_ALIASES.get(item, item)
-        if name not in CARTRIDGE_SOURCES:
-            raise ConfigError(f"unknown source {item!r}; choose from local, hf, s3, wandb", key=key, path=path)
-        out.append(name)
-    return tuple(dict.fromkeys(out))
-
-
 def check_replicas(value: Any, path: str | None = None) -> int:
     """`replicas`: a positive integer (the config key, open_engine's and the CLI's --replicas)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -421,10 +402,9 @@ def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str
             raise error("must be a non-empty string", f"{at}.{key}")
     if not item.get("id") and not (request and item.get("path")):
         raise error("is required (a non-empty string)", f"{at}.id")
-    if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
-        raise error(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}", f"{at}.source")
-    if item.get("positions") is not None and item["positions"] not in CARTRIDGE_POSITIONS:
-        raise error(f"must be one of {', '.join(CARTRIDGE_POSITIONS)}, got {item['positions']!r}", f"{at}.positions")
+    for key, choices in (("source", CARTRIDGE_SOURCES), ("positions", CARTRIDGE_POSITIONS)):
+        if key in item and item[key] not in choices:
+            raise error(f"must be one of {', '.join(choices)}, got {item[key]!r}", f"{at}.{key}")
     for key in ("force_redownload", "pin", "allow_nonfinite"):
         if key in item and not isinstance(item[key], bool):
             raise error(f"must be true or false, got {item[key]!r}", f"{at}.{key}")

@@ -36,6 +36,23 @@ class Cartridge(_Strict):
 WIRE_CARTRIDGE_KEYS = ("id", "source", "force_redownload")  # Tokasaurus' fields
 CARTRIDGE_SOURCES = get_args(CartridgeSource)
 CARTRIDGE_POSITIONS = get_args(CartridgePositions)
+SOURCE_ALIASES = {"hf": "huggingface"}  # --cartridge-sources local,hf,s3,wandb
+
+
+def check_cartridge_sources(value: Any, path: str | None = None, key: str = "cartridge_sources") -> tuple[str, ...]:
+    """`cartridge_sources` (and `final serve --cartridge-sources`): which sources HTTP requests may name, a list
+    or comma-separated string of local, hf (huggingface), s3, wandb. Remote ones download with the server's own
+    credentials, so they are off unless listed."""
+    from final.errors import ConfigError
+
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ConfigError(f"must be a list of sources (local, hf, s3, wandb), got {value!r}", key=key, path=path)
+    out = [SOURCE_ALIASES.get(s.strip(), s.strip()) for s in items if s.strip()]
+    for name in out:
+        if name not in CARTRIDGE_SOURCES:
+            raise ConfigError(f"unknown source {name!r}; choose from local, hf, s3, wandb", key=key, path=path)
+    return tuple(dict.fromkeys(out))
 
 
 class StreamOptions(_Strict):
