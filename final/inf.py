@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -319,7 +321,7 @@ class InferenceEngine:
             yield _ids(request.cartridges)
             return
         using = self.cartridges.using(request.cartridge_refs())
-        loading = asyncio.ensure_future(asyncio.to_thread(using.__enter__))
+        loading = asyncio.get_running_loop().run_in_executor(_cartridge_loads(), using.__enter__)
         try:
             await asyncio.shield(loading)
         except asyncio.CancelledError:  # the caller left mid-load: release what the load thread takes
@@ -334,6 +336,13 @@ class InferenceEngine:
         if self._side is None:
             self._side = RolloutThread("final-call")
         return self._side
+
+
+@functools.lru_cache(maxsize=1)
+def _cartridge_loads() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for requests' cartridge loads: a remote source may hold one for up to limits.cartridge_fetch_s,
+    so they get a pool of their own and never starve the event loop's default executor."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="final-cartridge-load")
 
 
 def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,

@@ -137,7 +137,7 @@ def test_run_config_detection(tmp_path):
 
 
 def test_symlink_leaving_the_folder_is_refused_over_http(tmp_path):
-    from final.server.prepare import _under
+    from final.server.prepare import _local_under, _under
 
     outside = tmp_path / "outside"
     inside = tmp_path / "served"
@@ -145,8 +145,13 @@ def test_symlink_leaving_the_folder_is_refused_over_http(tmp_path):
     inside.mkdir()
     os.symlink(outside / "cache_last.pt", inside / "cache_last.pt")
     assert _under(inside.resolve(), "cache_last.pt") is None
+    # a folder inside whose cache_last.pt leads out is refused too
+    (inside / "linked").mkdir()
+    os.symlink(outside / "cache_last.pt", inside / "linked" / "cache_last.pt")
+    assert _local_under(inside.resolve(), "linked") is None
     write_run(inside / "run", *_small(), layout="june", config=None)
     assert _under(inside.resolve(), "run/cache_last.pt") == (inside / "run" / "cache-step64.pt").resolve()
+    assert _local_under(inside.resolve(), "run") == (inside / "run" / "cache-step64.pt").resolve()
 
 
 def _small():
@@ -170,3 +175,20 @@ def test_tokasaurus_ids(tmp_path):
     (folder / "config.yaml").write_text(json.dumps(LATER_CONFIG))
     got = fetch("local", str(folder))
     assert got.path == folder / "cartridge.pt" and got.config == folder / "config.yaml"
+
+
+def test_config_keys(tmp_path):
+    from final.config import load_config
+    from final.errors import ConfigError
+
+    base = {"model_path": "builtin:tiny-random-llama"}
+    assert load_config(base).cartridge_sources == ("local",)
+    assert load_config({**base, "cartridge_sources": ["local", "hf", "wandb"]}).cartridge_sources == \
+        ("local", "huggingface", "wandb")
+    assert load_config({**base, "limits": {"cartridge_fetch_s": 5}}).limits.cartridge_fetch_s == 5
+    for bad, key in (({"cartridge_sources": ["ftp"]}, "cartridge_sources"),
+                     ({"limits": {"cartridge_fetch_s": 0}}, "limits.cartridge_fetch_s"),
+                     ({"cartridges": [{"id": "a", "path": "a.pt", "positions": "sideways"}]}, "cartridges[0].positions")):
+        with pytest.raises(ConfigError) as e:
+            load_config({**base, **bad})
+        assert e.value.key == key

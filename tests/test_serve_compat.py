@@ -15,6 +15,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from compat_helpers import JUNE_CONFIG, LATER_CONFIG, reference, save_repo_file, write_run
 from final.cartridges.sources import sanitize_cartridge_id
@@ -125,6 +126,12 @@ def test_a_failing_source_is_a_502_naming_it(served, monkeypatch):
         assert "source s3" in err["message"]
 
 
+def _random_kv():
+    g = torch.Generator().manual_seed(3)  # the tiny model's shape: 2 layers, 2 KV heads, head_dim 16
+    return ([torch.randn(1, 2, 6, 16, generator=g) for _ in range(2)],
+            [torch.randn(1, 2, 6, 16, generator=g) for _ in range(2)])
+
+
 # ---- an unreachable hub: a real `final serve` process whose HF_ENDPOINT is a 127.0.0.1 port that hangs or drops ---
 class FakeHub:
     """Accepts connections on 127.0.0.1 and, per `mode`, holds them open without a word ("hang") or closes them
@@ -161,9 +168,12 @@ class FakeHub:
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory):
     hub = FakeHub()
-    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
+    folder = tmp_path_factory.mktemp("serve")
+    cart = save_repo_file(*_random_kv(), folder / "doc.pt", layout="june")  # resident from the start
+    cfg = folder / "config.yaml"
     cfg.write_text("model_path: builtin:tiny-random-llama\nprogress: false\n"
-                   "rollout: {name: local, prompt_length: 64, response_length: 8}\n")
+                   "rollout: {name: local, prompt_length: 64, response_length: 8}\n"
+                   f"cartridges: [{{id: doc, source: local, path: {cart}}}]\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.port}", HF_HUB_ETAG_TIMEOUT="30", HF_HUB_DOWNLOAD_TIMEOUT="30")
     proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(cfg), "--port", "0",
@@ -201,7 +211,10 @@ def test_unreachable_hub_is_a_typed_error_and_blocks_no_one(remote):
     assert hub.connected.wait(60)  # the download is under way, held by the hub
     other = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=120)
     assert other.status_code == 200
-    assert "r" not in answer  # served while the cartridge's download still hangs
+    resident = httpx.post(url + "/custom/cartridge/completions", timeout=120, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2, "cartridges": [{"id": "doc", "source": "local"}]})
+    assert resident.status_code == 200, resident.text
+    assert "r" not in answer  # both served while the cartridge's download still hangs
     waiting.join(120)
     r = answer["r"]
     assert r.status_code == 504, r.text
