@@ -73,7 +73,16 @@ def test_option_and_manifest_set_the_convention(ref, inference, tmp_path):
     assert read_manifest(str(later) + ".manifest.json").positions == "from_zero"
     inference.load_cartridge(id="manifested", path=str(later))
     assert scored(inference, "manifested", ref["cont"]) == pytest.approx(ref["from_zero"], abs=2e-4)
-    # the option wins over the manifest
+    # a manifest that does not say (older ones): the run's config.yaml decides
+    (later.parent / "config.yaml").write_text(yaml.safe_dump(LATER_CONFIG))
+    CartridgeManifest.describe(load_cartridge(later), later, cartridge_id="m").write(later)
+    data = json.loads((later.parent / "later.pt.manifest.json").read_text())
+    del data["positions"]
+    (later.parent / "later.pt.manifest.json").write_text(json.dumps(data))
+    assert read_manifest(str(later) + ".manifest.json").positions is None
+    inference.load_cartridge(id="old-manifest", path=str(later))
+    assert inference.cartridges.store.get("old-manifest").info["positions"] == "from_zero"
+    # the option wins over the manifest and the config
     inference.load_cartridge(id="forced", path=str(later), positions="after_prefix")
     assert scored(inference, "forced", ref["cont"]) == pytest.approx(ref["after_prefix"], abs=2e-4)
 

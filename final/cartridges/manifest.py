@@ -40,8 +40,9 @@ class CartridgeManifest:
     source_document: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     # where the tokens after the cartridge were during training (final.cartridges.positions): after_prefix (at p,
-    # June 2025 cartridges code, Tokasaurus, final) or from_zero (at 0, the cartridges repo's later packed training)
-    positions: str = DEFAULT_POSITIONS
+    # June 2025 cartridges code, Tokasaurus, final) or from_zero (at 0, the cartridges repo's later packed training);
+    # None (older manifests): not stated, so the run's config.yaml or the default (after_prefix) decides
+    positions: str | None = None
 
     @classmethod
     def describe(cls, cart: CartridgeKV, file: str | Path, *, cartridge_id: str, model_id: str = "",
@@ -81,7 +82,7 @@ def sha256_file(path: str | Path) -> str:
 _TYPES: dict[str, tuple[type, ...]] = {
     "cartridge_id": (str,), "model_id": (str,), "num_layers": (int,), "num_kv_heads": (int,), "head_dim": (int,),
     "dtype": (str,), "num_tokens": (int,), "num_frozen_tokens": (int,), "sha256": (str,), "size": (int,),
-    "created_at": (str,), "source_document": (str, type(None)), "labels": (dict,), "positions": (str,),
+    "created_at": (str,), "source_document": (str, type(None)), "labels": (dict,), "positions": (str, type(None)),
 }
 _REQUIRED = ("cartridge_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_tokens", "sha256", "size")
 
@@ -119,7 +120,8 @@ def read_manifest(path: str | Path) -> CartridgeManifest:
         raise CartridgeError("must be 64 hex digits", file=name, field="sha256")
     values.setdefault("model_id", "")
     values.setdefault("num_frozen_tokens", 0)
-    check_positions(values.setdefault("positions", DEFAULT_POSITIONS), file=name)
+    if values.get("positions") is not None:
+        check_positions(values["positions"], file=name)
     return CartridgeManifest(**values)
 
 
