@@ -37,10 +37,13 @@ def check_positions(value: Any, *, file: str | None = None, field: str = "positi
     return value
 
 
-def to_after_prefix(cart: CartridgeKV, positions: str, model_dir: str | Path, name: str) -> CartridgeKV:
+def to_after_prefix(cart: CartridgeKV, positions: str, model_dir: str | Path | None, name: str) -> CartridgeKV:
     """The cartridge as the engines serve it (tokens after it at p): `from_zero` keys rotated by R_p."""
     if check_positions(positions, file=name) == AFTER_PREFIX:
         return cart
+    if model_dir is None:
+        raise CartridgeError("converting a from_zero cartridge needs the model's folder (its RoPE settings)",
+                             file=name, field="positions")
     cos, sin = _rotation(model_dir, cart.num_tokens, cart.head_dim, name)
     keys = []
     for k in cart.keys:  # float32, then back to the cartridge's dtype: one rounding, as a stored key has
