@@ -202,3 +202,20 @@ def test_the_multi_turn_path_carries_cartridges_to_the_engine_call(engines):
     batch = sglang.rollout.generate_sequences(
         dataproto(model_cfg, [mt_ids], {"do_sample": False}, non_tensor={"cartridges": [("doc",)]}))
     assert batch.batch["responses"][0, 0] == first[0]
+
+
+@pytest.mark.parametrize("layout,positions", [("june", "after_prefix"), ("later", "from_zero")])
+def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, positions):
+    """Real SGLang serves both cartridges-repo conventions exactly: a from_zero cartridge's keys are rotated at
+    load, nothing in the engine changes (issue 19; the same check runs on the embedded engine and final serve)."""
+    from compat_helpers import JUNE_CONFIG, LATER_CONFIG, reference, write_run
+
+    sglang, _, _ = engines
+    ref = reference()
+    config = {"june": JUNE_CONFIG, "later": LATER_CONFIG}[layout]
+    last = write_run(tmp_path / layout, ref["keys"], ref["values"], layout=layout, config=config)
+    cid = sglang.load_cartridge(id=f"repo-{layout}", path=str(last))
+    score = sglang.score([ref["cont"]], cartridge=cid)[0]
+    assert score.cached_tokens == ref["p"]
+    assert score.prompt_logprobs[1:] == pytest.approx(ref[positions], abs=2e-4)
+    assert sglang.unload_cartridge(cid)
