@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from final.cartridges.format import CartridgeKV, load_cartridge
-from final.cartridges.manifest import (ModelShape, check_matches_manifest, check_matches_model, read_manifest,
-                                       verify_checksum)
+from final.cartridges.manifest import (MANIFEST_SUFFIX, ModelShape, check_matches_manifest, check_matches_model,
+                                       read_manifest, verify_checksum)
 from final.cartridges.sources import fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
 from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
@@ -63,10 +63,11 @@ class CartridgeService:
                 if pin:
                     self.store.pin(cid)
                 return cid
+            stamp = local_stamp(path or cid) if source == "local" else None  # before the read (see local_stamp)
             fetched = fetch(source, cid, path, cache_dir=self.cache_dir, force_redownload=force_redownload)
             nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
             cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
-            return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
+            return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path), "stamp": stamp,
                                                            "manifest": manifest.__dict__ if manifest else None})
 
     def read(self, file: str | Path, manifest_file: str | Path | None = None, *,
@@ -124,8 +125,19 @@ class CartridgeService:
                                          field=f"cartridges[{i}]")
                 ids.append(spec)
                 continue
-            ids.append(self.load(**parse_spec(spec, f"cartridges[{i}]")))
+            args = parse_spec(spec, f"cartridges[{i}]")
+            with self._load_lock:
+                if args.get("force_redownload") and args["source"] == "local":
+                    args["force_redownload"] = self._changed_on_disk(args)
+                ids.append(self.load(**args))
         return tuple(ids)
+
+    def _changed_on_disk(self, args: dict[str, Any]) -> bool:
+        """A request's force_redownload on a local file means "the newest file": False when the resident copy
+        was read from the file as it is now (local_stamp), so an unchanged file is not read again."""
+        entry = self.store.get(args.get("id") or args.get("path"))
+        stamp = local_stamp(args.get("path") or args["id"])
+        return entry is None or stamp is None or entry.info.get("stamp") != stamp
 
     @contextlib.contextmanager
     def using(self, items: Iterable[Any]) -> Iterator[tuple[str, ...]]:
@@ -153,6 +165,23 @@ class CartridgeService:
 
     def metrics(self) -> StoreMetrics:
         return self.store.metrics()
+
+
+def local_stamp(file: str) -> tuple | None:
+    """What changes when a local cartridge file (or the manifest beside it) is rewritten: inode, size, mtime and
+    ctime in ns. A request's `force_redownload: true` on a local file (`ensure`) reloads it only when this differs,
+    so a cartridge trained between steps is seen at the next request and an unchanged one is not re-read (seed
+    000's on-policy loop sends force_redownload with every request); an explicit load() always reads. Taken before the read: a write racing the read changes it again, and the
+    next request reloads. None when the file cannot be stat'ed (fetch then says why)."""
+    path = Path(file).expanduser()
+    stamps = []
+    for p in (path, path.with_name(path.name + MANIFEST_SUFFIX)):
+        try:
+            st = p.stat()
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps) if stamps[0] is not None else None
 
 
 def parse_spec(spec: Mapping[str, Any], where: str = "cartridges") -> dict[str, Any]:
