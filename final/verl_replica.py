@@ -1,8 +1,8 @@
 """rollout.name: tokasaurus for veRL's own trainer: seed 000's replica, generating over HTTP on a Tokasaurus server.
 
 Importing this module registers `tokasaurus` in veRL's `RolloutReplicaRegistry` (server mode: AgentLoopManager ->
-AgentLoopWorker -> AsyncLLMServerManager.generate -> our actor) and, on veRL 0.6.0, `("tokasaurus", "async")` in the
-worker-side rollout registry that its FSDP/Megatron workers build from in hybrid mode. veRL imports it in every
+AgentLoopWorker -> AsyncLLMServerManager.generate -> our actor) and `("tokasaurus", "async")` in the worker-side
+rollout registry that veRL's FSDP/Megatron workers build from in hybrid mode (`_ROLLOUT_REGISTRY`, 0.6.0 and 0.9.1). veRL imports it in every
 process (driver and Ray workers) when it is named by
 
     VERL_USE_EXTERNAL_MODULES=final.verl_replica        (veRL 0.6.0 and 0.9.x: read by verl/__init__.py)
@@ -31,7 +31,7 @@ and sent with `force_redownload: true`; the server reloads it only when the file
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlsplit
 
 import ray
@@ -41,6 +41,9 @@ from verl.workers.rollout import base as worker_rollouts
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
 from final.errors import ConfigError, UnsupportedError
+
+if TYPE_CHECKING:
+    from final.rollout.tokasaurus import TokasaurusSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +56,11 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
-def replica_settings(config: Any) -> Any:
+def replica_settings(config: Any) -> "TokasaurusSettings":
     """Seed 000's settings from a RolloutConfig: `custom` (veRL >= 0.9) or `engine_kwargs.tokasaurus` (0.6.0).
 
     Raises ConfigError naming the key when the block is not a mapping, both are set, or a value is wrong."""
+    # final's rollout code loads on first use, not at import: `import verl` itself imports this module (the hook)
     from final.rollout.tokasaurus import TokasaurusSettings
 
     custom = _plain(config.custom) if "custom" in type(config).__dataclass_fields__ else None
@@ -72,12 +76,12 @@ def replica_settings(config: Any) -> Any:
     return TokasaurusSettings.from_custom(block, where=where)
 
 
-@ray.remote(num_gpus=0)
+@ray.remote(num_cpus=0, num_gpus=0)  # it waits on HTTP: holding a CPU would starve veRL's workers on a small node
 class TokasaurusHttpServer:
     """Seed 000's TokasaurusHttpServer: veRL's token-in-token-out server handle, over HTTP to Tokasaurus (or
     `final serve`). The HTTP client runs on its own loop thread (TokasaurusEngine), so generate calls overlap."""
 
-    def __init__(self, config: Any, settings: Any, rollout_mode: RolloutMode, replica_rank: int):
+    def __init__(self, config: Any, settings: "TokasaurusSettings", rollout_mode: RolloutMode, replica_rank: int):
         from final.rollout.tokasaurus import TokasaurusEngine
 
         self.config = config
@@ -107,6 +111,19 @@ class TokasaurusHttpServer:
     async def sleep(self) -> None:
         logger.debug("tokasaurus replica %d: sleep is a no-op (%s; the server owns its memory)", self.replica_rank,
                      self.rollout_mode)
+
+    # veRL 0.9's checkpoint-engine manager brackets each weight sync with these. The served base model never
+    # changes, so requests in flight may finish as they are and there is no KV cache of ours to free or restore.
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        logger.debug("tokasaurus replica %d: no weight sync, in-flight requests keep running", self.replica_rank)
+
+    async def resume_generation(self) -> None:
+        logger.debug("tokasaurus replica %d: resume_generation is a no-op", self.replica_rank)
+
+    async def clear_kv_cache(self) -> None:
+        logger.debug("tokasaurus replica %d: the server owns its KV cache", self.replica_rank)
+
+    release_kv_cache = resume_kv_cache = clear_kv_cache
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -154,8 +171,8 @@ class TokasaurusReplica(RolloutReplica):
 
 
 class TokasaurusWorkerRollout(worker_rollouts.BaseRollout):
-    """The worker side of hybrid mode on veRL 0.6.0: its FSDP/Megatron workers build `(rollout.name, "async")`
-    from `_ROLLOUT_REGISTRY` and call resume/update_weights/release around each rollout. The base model behind
+    """The worker side of hybrid mode: veRL's FSDP/Megatron workers build `(rollout.name, "async")` from
+    `_ROLLOUT_REGISTRY` and call resume/update_weights/release around each rollout (0.9: its "naive" sync). The base model behind
     the Tokasaurus server is frozen, so none of them has anything to do."""
 
     async def resume(self, tags: list[str]) -> None:
@@ -173,7 +190,7 @@ def _load_replica() -> type[RolloutReplica]:
 
 
 RolloutReplicaRegistry.register(NAME, _load_replica)
-# veRL 0.6.0's worker-side registry (gone in 0.9, whose workers are checkpoint engines)
+# a private dict of veRL's (0.6.0 and 0.9.1 alike): a later veRL without it simply gets no hybrid worker side
 _workers = vars(worker_rollouts).get("_ROLLOUT_REGISTRY")
 if _workers is not None:
     _workers[(NAME, "async")] = f"{__name__}.TokasaurusWorkerRollout"
