@@ -75,9 +75,6 @@ class Relay:
             def log_message(self, *args) -> None:
                 pass
 
-            def do_GET(self) -> None:
-                self._send(httpx.get(relay.upstream + self.path, timeout=60).content)
-
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 answer = relay.answer(self.path, body)
@@ -183,7 +180,11 @@ def server(model, cart_dir):
     url, proc = start_server(model, cart_dir)
     yield url
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def engine_config(model: str, **rollout) -> dict:
