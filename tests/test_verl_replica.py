@@ -34,7 +34,6 @@ from conftest import TINY, tiny_config
 from final.errors import BackendUnavailableError, ConfigError
 from final.protocol.fingerprint import make_fingerprint
 
-pytest.importorskip("cachetools")  # veRL's agent loop needs it (final's dependencies list it)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "final.verl_replica"
