@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from final.cartridges.format import CartridgeKV, load_cartridge
-from final.cartridges.manifest import (ModelShape, check_matches_manifest, check_matches_model, read_manifest,
-                                       verify_checksum)
+from final.cartridges.manifest import (MANIFEST_SUFFIX, ModelShape, check_matches_manifest, check_matches_model,
+                                       read_manifest, verify_checksum)
 from final.cartridges.positions import DEFAULT_POSITIONS, check_positions, detect_positions, to_after_prefix
 from final.cartridges.sources import Fetched, fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
@@ -80,6 +80,7 @@ class CartridgeService:
                     self.store.pin(cid)
                 return cid
         fetched = self._fetch(source, cid, path, force_redownload)
+        stamp = local_stamp(fetched.path) if source == "local" else None  # before the read (see local_stamp)
         nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
         cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
         positions = positions or (manifest.positions if manifest else None) or detect_positions(fetched.config) \
@@ -87,7 +88,7 @@ class CartridgeService:
         cart = to_after_prefix(cart, positions, self.model_dir, str(fetched.path))
         with self._load_lock:
             return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
-                                                           "positions": positions,
+                                                           "positions": positions, "stamp": stamp,
                                                            "manifest": manifest.__dict__ if manifest else None})
 
     def _fetch(self, source: str, cid: str, path: str | None, force: bool) -> Fetched:
@@ -178,8 +179,25 @@ class CartridgeService:
                 ids.append(spec)
                 continue
             args = parse_spec(spec, f"cartridges[{i}]")
-            ids.append(self.load(**(args if refresh else {**args, "force_redownload": False})))
+            if not refresh:
+                args["force_redownload"] = False
+            elif args.get("force_redownload") and args["source"] == "local":
+                args["force_redownload"] = self._changed_on_disk(args)
+            ids.append(self.load(**args))
         return tuple(ids)
+
+    def _changed_on_disk(self, args: dict[str, Any]) -> bool:
+        """A request's force_redownload on a local file means "the newest file": False when the resident copy
+        was read from the file as it is now (local_stamp), so an unchanged file is not read again."""
+        entry = self.store.get(args.get("id") or args.get("path"))
+        if entry is None:
+            return True
+        try:  # the file a folder stands for now (its cartridge.pt may have appeared, cache_last.pt moved)
+            file = fetch("local", args.get("id") or args["path"], args.get("path")).path
+        except CartridgeError:
+            return True  # load() says why
+        stamp = local_stamp(file)
+        return stamp is None or entry.info.get("stamp") != stamp
 
     @contextlib.contextmanager
     def using(self, items: Iterable[Any]) -> Iterator[tuple[str, ...]]:
@@ -209,6 +227,23 @@ class CartridgeService:
 
     def metrics(self) -> StoreMetrics:
         return self.store.metrics()
+
+
+def local_stamp(file: str) -> tuple | None:
+    """What changes when a local cartridge file (or the manifest beside it) is rewritten: inode, size, mtime and
+    ctime in ns. A request's `force_redownload: true` on a local file (`ensure`) reloads it only when this differs,
+    so a cartridge trained between steps is seen at the next request and an unchanged one is not re-read (seed
+    000's on-policy loop sends force_redownload with every request); an explicit load() always reads. Taken before the read: a write racing the read changes it again, and the
+    next request reloads. None when the file cannot be stat'ed (fetch then says why)."""
+    path = Path(file).expanduser()
+    stamps = []
+    for p in (path, path.with_name(path.name + MANIFEST_SUFFIX)):
+        try:
+            st = p.stat()
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps) if stamps[0] is not None else None
 
 
 def parse_spec(spec: Mapping[str, Any], where: str = "cartridges") -> dict[str, Any]:
