@@ -182,15 +182,16 @@ class CartridgeService:
             if not refresh:
                 args["force_redownload"] = False
             elif args.get("force_redownload") and args["source"] == "local":
-                args["force_redownload"] = self._changed_on_disk(args)
+                args["force_redownload"] = self._stale(args)
             ids.append(self.load(**args))
         return tuple(ids)
 
-    def _changed_on_disk(self, args: dict[str, Any]) -> bool:
-        """A request's force_redownload on a local file means "the newest file": False when the resident copy
-        was read from the file as it is now (local_stamp), so an unchanged file is not read again."""
+    def _stale(self, args: dict[str, Any]) -> bool:
+        """A request's force_redownload on a local file means "the newest file, as asked": False when the
+        resident copy was read from the file as it is now (local_stamp) with the positions the request names, so
+        an unchanged file is not read again."""
         entry = self.store.get(args.get("id") or args.get("path"))
-        if entry is None:
+        if entry is None or args.get("positions") not in (None, entry.info.get("positions")):
             return True
         try:  # the file a folder stands for now (its cartridge.pt may have appeared, cache_last.pt moved)
             file = fetch("local", args.get("id") or args["path"], args.get("path")).path
