@@ -163,14 +163,17 @@ def checkpoint_path(out: str | Path) -> Path:
 
 
 def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
-          ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None) -> list[float]:
+          ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
+          identity: dict | None = None) -> list[float]:
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
-    every cfg.checkpoint_every steps and at the end; returns every step's loss (resumed ones included)."""
+    every cfg.checkpoint_every steps and at the end; returns every step's loss (resumed ones included).
+    `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must."""
     from tqdm import tqdm
 
     cache.to(student.device)
     opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=cfg.lr)
-    losses = load_checkpoint(ckpt, cache, opt, cfg) if ckpt.is_file() else []
+    key = {**_resume_key(cfg), **(identity or {})}
+    losses = load_checkpoint(ckpt, cache, opt, key) if ckpt.is_file() else []
     bar = tqdm(range(len(losses), cfg.steps), desc="train", unit="step", disable=not progress,
                initial=len(losses), total=cfg.steps)
     for step in bar:
@@ -185,26 +188,26 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {losses[-1]:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(ckpt, cache, opt, cfg, losses)
+            save_checkpoint(ckpt, cache, opt, key, losses)
     return losses
 
 
-def save_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, cfg: TrainConfig,
+def save_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict,
                     losses: list[float]) -> None:
     state = {"cache": {k: v.detach().cpu() for k, v in cache.state_dict().items()},
-             "optimizer": opt.state_dict(), "losses": list(losses), "config": _resume_key(cfg)}
+             "optimizer": opt.state_dict(), "losses": list(losses), "config": key}
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
     tmp.replace(path)
 
 
-def load_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, cfg: TrainConfig) -> list[float]:
+def load_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict) -> list[float]:
     """Restore cache, optimizer and loss history; a checkpoint of another setup is refused, not silently mixed."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         saved = state["config"]
-        if saved != _resume_key(cfg):
-            diff = sorted(k for k in saved if saved.get(k) != _resume_key(cfg).get(k))
+        if saved != key:
+            diff = sorted(k for k in set(saved) | set(key) if saved.get(k) != key.get(k))
             raise CartridgeError(f"checkpoint was made with other settings ({', '.join(diff)}); delete it or use "
                                  "the same settings", file=str(path), field="checkpoint")
         cache.load_state_dict(state["cache"])
@@ -215,6 +218,12 @@ def load_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, 
             raise
         raise CartridgeError(f"unreadable training checkpoint: {type(exc).__name__}: {str(exc)[:200]}",
                              file=str(path), field="checkpoint") from None
+
+
+def _digest(ids: Sequence[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 def _resume_key(cfg: TrainConfig) -> dict:
@@ -255,7 +264,10 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
                        "init_text" if init_text is not None else "text")
     cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress)
+    from final.cartridges.manifest import sha256_file
+
+    identity = {"model": model, "data_sha256": sha256_file(data), "init": _digest(init)}
+    losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity)
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
     labels = {"format": "chat", "positions": "after_prefix", "method": "self-study distillation",
