@@ -59,7 +59,7 @@ def main() -> int:
         t = time.time()
         proc = subprocess.run([sys.executable, "-m", "final.cli", "cartridge", "eval", str(out), *common,
                                "--data", str(work / "heldout.jsonl"), "--json"], cwd=ROOT, check=True,
-                              capture_output=True, text=True)
+                              stdout=subprocess.PIPE, text=True)
         times[f"eval_p{p}"] = time.time() - t
         results[p] = json.loads(proc.stdout)
     summary = {"machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
