@@ -68,3 +68,18 @@ def test_config_validates_quantization():
         with pytest.raises(ConfigError) as err:
             load_config(cfg(bad))
         assert err.value.key == "rollout.engine_kwargs.local.quantization"
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (8, 1, 576), (2, 37, 64), (3, 5, 4, 64)])
+def test_fp32_rms_norm_is_bitwise_hf(shape):
+    """The engine's fp32 RMSNorm is torch's fused op; HF's LlamaRMSNorm is the reference, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from final.engine.model import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * 4
+    hf = LlamaRMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(shape[-1], generator=g))
+        assert torch.equal(rms_norm(x, hf.weight, 1e-5), hf(x))

@@ -89,6 +89,9 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one op instead of six (x 61 norms a decode step): bitwise HF's in fp32 (tests/test_engine_int8.py)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # HF: normalise in fp32, cast back, then scale (the order matters for bf16 parity).
     dtype = x.dtype
     h = x.float()
