@@ -77,6 +77,7 @@ def q8_gguf(f32: Path, threads: int) -> Path:
     if out.exists():
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    _quiet_logs(L)
     params = L.llama_model_quantize_default_params()
     params.ftype = L.LLAMA_FTYPE_MOSTLY_Q8_0
     params.nthread = threads
@@ -196,16 +197,17 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
     f32 = f32_gguf(src)
     modes = [("fp32", None, f32)] + ([("int8", "int8", q8_gguf(f32, threads))] if int8 else [])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows, fp32_ids = [], {}
+    rows, fp32_ids, fp32_theirs = [], {}, {}
     for mode, quantization, weights in modes:
         for batch in batches:
             prompts = chat_prompts(tokenizer, batch)
             row = _measure(model_dir, weights, prompts, new_tokens, repeats, threads, quantization)
             row.update(mode=mode, peer_weights=weights.name, batch=batch)
             if mode == "fp32":
-                fp32_ids[batch] = row.pop("_ours")
-            else:
+                fp32_ids[batch], fp32_theirs[batch] = row.pop("_ours"), row.pop("_theirs")
+            else:  # how far each side's 8-bit mode strays from its own fp32 tokens
                 row["ours_vs_our_fp32"] = agreement(row.pop("_ours"), fp32_ids[batch])
+                row["llama_cpp_vs_its_f32"] = agreement(row.pop("_theirs"), fp32_theirs[batch])
             rows.append(row)
     return {"peer": {"engine": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}", "threads": threads,
                      "new_tokens": new_tokens, "source_gguf": src.name, "rows": rows,
@@ -245,7 +247,7 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
     return {"ours_tok_s": round(tokens / pair.ours_s, 2), "llama_cpp_tok_s": round(tokens / pair.reference_s, 2),
             "ratio": round(pair.reference_s / pair.ours_s, 3),
             "llama_cpp_decode_tok_s": round(B * (new_tokens - 1) / statistics.median(got["decode"][1:]), 2),
-            "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"]}
+            "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"], "_theirs": got["theirs"]}
 
 
 def describe(peer: dict) -> list[str]:
@@ -262,6 +264,8 @@ def describe(peer: dict) -> list[str]:
                      f"{a['mean_common_prefix']:>14}")
         if "ours_vs_our_fp32" in r:
             b = r["ours_vs_our_fp32"]
-            lines.append(f"        our int8 vs our fp32: {b['rows_identical']} rows identical, mean common prefix "
-                         f"{b['mean_common_prefix']}")
+            c = r["llama_cpp_vs_its_f32"]
+            lines.append(f"        vs own fp32: ours {b['rows_identical']} rows identical (mean common prefix "
+                         f"{b['mean_common_prefix']}), llama.cpp Q8_0 vs F32 {c['rows_identical']} "
+                         f"({c['mean_common_prefix']})")
     return lines + [f"  {peer['timing']}"]
