@@ -37,7 +37,8 @@ PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
 # a config's spec: the wire's plus a local path and pinning (the wire's `positions` is ours too: see bodies.py)
 CARTRIDGE_KEYS = tuple(dict.fromkeys(WIRE_CARTRIDGE_KEYS + ("positions", "path", "pin")))
 REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
-LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
+LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str}
+LOCAL_QUANTIZATIONS = ("int8",)  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
 ROLLOUT_DEFAULTS: dict[str, Any] = {
@@ -287,6 +288,11 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     for key, value in local.items():
         if key not in LOCAL_ENGINE_KEYS:
             raise _unknown(key, LOCAL_ENGINE_KEYS, "rollout.engine_kwargs.local.", path)
+        if key == "quantization" and value is None:
+            continue
+        if key == "quantization" and value not in LOCAL_QUANTIZATIONS:
+            raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {value!r}",
+                              key="rollout.engine_kwargs.local.quantization", path=path)
         if not isinstance(value, LOCAL_ENGINE_KEYS[key]) or isinstance(value, bool):
             raise ConfigError(f"must be {LOCAL_ENGINE_KEYS[key].__name__}, got {value!r}",
                               key=f"rollout.engine_kwargs.local.{key}", path=path)
