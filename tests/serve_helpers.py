@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -20,6 +24,32 @@ from conftest import tiny_config
 
 DOC_A = "The lighthouse keeper of Orvanis is called Mara Quill. She keeps three cats named Pip, Jot and Fennel."
 DOC_B = "Tallow Creek floods every April. The ferry to Dunmore stops running when the water passes the red mark."
+
+
+def spawn_serve(*args: str, env: dict | None = None, cwd: Path | str | None = None) -> tuple[str, subprocess.Popen]:
+    """`final serve ARGS --port 0` as its own process: its URL (read from the startup line) and the process. Its
+    stderr keeps being drained afterwards, so the server never blocks on a full pipe."""
+    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", *args, "--port", "0"], env=env, cwd=cwd,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return m.group(1), proc
+    proc.kill()
+    proc.wait()
+    pytest.fail("final serve did not start:\n" + "".join(seen))
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it; killed if it has not exited within a minute."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass

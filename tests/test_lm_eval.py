@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from serve_helpers import spawn_serve, stop_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = "final_mc,final_rolling"
@@ -28,25 +28,9 @@ def server(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
     cfg.write_text("model_path: builtin:tiny-random-llama\nprogress: false\n"
                    f"rollout: {{name: local, prompt_length: {MAX_LENGTH}, response_length: 16}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(cfg), "--port", "0"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    url, seen = None, []
-    for line in proc.stderr:
-        seen.append(line)
-        if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        proc.wait()
-        pytest.fail("final serve did not start:\n" + "".join(seen))
+    url, proc = spawn_serve("--config", str(cfg))
     yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc)
 
 
 def lm_eval(model: str, model_args: str, out: Path, *extra: str) -> None:

@@ -6,11 +6,7 @@ the configured bound while the server goes on serving."""
 from __future__ import annotations
 
 import json
-import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -19,7 +15,7 @@ import torch
 
 from compat_helpers import JUNE_CONFIG, LATER_CONFIG, reference, save_repo_file, write_run
 from final.cartridges.sources import sanitize_cartridge_id
-from serve_helpers import start_served, stop_served
+from serve_helpers import spawn_serve, start_served, stop_served, stop_serve
 
 TOKA_ID = "team/doc.v1"  # a Tokasaurus local id: ./cartridges/team-doc_v1/{cartridge.pt,config.yaml}
 
@@ -176,27 +172,10 @@ def remote(tmp_path_factory):
                    f"cartridges: [{{id: doc, source: local, path: {cart}}}]\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.port}", HF_HUB_ETAG_TIMEOUT="30", HF_HUB_DOWNLOAD_TIMEOUT="30")
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(cfg), "--port", "0",
-                             "--cartridge-sources", "local,hf", "--cartridge-fetch-timeout", "3"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    url, seen = None, []
-    for line in proc.stderr:
-        seen.append(line)
-        if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        proc.wait()
-        pytest.fail("final serve did not start:\n" + "".join(seen))
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+    url, proc = spawn_serve("--config", str(cfg), "--cartridge-sources", "local,hf", "--cartridge-fetch-timeout", "3",
+                            env=env)
     yield url, hub
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc)
     hub.close()
 
 

@@ -18,7 +18,6 @@ import http.server
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +32,7 @@ import pytest
 from conftest import TINY, tiny_config
 from final.errors import BackendUnavailableError, ConfigError
 from final.protocol.fingerprint import make_fingerprint
+from serve_helpers import spawn_serve, stop_serve
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +43,7 @@ CALL = '<tool_call>\n{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}
 
 # ---- the pieces: a final serve process, a relay, Ray, the trainer config ----------------------------------------
 def start_server(model: str, cartridge_dir: Path) -> tuple[str, subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--model", model, "--port", "0",
-                             "--cartridge-dir", str(cartridge_dir)],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining: never block the server
-            return m.group(1), proc
-    proc.kill()
-    pytest.fail("final serve did not start:\n" + "".join(seen))
+    return spawn_serve("--model", model, "--cartridge-dir", str(cartridge_dir), cwd=ROOT)
 
 
 class Relay:
@@ -178,12 +167,7 @@ def model(tmp_path_factory) -> str:
 def server(model, cart_dir):
     url, proc = start_server(model, cart_dir)
     yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc)
 
 
 def engine_config(model: str, **rollout) -> dict:
