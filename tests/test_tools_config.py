@@ -8,6 +8,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from final.compat import MULTI_TURN_UNSERVED
 from final.errors import ToolConfigError
 from final.models import resolve_model_path
 from final.rollout.multi_turn import MultiTurnRollout
@@ -95,7 +96,8 @@ def tokenizer():
     ({"max_parallel_calls": 0}, "rollout.multi_turn.max_parallel_calls"),
     ({"max_tool_response_length": -5}, "rollout.multi_turn.max_tool_response_length"),
     ({"max_assistant_turns": 0}, "rollout.multi_turn.max_assistant_turns"),
-    ({"interaction_config_path": "interactions.yaml"}, "rollout.multi_turn.interaction_config_path"),
+    # veRL's settings the loop does not serve: interaction_config_path (0.6.0), function_tool_path (0.9.1)
+    *[({name: "unserved.yaml"}, f"rollout.multi_turn.{name}") for name in MULTI_TURN_UNSERVED],
 ])
 def test_bad_multi_turn_settings(tokenizer, multi_turn, key):
     config = rollout_config(multi_turn={"tool_config_path": str(ROOT / "tools.yaml"), **multi_turn})
