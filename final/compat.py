@@ -8,6 +8,7 @@ What differs between them and is read here, so that no other module asks for a v
 - `apply_chat_template(tokenize=True)` returns a list in transformers 4 and a BatchEncoding in 5: `chat_ids`.
 - veRL 0.9 removed `rollout.multi_turn.interaction_config_path` and added `function_tool_path`; neither is served
   by final's multi-turn loop: `MULTI_TURN_UNSERVED`.
+- veRL 0.9 removed `verl.tools.gsm8k_tool` (the shipped tools.yaml's tool): `TOOL_MODULES`.
 - veRL 0.9 removed `rollout.mode: sync` (its RolloutConfig raises) and the in-process SGLangRollout:
   `ROLLOUT_MODES`, `SGLANG_BACKEND`.
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
@@ -53,6 +54,10 @@ def check_lane() -> None:
                           "pip install 'final[verl06]' (veRL 0.6.0, transformers 4) or 'final[verl09]' "
                           "(veRL 0.9.1, transformers 5); README 'Which veRL'.")
 
+
+# veRL 0.9 removed verl/tools/gsm8k_tool.py, which final's shipped tools.yaml (and veRL 0.6.0's GSM8K recipe) name:
+# tools.yaml modules resolved through this map (final.tools.gsm8k is 0.6.0's class), so one tools.yaml loads on both.
+TOOL_MODULES: dict[str, str] = {} if LANE == "verl06" else {"verl.tools.gsm8k_tool": "final.tools.gsm8k"}
 
 # $FINAL_CACHE/<MODEL_CACHE>/<name>: converted builtin models, one folder per transformers major (see above).
 MODEL_CACHE = "models" if TRANSFORMERS is None or TRANSFORMERS.major < 5 else "models-transformers5"
