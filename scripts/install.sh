@@ -13,7 +13,11 @@ PY=${PYTHON:-python3}
 LANE=${FINAL_LANE:-verl06}
 case "$LANE" in
   verl06) VENV=.venv; EXTRAS="verl06,serve,test,eval${FINAL_EXTRAS:+,$FINAL_EXTRAS}" ;;
-  verl09) VENV=.venv-verl09; EXTRAS="verl09,serve,test${FINAL_EXTRAS:+,$FINAL_EXTRAS}" ;;
+  verl09) VENV=.venv-verl09; EXTRAS="verl09,serve,test${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
+          case ",${FINAL_EXTRAS:-}," in *,sglang,*)
+            echo "install.sh: the sglang extra is veRL 0.6.0's SGLang (its in-process SGLangRollout): use the" \
+                 "verl06 lane for the SGLang backend (README 'Which veRL')" >&2; exit 2 ;;
+          esac ;;
   *) echo "install.sh: FINAL_LANE must be verl06 (default) or verl09, not '$LANE'" >&2; exit 2 ;;
 esac
 STAMP=$VENV/.final-installed
