@@ -27,16 +27,19 @@ import yaml
 from final.compat import LANE, ROLLOUT_MODES, SGLANG_BACKEND, check_backend
 from final.errors import ConfigError
 from final.sampling import Limits
-from final.protocol.bodies import CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS
+from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
+                                   check_cartridge_sources)
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
 TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
-             "replicas", "ray_address")
+             "replicas", "ray_address", "cartridge_sources")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
-CARTRIDGE_KEYS = WIRE_CARTRIDGE_KEYS + ("path", "pin")  # a config's spec: the wire's plus a local path and pinning
+# a config's spec: the wire's plus a local path and pinning (the wire's `positions` is ours too: see bodies.py)
+CARTRIDGE_KEYS = tuple(dict.fromkeys(WIRE_CARTRIDGE_KEYS + ("positions", "path", "pin")))
 REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
-LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int}
+LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str}
+LOCAL_QUANTIZATIONS = ("int8",)  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
 ROLLOUT_DEFAULTS: dict[str, Any] = {
@@ -64,6 +67,8 @@ class EngineConfig:
     limits: Limits = field(default_factory=Limits)
     replicas: int = 1  # data-parallel InferenceEngines on Ray (final.distributed); 1 = this process only
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
+    # the cartridge sources HTTP requests to `final serve` may name (--cartridge-sources); local: under --cartridge-dir
+    cartridge_sources: tuple[str, ...] = ("local",)
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -213,6 +218,7 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         progress=raw.get("progress", True), limits=_check_limits(raw.get("limits"), path), source=path,
         replicas=check_replicas(raw.get("replicas", 1), path),
         ray_address=check_ray_address(raw.get("ray_address"), path),
+        cartridge_sources=check_cartridge_sources(raw.get("cartridge_sources", ["local"]), path),
     )
 
 
@@ -233,10 +239,10 @@ def _check_limits(value: Any, path: str | None) -> Limits:
 
 def check_limit(key: str, item: Any, path: str | None = None) -> None:
     """One `limits:` value (the config's, or a `final serve` flag's)."""
-    if key == "deadline_s":
+    if key in ("deadline_s", "cartridge_fetch_s"):
         if item is not None and (isinstance(item, bool) or not isinstance(item, (int, float))
                                  or not 0 < item < math.inf):
-            raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key="limits.deadline_s",
+            raise ConfigError(f"must be a positive number of seconds (or null), got {item!r}", key=f"limits.{key}",
                               path=path)
     elif key == "max_cartridge_bytes" and item is None:
         return
@@ -286,6 +292,11 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     for key, value in local.items():
         if key not in LOCAL_ENGINE_KEYS:
             raise _unknown(key, LOCAL_ENGINE_KEYS, "rollout.engine_kwargs.local.", path)
+        if key == "quantization" and value is None:
+            continue
+        if key == "quantization" and value not in LOCAL_QUANTIZATIONS:
+            raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {value!r}",
+                              key="rollout.engine_kwargs.local.quantization", path=path)
         if not isinstance(value, LOCAL_ENGINE_KEYS[key]) or isinstance(value, bool):
             raise ConfigError(f"must be {LOCAL_ENGINE_KEYS[key].__name__}, got {value!r}",
                               key=f"rollout.engine_kwargs.local.{key}", path=path)
@@ -401,8 +412,9 @@ def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str
             raise error("must be a non-empty string", f"{at}.{key}")
     if not item.get("id") and not (request and item.get("path")):
         raise error("is required (a non-empty string)", f"{at}.id")
-    if "source" in item and item["source"] not in CARTRIDGE_SOURCES:
-        raise error(f"must be one of {', '.join(CARTRIDGE_SOURCES)}, got {item['source']!r}", f"{at}.source")
+    for key, choices in (("source", CARTRIDGE_SOURCES), ("positions", CARTRIDGE_POSITIONS)):
+        if key in item and item[key] not in choices:
+            raise error(f"must be one of {', '.join(choices)}, got {item[key]!r}", f"{at}.{key}")
     for key in ("force_redownload", "pin", "allow_nonfinite"):
         if key in item and not isinstance(item[key], bool):
             raise error(f"must be true or false, got {item[key]!r}", f"{at}.{key}")

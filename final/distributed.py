@@ -186,10 +186,11 @@ class ReplicaPool:
         return None if self._cartridges is None else list(self._cartridges)
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
-                       force_redownload: bool = False, pin: bool = False) -> str:
+                       force_redownload: bool = False, pin: bool = False, positions: str | None = None) -> str:
         """Load a cartridge on every replica (all or none: a replica that refuses it undoes the others)."""
         self._require_open()
-        kwargs = {"id": id, "source": source, "path": path, "force_redownload": force_redownload, "pin": pin}
+        kwargs = {"id": id, "source": source, "path": path, "force_redownload": force_redownload, "pin": pin,
+                  "positions": positions}
         results = self._on_all("load_cartridge", kwargs)
         loaded = [r for r, v in results.items() if not isinstance(v, BaseException)]
         failed = [v for v in results.values() if isinstance(v, BaseException)]

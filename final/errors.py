@@ -65,6 +65,18 @@ class CartridgeError(FinalError, ValueError):
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
 
+class CartridgeSourceError(CartridgeError):
+    """A cartridge's source refused or failed: `reason` is "disabled" (the server does not allow that source:
+    HTTP 403), "unreachable" (the download failed: 502) or "timeout" (no file within limits.cartridge_fetch_s:
+    504). `file` is the cartridge id, `source` its source."""
+
+    def __init__(self, message: str, file: str | None = None, source: str | None = None,
+                 reason: str = "unreachable"):
+        self.source = source
+        self.reason = reason
+        super().__init__(f"source {source}: {message}" if source else message, file=file, field="source")
+
+
 class EngineError(FinalError, RuntimeError):
     """The engine cannot serve a request (shut down, internal failure)."""
 

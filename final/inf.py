@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -191,10 +193,12 @@ class InferenceEngine:
                                stop=request.sampling.stop, ignore_eos=bool(params.get("ignore_eos")))
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
-                       force_redownload: bool = False, pin: bool = False) -> str:
-        """Load a cartridge (file checked against its manifest and the model) and return its id."""
+                       force_redownload: bool = False, pin: bool = False, positions: str | None = None) -> str:
+        """Load a cartridge (file checked against its manifest and the model) and return its id.
+        positions: after_prefix | from_zero, the convention it was trained with (None: its manifest or run
+        config.yaml says, else after_prefix); see final.cartridges.positions."""
         return self._require_cartridges().load(id=id, source=source, path=path,
-                                               force_redownload=force_redownload, pin=pin)
+                                               force_redownload=force_redownload, pin=pin, positions=positions)
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Forget a cartridge; requests already running with it finish normally."""
@@ -266,7 +270,8 @@ class InferenceEngine:
         from final.cartridges.service import CartridgeService
 
         service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges",
-                                   budget_bytes=self.config.limits.max_cartridge_bytes)
+                                   budget_bytes=self.config.limits.max_cartridge_bytes,
+                                   fetch_timeout_s=self.config.limits.cartridge_fetch_s)
         for spec in self.config.cartridges:
             service.load(**spec)
         return service
@@ -316,7 +321,7 @@ class InferenceEngine:
             yield _ids(request.cartridges)
             return
         using = self.cartridges.using(request.cartridge_refs())
-        loading = asyncio.ensure_future(asyncio.to_thread(using.__enter__))
+        loading = asyncio.get_running_loop().run_in_executor(_cartridge_loads(), using.__enter__)
         try:
             await asyncio.shield(loading)
         except asyncio.CancelledError:  # the caller left mid-load: release what the load thread takes
@@ -331,6 +336,13 @@ class InferenceEngine:
         if self._side is None:
             self._side = RolloutThread("final-call")
         return self._side
+
+
+@functools.lru_cache(maxsize=1)
+def _cartridge_loads() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for requests' cartridge loads: a remote source may hold one for up to limits.cartridge_fetch_s,
+    so they get a pool of their own and never starve the event loop's default executor."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="final-cartridge-load")
 
 
 def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,

@@ -42,6 +42,7 @@ class Limits:
     max_body_bytes: int = 8 * 2**20  # one HTTP request body (final serve: 413 beyond it)
     deadline_s: float | None = None  # a call's rows are aborted this many seconds after it starts (None: never)
     max_cartridge_bytes: int | None = None  # loaded cartridges; beyond, the least recently used unused ones leave
+    cartridge_fetch_s: float | None = 120.0  # a load waits this long for a remote source (None: no bound)
 
 
 @dataclass(frozen=True)

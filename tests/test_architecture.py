@@ -22,7 +22,8 @@ LAYERS = [
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
     ("inf", {"inf", "calls"}),
-    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__"}),
+    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__",
+              "verl_replica"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

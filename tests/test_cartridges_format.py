@@ -79,7 +79,7 @@ def test_manifest_round_trip_and_checksum(tmp_path):
     assert mpath == manifest_path(path) and mpath.name == "c.pt.manifest.json"
     data = json.loads(mpath.read_text())
     assert set(data) == {"cartridge_id", "model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_tokens",
-                         "num_frozen_tokens", "sha256", "size", "created_at", "source_document", "labels"}
+                         "num_frozen_tokens", "sha256", "size", "created_at", "source_document", "labels", "positions"}
     back = read_manifest(mpath)
     assert back == m and back.num_tokens == 9 and back.dtype == "float32"
     verify_checksum(path, back)

@@ -37,9 +37,10 @@ def test_rms_norm_is_bitwise_hf(dtype):
         assert torch.equal(rms_norm(x, hf.weight.detach(), 1e-6), hf(x))
 
 
-@needs_packing
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_matches_f_linear_and_updates(dtype):
+    if not packing_enabled(torch.device("cpu"), dtype):  # bf16 packing needs AVX-512 or AVX-NE-CONVERT
+        pytest.skip(f"oneDNN {dtype} weight prepacking is not available on this CPU / PyTorch build")
     w, b = torch.randn(96, 40, dtype=dtype), torch.randn(96, dtype=dtype)
     lin = Linear(w.clone(), b, pack=True)
     assert lin.packed is not None and lin.weight is None  # no second dense copy is kept

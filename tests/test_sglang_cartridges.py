@@ -202,3 +202,43 @@ def test_the_multi_turn_path_carries_cartridges_to_the_engine_call(engines):
     batch = sglang.rollout.generate_sequences(
         dataproto(model_cfg, [mt_ids], {"do_sample": False}, non_tensor={"cartridges": [("doc",)]}))
     assert batch.batch["responses"][0, 0] == first[0]
+
+
+@pytest.mark.parametrize("layout,positions", [("june", "after_prefix"), ("later", "from_zero")])
+def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, positions):
+    """Real SGLang serves both cartridges-repo conventions exactly: a from_zero cartridge's keys are rotated at
+    load, nothing in the engine changes (issue 19; the same check runs on the embedded engine and final serve)."""
+    from compat_helpers import JUNE_CONFIG, LATER_CONFIG, reference, write_run
+
+    sglang, _, _ = engines
+    ref = reference()
+    config = {"june": JUNE_CONFIG, "later": LATER_CONFIG}[layout]
+    last = write_run(tmp_path / layout, ref["keys"], ref["values"], layout=layout, config=config)
+    cid = sglang.load_cartridge(id=f"repo-{layout}", path=str(last))
+    score = sglang.score([ref["cont"]], cartridge=cid)[0]
+    assert score.cached_tokens == ref["p"]
+    assert score.prompt_logprobs[1:] == pytest.approx(ref[positions], abs=2e-4)
+    assert sglang.unload_cartridge(cid)
+
+
+def test_a_trained_cartridge_serves_on_sglang_like_the_embedded_engine(engines, tmp_path):
+    """A cartridge from `final cartridge train` (self-study through the local engine, distilled on HF's model) is
+    injected into SGLang's radix cache and answers as the embedded engine serves it."""
+    from final.cartridges.synth import SynthConfig, synthesize
+    from final.cartridges.train import TrainConfig, train_cartridge
+
+    sglang, local, _ = engines
+    data = tmp_path / "convs.jsonl"
+    synthesize(local, DOC, data, SynthConfig(count=2, batch=2, chunk_tokens=16, question_tokens=4, answer_tokens=4,
+                                             top_k=5), progress=False)
+    out = tmp_path / "trained.pt"
+    train_cartridge(local.config.model_path, data, out, TrainConfig(tokens=8, steps=2, batch=2), text=DOC,
+                    progress=False)
+    for eng in (local, sglang):
+        eng.load_cartridge(id="trained", path=str(out))
+    try:
+        assert ask(sglang, cartridge="trained") == ask(local, cartridge="trained")
+        assert ask(sglang, cartridge="trained") != ask(sglang)
+    finally:
+        for eng in (local, sglang):
+            eng.unload_cartridge("trained")

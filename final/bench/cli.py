@@ -5,6 +5,8 @@
   final bench --only p1,p4    a subset
   final bench --only dp       one engine vs 2 replicas on Ray (final.distributed); not in the default run
   final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
+  final bench --only peer     ours vs llama.cpp on the same weights (needs the `bench` extra; skipped, saying how to
+                              install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0
 Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
 """
 
@@ -25,9 +27,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark the embedded engine against HF generate (P1-P4)")
     p.add_argument("--quick", action="store_true", help="tiny model, small sizes: a smoke run in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--only", default="p1,p2,p3,p4",
-                   help="comma-separated subset of p1,p2,p3,p4,dp,soak (dp starts Ray; soak runs final serve on the "
-                        "tiny model unless --model)")
+    p.add_argument("--only", default="p1,p2,p3,p4,peer",
+                   help="comma-separated subset of p1,p2,p3,p4,peer,dp,soak (dp starts Ray; soak runs final serve on "
+                        "the tiny model unless --model)")
     p.add_argument("--model", help=f"model for P1-P3 (default {DEFAULT_MODEL}; --quick: {QUICK_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=int, help="timed repeats per figure (default 3; --quick 1)")
@@ -39,6 +41,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--p4-prompts", type=int, help="P4 prompts (default 256; --quick 16)")
     p.add_argument("--dp-replicas", type=int, default=2, help="DP: replicas in the pool (default 2)")
     p.add_argument("--dp-prompts", type=int, help="DP: prompts, greedy, new tokens = --new-tokens (default 64; --quick 8)")
+    p.add_argument("--peer-batches", help="peer: batch sizes (default 1,8; --quick 1,2)")
+    p.add_argument("--peer-int8", action="store_true", help="peer: also our int8 mode vs llama.cpp's Q8_0")
     p.add_argument("--soak-requests", type=int, help="soak: requests (default 2000; --quick 200)")
     p.add_argument("--soak-seconds", type=float, default=1200.0, help="soak: stop sending after this long (default 1200)")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
@@ -125,6 +129,15 @@ def _p4(args: argparse.Namespace, model: str, repeats: int) -> dict:
                    "goal_ms_per_prompt": GOALS["p4_ms"], "met": p4["ms_per_prompt"] <= GOALS["p4_ms"]}}
 
 
+def _peer(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.peer import run_peer
+
+    name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
+    batches = _ints(args.peer_batches) if args.peer_batches else ([1, 2] if args.quick else [1, 8])
+    return run_peer(name, model, batches, args.new_tokens or (8 if args.quick else 64), repeats, args.device,
+                    int8=args.peer_int8)
+
+
 def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:
     from final.bench.dp import run_dp
 
@@ -142,13 +155,14 @@ def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
     return {"soak": {"model": soak_model, **soak}}
 
 
-MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "dp": _dp, "soak": _soak}
+MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "peer": _peer, "dp": _dp, "soak": _soak}
 
 
 def report(res: dict) -> str:
     """The human-readable table."""
     m = res["machine"]
-    lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, torch {m['torch']}, "
+    lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, flags {' '.join(m['cpu_flags']) or '?'}, "
+             f"torch {m['torch']}, "
              f"{m['torch_threads']} threads, device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}), "
              f"load {m.get('loadavg_1min', '?')}, model {res['model']}"]
     ok = lambda met: "met" if met else "NOT met"  # noqa: E731
@@ -189,6 +203,10 @@ def report(res: dict) -> str:
                   f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
                   f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
+    if "peer" in res:
+        from final.bench.peer import describe as describe_peer
+
+        lines += ["", "Peer: llama.cpp on the same weights, greedy, tok/s", *describe_peer(res["peer"])]
     if "dp" in res:
         from final.bench.dp import describe as describe_dp
 

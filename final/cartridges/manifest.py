@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from final.cartridges.format import CartridgeKV, dtype_name
+from final.cartridges.positions import DEFAULT_POSITIONS, check_positions
 from final.errors import CartridgeError
 
 logger = logging.getLogger(__name__)
@@ -38,17 +39,23 @@ class CartridgeManifest:
     created_at: str = ""
     source_document: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # where the tokens after the cartridge were during training (final.cartridges.positions): after_prefix (at p,
+    # June 2025 cartridges code, Tokasaurus, final) or from_zero (at 0, the cartridges repo's later packed training);
+    # None (older manifests): not stated, so the run's config.yaml or the default (after_prefix) decides
+    positions: str | None = None
 
     @classmethod
     def describe(cls, cart: CartridgeKV, file: str | Path, *, cartridge_id: str, model_id: str = "",
-                 source_document: str | None = None, labels: dict[str, str] | None = None) -> "CartridgeManifest":
+                 source_document: str | None = None, labels: dict[str, str] | None = None,
+                 positions: str = DEFAULT_POSITIONS) -> "CartridgeManifest":
         """A manifest for `cart` as saved at `file` (reads the file for its size and checksum)."""
         path = Path(file)
         return cls(cartridge_id=cartridge_id, model_id=model_id, num_layers=cart.num_layers,
                    num_kv_heads=cart.num_kv_heads, head_dim=cart.head_dim, dtype=dtype_name(cart.dtype),
                    num_tokens=cart.num_tokens, num_frozen_tokens=cart.num_frozen_tokens, sha256=sha256_file(path),
                    size=path.stat().st_size, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
-                   source_document=source_document, labels=dict(labels or {}))
+                   source_document=source_document, labels=dict(labels or {}),
+                   positions=check_positions(positions, field="positions"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -75,7 +82,7 @@ def sha256_file(path: str | Path) -> str:
 _TYPES: dict[str, tuple[type, ...]] = {
     "cartridge_id": (str,), "model_id": (str,), "num_layers": (int,), "num_kv_heads": (int,), "head_dim": (int,),
     "dtype": (str,), "num_tokens": (int,), "num_frozen_tokens": (int,), "sha256": (str,), "size": (int,),
-    "created_at": (str,), "source_document": (str, type(None)), "labels": (dict,),
+    "created_at": (str,), "source_document": (str, type(None)), "labels": (dict,), "positions": (str, type(None)),
 }
 _REQUIRED = ("cartridge_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_tokens", "sha256", "size")
 
@@ -113,6 +120,8 @@ def read_manifest(path: str | Path) -> CartridgeManifest:
         raise CartridgeError("must be 64 hex digits", file=name, field="sha256")
     values.setdefault("model_id", "")
     values.setdefault("num_frozen_tokens", 0)
+    if values.get("positions") is not None:
+        check_positions(values["positions"], file=name)
     return CartridgeManifest(**values)
 
 

@@ -11,6 +11,7 @@ store never evicts a cartridge under it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -18,12 +19,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from final.cartridges.format import CartridgeKV, load_cartridge
-from final.cartridges.manifest import (ModelShape, check_matches_manifest, check_matches_model, read_manifest,
-                                       verify_checksum)
-from final.cartridges.sources import fetch
+from final.cartridges.manifest import (MANIFEST_SUFFIX, ModelShape, check_matches_manifest, check_matches_model,
+                                       read_manifest, verify_checksum)
+from final.cartridges.positions import DEFAULT_POSITIONS, check_positions, detect_positions, to_after_prefix
+from final.cartridges.sources import Fetched, fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
 from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
-from final.errors import CartridgeError
+from final.errors import CartridgeError, CartridgeSourceError
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +34,15 @@ SPEC_KEYS = REQUEST_CARTRIDGE_KEYS
 
 class CartridgeService:
     def __init__(self, engine: Any, model: Any = None, *, cache_dir: str | Path | None = None,
-                 budget_bytes: int | None = None, allow_nonfinite: bool = False):
-        """`model`: what cartridges must match (ModelSpec, HF config, model folder); defaults to engine.spec."""
+                 budget_bytes: int | None = None, allow_nonfinite: bool = False, fetch_timeout_s: float | None = None):
+        """`model`: what cartridges must match (ModelSpec, HF config, model folder); defaults to engine.spec.
+        fetch_timeout_s: how long a load waits for a remote source (limits.cartridge_fetch_s; None: no bound)."""
         self.engine = engine
+        # a model folder (its config.json) for the RoPE of `positions: from_zero` cartridges
+        self.model_dir = model if isinstance(model, (str, Path)) else getattr(engine, "model_path", None)
+        self.fetch_timeout_s = fetch_timeout_s
+        self._downloads: dict[tuple, concurrent.futures.Future] = {}  # remote fetches in flight, shared by callers
+        self._downloads_lock = threading.Lock()
         shape = ModelShape.of(model if model is not None else engine.spec)
         max_len = getattr(engine, "max_model_len", None)
         if isinstance(max_len, int) and max_len < shape.max_context:
@@ -47,27 +55,72 @@ class CartridgeService:
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
-             force_redownload: bool = False, pin: bool = False, allow_nonfinite: bool | None = None) -> str:
+             force_redownload: bool = False, pin: bool = False, allow_nonfinite: bool | None = None,
+             positions: str | None = None) -> str:
         """Load a cartridge (or find it resident) and return its id.
 
-        `local`: the file is `path`, or `id` when no path is given (Tokasaurus passes the path as the id).
+        `local`: the file is `path`, or `id` when no path is given (Tokasaurus passes the path as the id); a
+        folder stands for its cartridge.pt, cartridge.safetensors or cache_last.pt.
         `huggingface`: `id` is the repo ("org/name", files cartridge.pt|.safetensors or cache_last.pt) or
         "org/name/file/in/repo.pt"; `path` names the file instead. `s3`: `id` (or `path`) is s3://bucket/key.
-        `wandb`: `id` is entity/project/run_id[/file]; default file: the latest cache-step*.pt of the run.
+        `wandb`: `id` is entity/project/run_id[/file] or a bare run id of hazy-research/cartridges (as Tokasaurus);
+        default file: the latest cache-step*.pt of the run.
+        `positions`: after_prefix | from_zero (final.cartridges.positions); None: the manifest's, else what the
+        run's config.yaml beside the file says, else after_prefix.
+        The download and the file's checks run outside the service's lock: a slow source holds up no other load.
         """
         cid = id or path
         if not isinstance(cid, str) or not cid:
             raise CartridgeError("needs an id or a path", field="id")
+        if positions is not None:
+            check_positions(positions, file=cid)
         with self._load_lock:
             if not force_redownload and self.store.lookup(cid) is not None:
                 if pin:
                     self.store.pin(cid)
                 return cid
-            fetched = fetch(source, cid, path, cache_dir=self.cache_dir, force_redownload=force_redownload)
-            nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
-            cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
+        fetched = self._fetch(source, cid, path, force_redownload)
+        stamp = local_stamp(fetched.path) if source == "local" else None  # before the read (see local_stamp)
+        nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
+        cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
+        positions = positions or (manifest.positions if manifest else None) or detect_positions(fetched.config) \
+            or DEFAULT_POSITIONS
+        cart = to_after_prefix(cart, positions, self.model_dir, str(fetched.path))
+        with self._load_lock:
             return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
+                                                           "positions": positions, "stamp": stamp,
                                                            "manifest": manifest.__dict__ if manifest else None})
+
+    def _fetch(self, source: str, cid: str, path: str | None, force: bool) -> Fetched:
+        """fetch(), for a remote source on its own thread and waited for at most fetch_timeout_s. One download
+        per file at a time: callers asking for one already under way wait for it. A download past the bound
+        finishes (or fails) in the background, into the cache."""
+        if source == "local":
+            return fetch(source, cid, path, cache_dir=self.cache_dir)
+        key = (source, cid, path)
+        with self._downloads_lock:
+            future = self._downloads.get(key)
+            if future is None:
+                future = concurrent.futures.Future()
+                self._downloads[key] = future
+                threading.Thread(target=self._download, args=(future, key, force), daemon=True,
+                                 name=f"final-cartridge-fetch-{source}").start()
+        try:
+            return future.result(timeout=self.fetch_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise CartridgeSourceError(f"no cartridge file within {self.fetch_timeout_s:g} s "
+                                       "(limits.cartridge_fetch_s); the download goes on in the background",
+                                       file=cid, source=source, reason="timeout") from None
+
+    def _download(self, future: concurrent.futures.Future, key: tuple, force: bool) -> None:
+        source, cid, path = key
+        try:
+            future.set_result(fetch(source, cid, path, cache_dir=self.cache_dir, force_redownload=force))
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            future.set_exception(exc)
+        finally:
+            with self._downloads_lock:
+                self._downloads.pop(key, None)
 
     def read(self, file: str | Path, manifest_file: str | Path | None = None, *,
              allow_nonfinite: bool = False) -> tuple[CartridgeKV, Any]:
@@ -114,8 +167,9 @@ class CartridgeService:
         self.engine.unload_cartridge(cartridge_id)
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def ensure(self, specs: Iterable[Mapping[str, Any] | str]) -> tuple[str, ...]:
-        """Load on demand the cartridges a request names (Tokasaurus specs or ids); return their ids in order."""
+    def ensure(self, specs: Iterable[Mapping[str, Any] | str], *, refresh: bool = True) -> tuple[str, ...]:
+        """Load on demand the cartridges a request names (Tokasaurus specs or ids); return their ids in order.
+        refresh=False: a resident cartridge is used as it is, whatever force_redownload says."""
         ids = []
         for i, spec in enumerate(specs):
             if isinstance(spec, str):
@@ -124,19 +178,40 @@ class CartridgeService:
                                          field=f"cartridges[{i}]")
                 ids.append(spec)
                 continue
-            ids.append(self.load(**parse_spec(spec, f"cartridges[{i}]")))
+            args = parse_spec(spec, f"cartridges[{i}]")
+            if not refresh:
+                args["force_redownload"] = False
+            elif args.get("force_redownload") and args["source"] == "local":
+                args["force_redownload"] = self._stale(args)
+            ids.append(self.load(**args))
         return tuple(ids)
+
+    def _stale(self, args: dict[str, Any]) -> bool:
+        """A request's force_redownload on a local file means "the newest file, as asked": False when the
+        resident copy was read from the file as it is now (local_stamp) with the positions the request names, so
+        an unchanged file is not read again."""
+        entry = self.store.get(args.get("id") or args.get("path"))
+        if entry is None or args.get("positions") not in (None, entry.info.get("positions")):
+            return True
+        try:  # the file a folder stands for now (its cartridge.pt may have appeared, cache_last.pt moved)
+            file = fetch("local", args.get("id") or args["path"], args.get("path")).path
+        except CartridgeError:
+            return True  # load() says why
+        stamp = local_stamp(file)
+        return stamp is None or entry.info.get("stamp") != stamp
 
     @contextlib.contextmanager
     def using(self, items: Iterable[Any]) -> Iterator[tuple[str, ...]]:
         """Hold a reference on every cartridge of a request for its duration.
 
         `items`: ids, Tokasaurus specs ({id, source, ...}, loaded on demand), or one tuple of those per row.
-        Loading and taking the references happen under one lock, so no other load can evict them in between.
+        Loading happens first, outside the lock (a download blocks no other request); then the references are
+        taken under the lock, together with a reload of any cartridge evicted in between.
         """
         flat = [c for item in items for c in ((item,) if isinstance(item, (str, Mapping)) else tuple(item or ()))]
-        with self._load_lock:
-            held = self.store.acquire(self.ensure(flat))
+        self.ensure(flat)  # downloads and file checks, outside the lock
+        with self._load_lock:  # resident now (one evicted meanwhile comes back from its local file)
+            held = self.store.acquire(self.ensure(flat, refresh=False))
         try:
             yield held
         finally:
@@ -153,6 +228,23 @@ class CartridgeService:
 
     def metrics(self) -> StoreMetrics:
         return self.store.metrics()
+
+
+def local_stamp(file: str) -> tuple | None:
+    """What changes when a local cartridge file (or the manifest beside it) is rewritten: inode, size, mtime and
+    ctime in ns. A request's `force_redownload: true` on a local file (`ensure`) reloads it only when this differs,
+    so a cartridge trained between steps is seen at the next request and an unchanged one is not re-read (seed
+    000's on-policy loop sends force_redownload with every request); an explicit load() always reads. Taken before the read: a write racing the read changes it again, and the
+    next request reloads. None when the file cannot be stat'ed (fetch then says why)."""
+    path = Path(file).expanduser()
+    stamps = []
+    for p in (path, path.with_name(path.name + MANIFEST_SUFFIX)):
+        try:
+            st = p.stat()
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps) if stamps[0] is not None else None
 
 
 def parse_spec(spec: Mapping[str, Any], where: str = "cartridges") -> dict[str, Any]:

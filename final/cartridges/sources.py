@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Callable
 
 from final.cartridges.manifest import MANIFEST_SUFFIX
-from final.errors import CartridgeError
+from final.errors import CartridgeError, CartridgeSourceError
 from final.protocol.bodies import CARTRIDGE_SOURCES
 
 SOURCES = CARTRIDGE_SOURCES  # final.protocol.bodies: the sources a request may name
 # Hugging Face repos are searched for these names (in order) when no `path` names the file.
 HF_DEFAULT_FILES = ("cartridge.pt", "cartridge.safetensors", "cache_last.pt")
+# Tokasaurus' geoff/cartridges branch: a bare W&B id is a run of this entity/project
+WANDB_DEFAULT_PROJECT = "hazy-research/cartridges"
+RUN_CONFIG = "config.yaml"  # the cartridges repo's run config, saved beside the cache files
 _EXTRAS = {"boto3": "s3", "huggingface_hub": "hf", "wandb": "wandb"}
 
 
@@ -31,6 +34,7 @@ _EXTRAS = {"boto3": "s3", "huggingface_hub": "hf", "wandb": "wandb"}
 class Fetched:
     path: Path
     manifest: Path | None
+    config: Path | None = None  # the run's config.yaml, when the source has one (final.cartridges.positions)
 
 
 def default_cache_dir() -> Path:
@@ -51,6 +55,8 @@ def fetch(source: str, cartridge_id: str, path: str | None = None, *, cache_dir:
                              field="source")
     if source == "local":
         return _local(path or cartridge_id)
+    if source == "wandb":
+        cartridge_id = wandb_run_id(cartridge_id)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     return {"huggingface": _huggingface, "s3": _s3, "wandb": _wandb}[source](cartridge_id, path, root,
                                                                            force_redownload)
@@ -64,13 +70,39 @@ def _import(module: str, source: str, cid: str):
                              f"(or pip install {module})", file=cid, field="source") from None
 
 
+def sanitize_cartridge_id(cartridge_id: str) -> str:
+    """Tokasaurus' (geoff/cartridges, tokasaurus/utils.py) folder name for a cartridge id: slashes -> '-',
+    `:|*?<>"'` and control characters -> '_', every run of dots -> '_', runs of '_'/'-' -> one '_'. Its fallback
+    for an id with nothing left hashes with Python's salted hash(); ours is a stable sha256 prefix."""
+    if not cartridge_id or not cartridge_id.strip():
+        raise CartridgeError("a cartridge id cannot be empty", field="id")
+    out = cartridge_id.replace("/", "-").replace("\\", "-")
+    out = re.sub(r'[:|*?<>"\'\x00-\x1f\x7f]', "_", out)
+    out = re.sub(r"\.+", "_", out)
+    out = re.sub(r"[_-]{2,}", "_", out.strip())
+    if not out or out == "_":
+        out = f"sanitized_{int(hashlib.sha256(cartridge_id.encode()).hexdigest(), 16) % 1000000}"
+    return out
+
+
+# The file a cartridge folder stands for: Tokasaurus' cartridge.pt, ours, the cartridges repo's cache_last.pt.
+FOLDER_FILES = ("cartridge.pt", "cartridge.safetensors", "cache_last.pt")
+
+
+def folder_file(folder: Path) -> Path | None:
+    return next((folder / n for n in FOLDER_FILES if (folder / n).is_file()), None)
+
+
 def _local(path: str) -> Fetched:
     p = Path(path).expanduser()
+    if p.is_dir() and folder_file(p) is not None:  # a cartridge folder (Tokasaurus' local layout, a run's folder)
+        p = folder_file(p)
     if not p.is_file():
         raise CartridgeError("file does not exist" if not p.exists() else "is not a regular file", file=str(p),
                              field="path")
     m = p.with_name(p.name + MANIFEST_SUFFIX)
-    return Fetched(p, m if m.is_file() else None)
+    config = p.parent / RUN_CONFIG
+    return Fetched(p, m if m.is_file() else None, config if config.is_file() else None)
 
 
 def _cached(root: Path, source: str, cid: str, filename: str, force: bool,
@@ -135,8 +167,8 @@ def _s3(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
         code = exc.response.get("Error", {}).get("Code", "")
         what = "does not exist" if code in ("404", "NoSuchKey", "NoSuchBucket") else f"cannot be read ({code})"
         raise CartridgeError(f"s3://{bucket}/{key} {what}: {exc}", file=cid, field="id") from None
-    except BotoCoreError as exc:
-        raise CartridgeError(f"S3 download failed: {exc}", file=cid, field="source") from None
+    except BotoCoreError as exc:  # connection, endpoint and read failures
+        raise CartridgeSourceError(f"S3 download failed: {exc}", file=cid, source="s3") from None
     return Fetched(file, manifest if manifest.is_file() else None)
 
 
@@ -166,20 +198,38 @@ def _huggingface(cid: str, path: str | None, root: Path, force: bool) -> Fetched
             raise CartridgeError("Hugging Face repository not found (or private without a token)", file=cid,
                                  field="id") from None
         except OSError as exc:  # HTTP and connection errors subclass OSError
-            raise CartridgeError(f"Hugging Face download failed: {exc}", file=cid, field="source") from None
+            raise CartridgeSourceError(f"Hugging Face download failed: {exc}", file=cid, source="huggingface") \
+                from None
 
     names = [path] if path else list(HF_DEFAULT_FILES)
     for filename in names:
         file = download(filename)
         if file is not None:
-            return Fetched(file, download(filename + MANIFEST_SUFFIX))
-    why = (" in the local Hugging Face cache, and the hub is offline (HF_HUB_OFFLINE) or unreachable"
+            return Fetched(file, download(filename + MANIFEST_SUFFIX), download(RUN_CONFIG))
+        if unreachable and not _hf_offline():  # the hub did not answer (after its own retries): no more names
+            break
+    if unreachable and not _hf_offline():  # not a missing file: the hub did not answer
+        raise CartridgeSourceError(f"the Hugging Face hub ({os.environ.get('HF_ENDPOINT', 'huggingface.co')}) is "
+                                   f"unreachable and {names[0]} is not in the local cache", file=cid,
+                                   source="huggingface")
+    why = (" in the local Hugging Face cache, and the hub is offline (HF_HUB_OFFLINE)"
            if unreachable else " in the Hugging Face repo")
     raise CartridgeError(f"none of {names} found{why}", file=cid,
                          field="path" if path else "id")
 
 
+def _hf_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 # ---- Weights & Biases --------------------------------------------------------------------------------------
+def wandb_run_id(cid: str) -> str:
+    """A bare run id is a run of hazy-research/cartridges, as Tokasaurus' branch resolves it."""
+    return f"{WANDB_DEFAULT_PROJECT}/{cid}" if "/" not in cid else cid
+
+
 def latest_wandb_cache_file(names: list[str]) -> str | None:
     """The cartridges repo saves `cache-step{N}.pt` / `cache-epoch{N}.pt` to the run; pick the highest N."""
     found = [(int(m.group(2)), n) for n in names if (m := re.fullmatch(r"cache-(epoch|step)(\d+)\.pt", n))]
@@ -197,18 +247,23 @@ def _wandb(cid: str, path: str | None, root: Path, force: bool) -> Fetched:
     try:
         run = wandb.Api().run(run_path)
         files = {f.name: f for f in run.files()}
-    except Exception as exc:  # wandb raises its own CommError/ValueError family
-        raise CartridgeError(f"cannot open the W&B run: {type(exc).__name__}: {exc}", file=cid,
-                             field="id") from None
+    except Exception as exc:  # wandb raises its own CommError/ValueError family (a missing run too)
+        raise CartridgeSourceError(f"cannot open the W&B run {run_path}: {type(exc).__name__}: {exc}", file=cid,
+                                   source="wandb") from None
     name = path or latest_wandb_cache_file(sorted(files))
     if name is None or name not in files:
         raise CartridgeError(f"no cartridge file {name or 'cache-step*.pt'} in the run's files", file=cid,
                              field="path" if path else "id")
 
-    def download(tmp: Path) -> None:
-        with tempfile.TemporaryDirectory(dir=tmp.parent) as d:
-            files[name].download(root=d, replace=True)
-            os.replace(Path(d) / name, tmp)
+    def download(member: str) -> Callable[[Path], None]:
+        def into(tmp: Path) -> None:
+            with tempfile.TemporaryDirectory(dir=tmp.parent) as d:
+                files[member].download(root=d, replace=True)
+                os.replace(Path(d) / member, tmp)
+        return into
 
-    file, _ = _cached(root, "wandb", cid, name, force, download)
-    return Fetched(file, None)
+    file, fresh = _cached(root, "wandb", cid, name, force, download(name))
+    config = file.with_name(RUN_CONFIG)
+    if RUN_CONFIG in files and (fresh or not config.is_file()):  # the run's config travels with its file
+        _cached(root, "wandb", cid, RUN_CONFIG, True, download(RUN_CONFIG))
+    return Fetched(file, None, config if config.is_file() else None)

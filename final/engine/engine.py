@@ -47,10 +47,12 @@ class EmbeddedEngine:
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  max_running_requests: int = 256, max_model_len: int | None = None,
                  max_prefill_tokens: int = 8192, mem_fraction_static: float = 0.5,
-                 random_seed: int | None = None, eos_token_ids: Seq[int] | None = None):
+                 random_seed: int | None = None, eos_token_ids: Seq[int] | None = None,
+                 quantization: str | None = None):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
+        self.quantization = quantization  # None (the model dtype) or "int8" (CPU; model.check_quantization)
         self._closed = False
         self._rng = random.Random(random_seed)
         eos = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_token_ids(model_path))
@@ -69,7 +71,7 @@ class EmbeddedEngine:
 
     def _main(self, started: concurrent.futures.Future, options: dict) -> None:
         try:
-            model = CausalLM.from_pretrained(self.model_path, self.dtype, self.device)
+            model = CausalLM.from_pretrained(self.model_path, self.dtype, self.device, self.quantization)
             max_len = options.pop("max_model_len") or model.spec.max_position_embeddings
             core = EngineCore(model, self.model_path, max_model_len=min(max_len, model.spec.max_position_embeddings),
                               **options)

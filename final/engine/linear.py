@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,17 @@ def padded_rows(m: int) -> int:
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: CPU, fp32/bf16, oneDNN built in; FINAL_PACK_WEIGHTS=0 turns it off."""
+    """oneDNN prepacking: CPU, fp32/bf16, oneDNN built in; FINAL_PACK_WEIGHTS=0 turns it off. bf16 packing also
+    needs the CPU's bf16 support (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an AVX2-only CPU oneDNN refuses it."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and os.environ.get("FINAL_PACK_WEIGHTS", "1") != "0"
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (dtype != torch.bfloat16 or _cpu_has_bf16()))
+
+
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # torch's own probe of the CPU
+    return bool(check()) if check is not None else False
 
 
 class Linear:
@@ -113,3 +121,59 @@ class Linear:
 def _padded(x: torch.Tensor, m: int) -> torch.Tensor:
     """x as its m rows [m, K], with zero rows added up to padded_rows(m)."""
     return F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, padded_rows(m) - m))
+
+
+def int8_available() -> bool:
+    """fbgemm's dynamic int8 linear (x86 CPUs with AVX2): what `quantization: int8` runs on."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Int8Linear:
+    """y ~= x @ W.T (+ b) with W held as int8 (one scale per output row) and fbgemm's dynamic int8 GEMM.
+
+    The activations are quantized too, per call (one 7-bit scale over the step's rows, as fbgemm's dynamic
+    quantization does; llama.cpp's Q8_0 likewise quantizes activations, per block of 32). So results are not
+    fp32's, and a row's can depend on the other rows of its step: this is the opt-in speed mode, its greedy
+    agreement with fp32 is measured in bench/RESULTS.md. Measured here first (AVX2, one thread, SmolLM2's
+    matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time with fp32 activations (no
+    vectorized path for them) and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x at M=1 and M=8.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError("int8 weights need a float32 model on CPU")
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        self.weight = None  # only the packed int8 matrix is kept
+        self._quantize(weight, bias)
+
+    def _quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        scale = (weight.abs().amax(dim=1).double() / 127).clamp_min(1e-12)
+        zero = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; fbgemm still needs it
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(weight.float(), scale, zero, 0, torch.qint8)
+        self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
+        return y if self.bias is None else y + self.bias
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+    def dense(self) -> torch.Tensor:
+        """The dequantized weight [out, in]."""
+        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+
+    def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
+        """A weight update: dequantize, overwrite rows lo:hi, quantize again (other rows keep their int8 values)."""
+        weight = self.dense()
+        weight[lo:hi].copy_(value)
+        self._quantize(weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.out_features * self.in_features + 8 * self.out_features  # int8 values + a double scale per row
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)

@@ -14,8 +14,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from final.engine.linear import Linear, packing_enabled
-from final.errors import ModelError
+from final.config import LOCAL_QUANTIZATIONS
+from final.engine.linear import Int8Linear, Linear, int8_available, packing_enabled
+from final.errors import ConfigError, ModelError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -74,7 +75,23 @@ class AttentionPlan(Protocol):
         ...
 
 
+def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """A typed error naming the config key for a quantization this model, device or CPU cannot run."""
+    key = "rollout.engine_kwargs.local.quantization"
+    if quantization is None:
+        return
+    if quantization not in LOCAL_QUANTIZATIONS:
+        raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {quantization!r}", key=key)
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ConfigError(f"int8 runs on CPU with dtype float32 (auto), not {device.type} {dtype}", key=key)
+    if not int8_available():
+        raise ConfigError("int8 needs torch's fbgemm quantized engine (an x86 CPU with AVX2)", key=key)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one op instead of six (x 61 norms a decode step): bitwise HF's in fp32 (tests/test_engine_int8.py)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # HF: normalise in fp32, cast back, then scale (the order matters for bf16 parity).
     dtype = x.dtype
     h = x.float()
@@ -93,10 +110,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
 
 @dataclass
 class Layer:
-    wqkv: Linear  # q|k|v fused (with qkv bias where the model has one)
-    wo: Linear
-    w_gate_up: Linear  # gate|up fused
-    w_down: Linear
+    wqkv: Linear | Int8Linear  # q|k|v fused (with qkv bias where the model has one)
+    wo: Linear | Int8Linear
+    w_gate_up: Linear | Int8Linear  # gate|up fused
+    w_down: Linear | Int8Linear
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -104,7 +121,7 @@ class Layer:
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: Linear, norm: torch.Tensor,
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: Linear | Int8Linear, norm: torch.Tensor,
                  layers: list[Layer], cos: torch.Tensor, sin: torch.Tensor, tied: bool = False):
         self.spec = spec
         self.embed, self.lm_head, self.norm = embed, lm_head, norm
@@ -127,10 +144,13 @@ class CausalLM:
 
     # ---- loading -------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> "CausalLM":
+    def from_pretrained(cls, path: str, dtype: torch.dtype, device: str | torch.device = "cpu",
+                        quantization: str | None = None) -> "CausalLM":
+        """quantization "int8": every weight matrix (lm_head too; the embedding lookup stays fp32) as Int8Linear."""
         from transformers import AutoModelForCausalLM
 
         device = torch.device(device)
+        check_quantization(quantization, device, dtype)
         with torch.device("cpu"):
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
         spec = ModelSpec.from_hf_config(hf.config)
@@ -140,13 +160,16 @@ class CausalLM:
 
         pack = packing_enabled(device, dtype)
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear | Int8Linear:
+            if quantization == "int8":
+                return Int8Linear(t(w), t(b) if b is not None else None)
             return Linear(t(w), t(b) if b is not None else None, pack=pack)
 
         base = hf.model
         embed = t(base.embed_tokens.weight)
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
-        lm_head = Linear(embed, pack=pack) if tied else lin(hf.lm_head.weight)
+        # tied and int8: the lm_head is an int8 copy of the embedding, which stays fp32 for the lookup
+        lm_head = Linear(embed, pack=pack) if tied and not quantization else lin(embed if tied else hf.lm_head.weight)
         layers = []
         for theirs in base.layers:
             att, mlp = theirs.self_attn, theirs.mlp

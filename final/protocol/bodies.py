@@ -5,7 +5,7 @@ Cartridge, CompletionsRequest, ChatCompletionRequest, CartridgeCompletionsReques
 CartridgeChatCompletionRequest (they forbid extra fields too). Defaults are Tokasaurus': completions
 max_tokens=16 and temperature=1.0, chat temperature=0.7, cartridge source "wandb".
 Additions of ours, marked below: top_k, min_p, repetition_penalty (as vLLM/SGLang's OpenAI servers accept),
-"s3" as a cartridge source (final.cartridges.sources), and /generate's body (seed 001's native protocol).
+a cartridge's `positions`, "s3" as a cartridge source (final.cartridges.sources), and /generate's body (seed 001's native protocol).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 CartridgeSource = Literal["wandb", "local", "huggingface", "s3"]
+CartridgePositions = Literal["after_prefix", "from_zero"]
 
 
 class _Strict(BaseModel):
@@ -27,10 +28,31 @@ class Cartridge(_Strict):
     id: str = Field(min_length=1)
     source: CartridgeSource = "wandb"
     force_redownload: bool = False
+    # ours: where the tokens after the cartridge were in training (final.cartridges.positions); None: the
+    # cartridge's manifest or run config says, else after_prefix
+    positions: Optional[CartridgePositions] = None
 
 
-WIRE_CARTRIDGE_KEYS = tuple(Cartridge.model_fields)  # ("id", "source", "force_redownload")
+WIRE_CARTRIDGE_KEYS = ("id", "source", "force_redownload")  # Tokasaurus' fields
 CARTRIDGE_SOURCES = get_args(CartridgeSource)
+CARTRIDGE_POSITIONS = get_args(CartridgePositions)
+SOURCE_ALIASES = {"hf": "huggingface"}  # --cartridge-sources local,hf,s3,wandb
+
+
+def check_cartridge_sources(value: Any, path: str | None = None, key: str = "cartridge_sources") -> tuple[str, ...]:
+    """`cartridge_sources` (and `final serve --cartridge-sources`): which sources HTTP requests may name, a list
+    or comma-separated string of local, hf (huggingface), s3, wandb. Remote ones download with the server's own
+    credentials, so they are off unless listed."""
+    from final.errors import ConfigError
+
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ConfigError(f"must be a list of sources (local, hf, s3, wandb), got {value!r}", key=key, path=path)
+    out = [SOURCE_ALIASES.get(s.strip(), s.strip()) for s in items if s.strip()]
+    for name in out:
+        if name not in CARTRIDGE_SOURCES:
+            raise ConfigError(f"unknown source {name!r}; choose from local, hf, s3, wandb", key=key, path=path)
+    return tuple(dict.fromkeys(out))
 
 
 class StreamOptions(_Strict):

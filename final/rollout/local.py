@@ -31,6 +31,7 @@ class LocalRollout(EngineRollout):
             max_prefill_tokens=local.get("max_prefill_tokens", config.max_num_batched_tokens),
             mem_fraction_static=config.gpu_memory_utilization,
             random_seed=local.get("random_seed"),
+            quantization=local.get("quantization"),
         )
         super().__init__(config, model_config, engine, device_mesh, own_engine=own)
 

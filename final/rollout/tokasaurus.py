@@ -52,33 +52,36 @@ class TokasaurusSettings:
     retry_delay: float = 2.0
 
     @classmethod
-    def from_custom(cls, custom: dict, path: str | None = None) -> "TokasaurusSettings":
+    def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom") -> "TokasaurusSettings":
+        """`where`: the block's key path in error messages (final's config and veRL 0.9: rollout.custom; veRL
+        0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py)."""
         known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay"}
         for key in custom:
             if key not in known:
-                raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(known))}", key=f"rollout.custom.{key}",
+                raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(known))}", key=f"{where}.{key}",
                                   path=path)
         s = cls()
         url = custom.get("tokasaurus_url", s.url)
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"must be an http(s) URL, got {url!r}", key="rollout.custom.tokasaurus_url", path=path)
+            raise ConfigError(f"must be an http(s) URL, got {url!r}", key=f"{where}.tokasaurus_url", path=path)
         retries = custom.get("max_retries", s.max_retries)
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"must be an integer >= 0, got {retries!r}", key="rollout.custom.max_retries", path=path)
+            raise ConfigError(f"must be an integer >= 0, got {retries!r}", key=f"{where}.max_retries", path=path)
         numbers = {}
         for key in ("base_timeout", "retry_delay"):
             value = custom.get(key, getattr(s, key))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (key == "base_timeout" and value == 0):
                 raise ConfigError(f"must be a finite number {'> 0' if key == 'base_timeout' else '>= 0'}, got "
-                                  f"{value!r}", key=f"rollout.custom.{key}", path=path)
+                                  f"{value!r}", key=f"{where}.{key}", path=path)
             numbers[key] = float(value)
-        return cls(url.rstrip("/"), check_specs(custom.get("cartridges") or [], path), retries, **numbers)
+        return cls(url.rstrip("/"), check_specs(custom.get("cartridges") or [], path, f"{where}.cartridges"), retries,
+                   **numbers)
 
 
-def check_specs(specs: Any, path: str | None = None) -> list[dict]:
+def check_specs(specs: Any, path: str | None = None, where: str = "rollout.custom.cartridges") -> list[dict]:
     """Tokasaurus' Cartridge model ({id, source, force_redownload}); sent as written (its default source: wandb)."""
-    return check_cartridge_specs(specs, path, where="rollout.custom.cartridges", keys=WIRE_CARTRIDGE_KEYS,
+    return check_cartridge_specs(specs, path, where=where, keys=WIRE_CARTRIDGE_KEYS,
                                  fill_defaults=False)
 
 

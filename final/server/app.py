@@ -5,7 +5,8 @@ Endpoints, as in ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasa
   GET  /v1/models
   POST /v1/completions, /v1/chat/completions                          OpenAI (stream: SSE)
   POST /custom/cartridge/completions, /custom/cartridge/chat/completions
-       the same bodies + cartridges: [{id, source, force_redownload}]
+       the same bodies + cartridges: [{id, source, force_redownload}]; on every chat route, <cartridge>{...}
+       </cartridge> blocks in a system message name cartridges too (prepare.system_cartridges)
        (also under /v1/cartridge/..., the names older Tokasaurus branches and clients use)
   POST /generate                          seed 001's native `protocol: toka` body (not in real Tokasaurus)
   GET  /custom/cartridges                 loaded cartridges and the references held on them (ours)
@@ -53,9 +54,11 @@ class Service:
     """What every route does: parse the body, prepare the call (all checks), run it on the InferenceEngine,
     render the answer. A disconnecting client cancels its call, which aborts its rows."""
 
-    def __init__(self, inference: Any, cartridge_dir: str | None):
+    def __init__(self, inference: Any, cartridge_dir: str | None, cartridge_sources: tuple[str, ...] | None = None):
         self.inference = inference
         self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
+        # which sources requests may name (remote ones download with the server's credentials)
+        self.cartridge_sources = tuple(cartridge_sources or inference.config.cartridge_sources)
         self.renderer = Renderer(inference.tokenizer)
         self.model_id = inference.config.model_path
         self.max_body_bytes = inference.config.limits.max_body_bytes
@@ -65,7 +68,9 @@ class Service:
         param = "messages" if make_call is prepare.chat_call else "prompt"
         try:
             loaded = self.inference.cartridge_ids()
-            call = make_call(self.inference, body, prepare.cartridge_specs(body, loaded, self.cartridge_dir))
+            body = prepare.system_cartridges(body)  # Tokasaurus' <cartridge> blocks in a system message
+            specs = prepare.cartridge_specs(body, loaded, self.cartridge_dir, self.cartridge_sources)
+            call = make_call(self.inference, body, specs)
             if call.stream:
                 return await self._stream(call)
             out = await _cancel_on_disconnect(raw, self.inference.arun(call.request))
@@ -87,11 +92,13 @@ class Service:
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None) -> FastAPI:
+def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None,
+               cartridge_sources: tuple[str, ...] | None = None) -> FastAPI:
     """An app serving `inference` (an InferenceEngine, or a ReplicaPool: the same API); with api_key, every route but /ping needs the bearer key.
-    Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids)."""
+    Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids), and download
+    only from `cartridge_sources` (None: the config's cartridge_sources, by default local only)."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
-    service = Service(inference, cartridge_dir)
+    service = Service(inference, cartridge_dir, cartridge_sources)
     _add_error_handlers(app)
     if api_key:
         _add_auth(app, api_key)

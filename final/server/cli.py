@@ -31,6 +31,8 @@ LIMIT_FLAGS = (
     ("--max-body-bytes", "max_body_bytes", int, "largest request body; beyond, 413"),
     ("--deadline", "deadline_s", float, "seconds a request may run before its rows are aborted (504)"),
     ("--max-cartridge-bytes", "max_cartridge_bytes", int, "bytes of loaded cartridges; beyond, LRU eviction"),
+    ("--cartridge-fetch-timeout", "cartridge_fetch_s", float,
+     "seconds a request waits for a remote cartridge source (then 504)"),
 )
 
 
@@ -47,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cartridge-dir", default=None,
                        help="allow requests to load local cartridge files under this folder (default: none; "
                             "cartridges from the config are always served)")
+    serve.add_argument("--cartridge-sources", default=None, metavar="LIST",
+                       help="cartridge sources requests may name, of local,hf,s3,wandb (default: the config's "
+                            "cartridge_sources, else local only: remote ones download with this server's credentials)")
     for flag, key, kind, what in LIMIT_FLAGS:
         serve.add_argument(flag, type=kind, default=None, dest=f"limit_{key}", metavar="S" if kind is float else "N",
                            help=f"{what} (overrides the config's limits.{key}; default {getattr(Limits(), key)})")
@@ -88,6 +93,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               if getattr(args, f"limit_{key}") is not None}
     if limits:  # deep-merged over the config's limits: and checked with them (ConfigError naming limits.KEY)
         overrides["limits"] = limits
+    if args.cartridge_sources is not None:  # checked with the config (ConfigError naming cartridge_sources)
+        overrides["cartridge_sources"] = args.cartridge_sources
     with open_engine(args, **overrides) as inference:
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
         app = Drain(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir))

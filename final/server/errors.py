@@ -2,7 +2,8 @@
 
 Every failure of a request becomes one of these; none takes the server down. Bad input (our typed errors,
 pydantic validation, malformed JSON) is a 400 naming the offending field; a body past limits.max_body_bytes 413,
-a body that is not JSON 415; a full queue 429 with Retry-After; a row the engine aborted 500; a request past its
+a body that is not JSON 415; a cartridge source the server does not allow 403, one that fails 502 or does not
+answer within limits.cartridge_fetch_s 504; a full queue 429 with Retry-After; a row the engine aborted 500; a request past its
 deadline 504; an engine that cannot serve (shut down, shutting down) 503.
 """
 
@@ -12,8 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, DeadlineError, EngineError, FinalError,
-                          OverloadedError, PromptError, SamplingError, SequenceError, UnsupportedError)
+from final.errors import (BackendUnavailableError, CartridgeError, CartridgeSourceError, ConfigError, DeadlineError,
+                          EngineError, FinalError, OverloadedError, PromptError, SamplingError, SequenceError,
+                          UnsupportedError)
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs",
@@ -65,6 +67,10 @@ def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
         return APIError(400, message, param=prompt_param, code="invalid_prompt")
     if isinstance(exc, SamplingError):
         return APIError(400, message, param=_PARAM_NAMES.get(exc.field, exc.field), code="invalid_sampling_parameter")
+    if isinstance(exc, CartridgeSourceError):  # refused by this server (403), failed (502) or too slow (504)
+        status, code = {"disabled": (403, "cartridge_source_disabled"), "timeout": (504, "cartridge_source_timeout")
+                        }.get(exc.reason, (502, "cartridge_source_unreachable"))
+        return APIError(status, message, param="cartridges", code=code)
     if isinstance(exc, CartridgeError):
         return APIError(400, message, param="cartridges", code="invalid_cartridge")
     if isinstance(exc, ConfigError):

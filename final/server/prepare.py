@@ -9,12 +9,16 @@ logprobs before the completion's), `logprobs: k` and `max_tokens: 0` on completi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from final.errors import CartridgeError, PromptError, SamplingError
-from final.protocol.bodies import ChatCompletionRequest, CompletionsRequest, GenerateRequest
+from pydantic import ValidationError
+
+from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError
+from final.protocol.bodies import (Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest, CompletionsRequest,
+                                   GenerateRequest)
 from final.request import Request
 from final.sampling import check_params
 
@@ -146,17 +150,67 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
     return out
 
 
-def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None) -> list[dict | str] | None:
+# Tokasaurus' (geoff/cartridges, server/utils.py process_request) cartridge block in a system message
+CARTRIDGE_BLOCK = re.compile(r"<cartridge>\s*(\{.*?\})\s*</cartridge>", re.DOTALL)
+
+
+def system_cartridges(req: Any) -> Any:
+    """A chat body whose system messages hold `<cartridge>{"id": ..., "source": ...}</cartridge>` blocks, as
+    Tokasaurus' branch reads them on every chat route: the blocks become the request's cartridges and leave the
+    message (blank lines squeezed as it does). Unlike Tokasaurus, a bad block is a 400 (it skips it with a
+    warning), a system message left empty is dropped (the cartridge stands for the document's system turn), and
+    blocks together with a `cartridges` field are refused (it would drop the field's)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return req
+    found: list[Cartridge] = []
+    messages = []
+    for j, message in enumerate(req.messages):
+        message = _flatten_content(message, j) if message.get("role") == "system" else message
+        content = message.get("content")
+        if message.get("role") != "system" or not isinstance(content, str) or "<cartridge>" not in content:
+            messages.append(message)
+            continue
+        for block in CARTRIDGE_BLOCK.findall(content):
+            try:
+                found.append(Cartridge.model_validate_json(block))
+            except ValidationError as exc:
+                first = exc.errors(include_url=False)[0]
+                raise CartridgeError(f"<cartridge> block {block[:80]!r}: {first['msg']}",
+                                     field=f"messages[{j}].content") from None
+        cleaned = re.sub(r"\n\s*\n\s*\n", "\n\n", CARTRIDGE_BLOCK.sub("", content).strip())
+        if cleaned:
+            messages.append({**message, "content": cleaned})
+    if not found:
+        return req
+    if getattr(req, "cartridges", None):
+        raise CartridgeError("give cartridges in the body or in <cartridge> blocks of a system message, not both",
+                             field="cartridges")
+    if not messages:
+        raise PromptError("messages holds only the <cartridge> block; add the conversation")
+    return CartridgeChatCompletionRequest.model_construct(**{**dict(req), "messages": messages, "cartridges": found})
+
+
+def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None,
+                    sources: tuple[str, ...] = ("local",)) -> list[dict | str] | None:
     """The request's cartridges as specs to load. HTTP clients may load local files only from --cartridge-dir,
-    so a request never reads an arbitrary path: a local file's spec gets its resolved path under that folder.
+    so a request never reads an arbitrary path: a local file's spec gets its resolved path under that folder (a
+    file, a folder, or Tokasaurus' folder <sanitized id>/ with cartridge.pt). Remote sources download with the
+    server's credentials: only those in `sources` (--cartridge-sources) are allowed.
     Ids already loaded (the config's cartridges) are served by id, never from a file: had the spec gone on
     without a path, a cartridge evicted between this check and the load would be read from the id as a path.
     loaded=None: this server holds no cartridges (InferenceEngine refuses the specs)."""
     specs: list[dict | str] = []
     for spec in getattr(req, "cartridges", None) or []:
-        out = spec.model_dump()
-        if loaded is not None and spec.source == "local":
-            path = _under(cartridge_dir, spec.id)
+        out = spec.model_dump(exclude_none=True)
+        if loaded is not None and spec.source != "local":
+            if spec.id in loaded and not spec.force_redownload:
+                out = spec.id  # resident: no download, whichever sources are allowed
+            elif spec.source not in sources:
+                raise _disabled(spec, sources, f"this server does not download cartridges from {spec.source}")
+        elif loaded is not None and "local" not in sources:
+            raise _disabled(spec, sources, "this server loads no local cartridge files")
+        elif loaded is not None:
+            path = _local_under(cartridge_dir, spec.id)
             if path is not None:
                 out["path"] = str(path)  # resident: served from memory; evicted meanwhile: reloaded from here
             elif spec.id in loaded and not spec.force_redownload:
@@ -169,6 +223,28 @@ def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | No
                                      field="id")
         specs.append(out)
     return specs or None
+
+
+def _disabled(spec: Cartridge, sources: tuple[str, ...], what: str) -> CartridgeSourceError:
+    flags = ",".join(dict.fromkeys({"huggingface": "hf"}.get(s, s) for s in (*sources, spec.source)))
+    return CartridgeSourceError(f"{what}; start it with --cartridge-sources {flags} (config key cartridge_sources)",
+                                file=spec.id, source=spec.source, reason="disabled")
+
+
+def _local_under(folder: Path | None, name: str) -> Path | None:
+    """A local id under --cartridge-dir: the file or folder it names, else Tokasaurus' folder for it
+    (./cartridges/<sanitized id>/). A folder's cartridge file (cartridge.pt, cache_last.pt...) must resolve
+    inside the folder too, so a symlink in it cannot lead out."""
+    from final.cartridges.sources import folder_file, sanitize_cartridge_id
+
+    path = _under(folder, name)
+    if path is not None and not path.exists():
+        toka = _under(folder, sanitize_cartridge_id(name))
+        path = toka if toka is not None and toka.is_dir() else path
+    if path is not None and path.is_dir():
+        inner = folder_file(path)
+        return _under(folder, str(inner)) if inner is not None else path
+    return path
 
 
 def _under(folder: Path | None, name: str) -> Path | None:

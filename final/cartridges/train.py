@@ -1,0 +1,281 @@
+"""Context distillation into a cartridge (the cartridges repo's `train.py` with `loss_type="logits"`).
+
+The student is the frozen model plus a trainable KV prefix of p tokens (post-RoPE keys/values per layer,
+[1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on the answer tokens only, to
+match the teacher's top-k distribution (cross-entropy against the teacher's top-k probabilities, the KL to the
+teacher up to a constant). Adam updates the prefix only; the first `frozen_tokens` stay fixed (the attention
+sink). Positions: the conversation starts at p, as final serves a cartridge ("after_prefix").
+
+The model is HF transformers' (autograd, the same weights the engine loads); the prefix is handed to it as a
+DynamicCache whose tensors are the trainable parameters, so gradients reach them. One code path for CPU and CUDA:
+the model runs in `resolve_dtype(dtype, device)` (fp32 on CPU, bf16 on CUDA for "auto"), the prefix is kept in
+fp32 and cast for each forward, and the loss is taken in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from final.cartridges.convs import Conversation
+from final.cartridges.format import CartridgeKV
+from final.errors import CartridgeError
+
+
+@dataclass
+class TrainConfig:
+    tokens: int  # p: the cartridge's length
+    steps: int = 100  # optimizer steps
+    batch: int = 4  # conversations per step
+    lr: float = 2e-2
+    frozen_tokens: int = 1
+    seed: int = 0
+    checkpoint_every: int = 10
+
+    def check(self) -> None:
+        for key in ("tokens", "steps", "batch", "checkpoint_every"):
+            if getattr(self, key) < 1:
+                raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
+        if not 0 <= self.frozen_tokens < self.tokens:
+            raise CartridgeError(f"must be in [0, tokens={self.tokens}), got {self.frozen_tokens}",
+                                 field="frozen_tokens")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise CartridgeError(f"must be a positive number, got {self.lr}", field="lr")
+
+
+class Student:
+    """The frozen model; `log_probs` runs it after a KV prefix with positions continuing at the prefix length."""
+
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto"):
+        from transformers import AutoModelForCausalLM
+
+        from final.engine.engine import resolve_dtype
+
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype,
+                                                          attn_implementation="sdpa").to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = self.model.config.vocab_size
+
+    @torch.no_grad()
+    def prefill(self, ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Post-RoPE K/V [1, H_kv, T, D] per layer of `ids` at positions 0..T-1 (a cartridge of the text)."""
+        out = self.model(torch.tensor([list(ids)], device=self.device), use_cache=True)
+        cache = out.past_key_values
+        return ([cache.layers[i].keys.float() for i in range(len(cache.layers))],
+                [cache.layers[i].values.float() for i in range(len(cache.layers))])
+
+    def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
+                  where: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
+        are returned. Right padding needs no mask: causal attention never lets a real token see a later pad."""
+        from transformers import DynamicCache
+
+        B, T = ids.shape
+        p = keys[0].shape[2]
+        cache = DynamicCache([(k.to(self.dtype).expand(B, -1, -1, -1), v.to(self.dtype).expand(B, -1, -1, -1))
+                              for k, v in zip(keys, values)])
+        positions = torch.arange(p, p + T, device=self.device)
+        hidden = self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions[None].expand(B, -1),
+                                  cache_position=positions, use_cache=True).last_hidden_state
+        return F.log_softmax(self.model.lm_head(hidden[where]).float(), dim=-1)
+
+
+class TrainableKV(nn.Module):
+    """The cartridges repo's TrainableCache layout: frozen_* and trainable_* ParameterLists, one tensor a layer."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], frozen_tokens: int):
+        super().__init__()
+        f = frozen_tokens
+
+        def plist(ts: Sequence[torch.Tensor], lo: int, hi: int | None, grad: bool) -> nn.ParameterList:
+            return nn.ParameterList([nn.Parameter(t[:, :, lo:hi].detach().float().clone(), requires_grad=grad)
+                                     for t in ts])
+
+        self.frozen_keys, self.frozen_values = plist(keys, 0, f, False), plist(values, 0, f, False)
+        self.trainable_keys, self.trainable_values = plist(keys, f, None, True), plist(values, f, None, True)
+        self.frozen_tokens = f
+
+    def full(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        cat = lambda a, b: [torch.cat([x, y], dim=2) for x, y in zip(a, b)]  # noqa: E731
+        return cat(self.frozen_keys, self.trainable_keys), cat(self.frozen_values, self.trainable_values)
+
+    def cartridge(self, dtype: torch.dtype = torch.float32) -> CartridgeKV:
+        keys, values = self.full()
+        return CartridgeKV([k.detach().to("cpu", dtype) for k in keys], [v.detach().to("cpu", dtype) for v in values],
+                           self.frozen_tokens)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] prompt + answer, right-padded
+    where: torch.Tensor  # [B, T] the positions that predict an answer token
+    top_ids: torch.Tensor  # [N, k] teacher's top-k at those positions, in row order
+    top_logprobs: torch.Tensor  # [N, k]
+
+
+def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device) -> Batch:
+    width = max(len(c.prompt_ids) + len(c.answer_ids) for c in convs)
+    ids = torch.full((len(convs), width), pad_id, dtype=torch.long)
+    where = torch.zeros((len(convs), width), dtype=torch.bool)
+    for r, c in enumerate(convs):
+        row = c.prompt_ids + c.answer_ids
+        ids[r, :len(row)] = torch.tensor(row)
+        # position j predicts token j+1: the answer's tokens are predicted from the prompt's last token on
+        where[r, len(c.prompt_ids) - 1:len(row) - 1] = True
+    k = min(len(t) for c in convs for t in c.top_ids)
+    top_ids = torch.tensor([t[:k] for c in convs for t in c.top_ids], dtype=torch.long)
+    top_lps = torch.tensor([t[:k] for c in convs for t in c.top_logprobs], dtype=torch.float32)
+    return Batch(ids.to(device), where.to(device), top_ids.to(device), top_lps.to(device))
+
+
+def distill_loss(student: Student, cache: TrainableKV, batch: Batch) -> torch.Tensor:
+    """Mean over answer tokens of -sum_k p_teacher(k) log q_student(k) over the teacher's top-k."""
+    keys, values = cache.full()
+    logq = student.log_probs(keys, values, batch.ids, batch.where)
+    return -(batch.top_logprobs.exp() * logq.gather(1, batch.top_ids)).sum(-1).mean()
+
+
+def batch_order(n: int, batch: int, step: int, seed: int) -> list[int]:
+    """Row indices of a step's batch: epochs of seeded permutations, so a resumed run sees the same batches."""
+    out: list[int] = []
+    start = step * batch
+    epoch, offset = divmod(start, n)
+    while len(out) < batch:
+        perm = list(range(n))
+        random.Random(f"{seed}/{epoch}").shuffle(perm)
+        out += perm[offset:offset + batch - len(out)]
+        epoch, offset = epoch + 1, 0
+    return out
+
+
+def checkpoint_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".ckpt")
+
+
+def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
+          ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
+          identity: dict | None = None) -> list[float]:
+    """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
+    every cfg.checkpoint_every steps and at the end; returns every step's loss (resumed ones included).
+    `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must."""
+    from tqdm import tqdm
+
+    cache.to(student.device)
+    opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=cfg.lr)
+    key = {**_resume_key(cfg), **(identity or {})}
+    losses = load_checkpoint(ckpt, cache, opt, key) if ckpt.is_file() else []
+    bar = tqdm(range(len(losses), cfg.steps), desc="train", unit="step", disable=not progress,
+               initial=len(losses), total=cfg.steps)
+    for step in bar:
+        rows = [convs[i] for i in batch_order(len(convs), cfg.batch, step, cfg.seed)]
+        loss = distill_loss(student, cache, make_batch(rows, pad_id, student.device))
+        if not torch.isfinite(loss):
+            raise CartridgeError(f"loss is {loss.item()} at step {step}; lower --lr", field="lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {losses[-1]:.4f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(ckpt, cache, opt, key, losses)
+    return losses
+
+
+def save_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict,
+                    losses: list[float]) -> None:
+    state = {"cache": {k: v.detach().cpu() for k, v in cache.state_dict().items()},
+             "optimizer": opt.state_dict(), "losses": list(losses), "config": key}
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict) -> list[float]:
+    """Restore cache, optimizer and loss history; a checkpoint of another setup is refused, not silently mixed."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        saved = state["config"]
+        if saved != key:
+            diff = sorted(k for k in set(saved) | set(key) if saved.get(k) != key.get(k))
+            raise CartridgeError(f"checkpoint was made with other settings ({', '.join(diff)}); delete it or use "
+                                 "the same settings", file=str(path), field="checkpoint")
+        cache.load_state_dict(state["cache"])
+        opt.load_state_dict(state["optimizer"])
+        return [float(x) for x in state["losses"]]
+    except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as exc:
+        if isinstance(exc, CartridgeError):
+            raise
+        raise CartridgeError(f"unreadable training checkpoint: {type(exc).__name__}: {str(exc)[:200]}",
+                             file=str(path), field="checkpoint") from None
+
+
+def _digest(ids: Sequence[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def _resume_key(cfg: TrainConfig) -> dict:
+    """What must match for a resume to continue the same run (the step budget may grow)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("steps", "checkpoint_every")}
+
+
+def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
+    """The first `tokens` ids of the text rendered as a cartridge's document (a system turn): the `prefix` init,
+    and the first-p-tokens baseline (a cartridge built from the whole text, cut at p, is the same KV)."""
+    from final.prompts import document_ids
+
+    ids = document_ids(tokenizer, text)
+    if len(ids) < tokens:
+        raise CartridgeError(f"renders to {len(ids)} tokens, fewer than the {tokens} the cartridge needs",
+                             field=what)
+    return ids[:tokens]
+
+
+def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str,
+                    init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
+                    save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
+                    source_document: str | None = None, progress: bool = True) -> dict:
+    """synth's conversations -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt."""
+    from transformers import AutoTokenizer
+
+    from final.cartridges.convs import read_conversations
+    from final.cartridges.format import save_cartridge
+    from final.cartridges.manifest import CartridgeManifest
+    from final.models import resolve_model_path
+
+    cfg.check()
+    path = resolve_model_path(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    student = Student(path, device, dtype)
+    convs = read_conversations(data, student.vocab_size)
+    init = initial_ids(tok, init_text if init_text is not None else text, cfg.tokens,
+                       "init_text" if init_text is not None else "text")
+    cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    from final.cartridges.manifest import sha256_file
+
+    identity = {"model": model, "data_sha256": sha256_file(data), "init": _digest(init)}
+    losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity)
+    cart = cache.cartridge(save_dtype or student.dtype)
+    out = save_cartridge(cart, out)
+    labels = {"format": "chat", "method": "self-study distillation",
+              "init": "text" if init_text is not None else "prefix", "steps": str(cfg.steps),
+              "conversations": str(len(convs)), "data": str(data)}
+    manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
+                                          source_document=source_document, labels=labels,
+                                          positions="after_prefix")  # the training forward's convention (Student)
+    manifest.write(out)
+    return {"out": str(out), "tokens": cart.num_tokens, "steps": cfg.steps, "conversations": len(convs),
+            "first_loss": losses[0], "last_loss": losses[-1], "bytes": cart.nbytes}
