@@ -10,7 +10,8 @@ What differs between them and is read here, so that no other module asks for a v
   by final's multi-turn loop: `MULTI_TURN_UNSERVED`.
 - veRL 0.9 removed `verl.tools.gsm8k_tool` (the shipped tools.yaml's tool): `TOOL_MODULES`.
 - veRL 0.9 removed `rollout.mode: sync` (its RolloutConfig raises) and the in-process SGLangRollout:
-  `ROLLOUT_MODES`, `SGLANG_BACKEND`.
+  `ROLLOUT_MODES` / `check_mode`, `SGLANG_BACKEND` / `check_backend`.
+- transformers 5 dropped `default` from HF's RoPE init table (cartridge position conversion): `rope_init_functions`.
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
   rebuilds as a SentencePiece-style tokenizer over SmolLM2's byte-level BPE: prompts tokenize wrong and output
   decodes as 'Ġ'/'Ċ' (measured: "The answer is:" repeated instead of "... Paris."); 5 writes `TokenizersBackend`,
@@ -92,6 +93,34 @@ def check_backend(name: str, path: str | None = None) -> None:
         raise ConfigError(f"the sglang backend needs the verl06 lane (veRL 0.6.0's in-process SGLangRollout); this "
                           f"environment is the {LANE} lane (veRL {VERL}), which serves rollout.name local or "
                           "tokasaurus (README 'Which veRL')", key="rollout.name", path=path)
+
+
+def rope_init_functions() -> dict:
+    """HF's RoPE inits by rope_type (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS). transformers 5 dropped
+    `default` from that table (each model class computes it); it is added back here with HF's formula, so a
+    `from_zero` cartridge converts the same on both lanes."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if "default" in ROPE_INIT_FUNCTIONS:
+        return ROPE_INIT_FUNCTIONS
+    return {**ROPE_INIT_FUNCTIONS, "default": _default_rope}
+
+
+def _default_rope(config: Any, device: Any) -> tuple[Any, float]:
+    import torch
+
+    params = getattr(config, "rope_parameters", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)), 1.0
+
+
+def check_mode(mode: Any, path: str | None = None) -> None:
+    """A ConfigError for a `rollout.mode` this lane's veRL does not have."""
+    if mode not in ROLLOUT_MODES:
+        raise ConfigError(f"must be {' or '.join(map(repr, ROLLOUT_MODES))} on the {LANE} lane, got {mode!r}",
+                          key="rollout.mode", path=path)
 
 
 def chat_ids(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:

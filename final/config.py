@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from final.compat import LANE, ROLLOUT_MODES, SGLANG_BACKEND, check_backend
+from final.compat import SGLANG_BACKEND, check_backend, check_mode
 from final.errors import ConfigError
 from final.sampling import Limits
 from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
@@ -274,9 +274,7 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     if rollout["name"] not in BACKENDS:
         raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)
     check_backend(rollout["name"], path)
-    if rollout["mode"] not in ROLLOUT_MODES:
-        raise ConfigError(f"must be {' or '.join(map(repr, ROLLOUT_MODES))} on the {LANE} lane, got "
-                          f"{rollout['mode']!r}", key="rollout.mode", path=path)
+    check_mode(rollout["mode"], path)
     if rollout["mode"] == "async" and not rollout["skip_tokenizer_init"]:
         raise ConfigError("async mode requires skip_tokenizer_init: true (token-in-token-out)",
                           key="rollout.skip_tokenizer_init", path=path)
