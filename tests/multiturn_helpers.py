@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from verl import DataProto
 
+from final.compat import chat_ids
+
 QWEN25_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0]['role'] == 'system' %}
@@ -102,8 +104,11 @@ def make_tool_model(src: str, dst: Path) -> str:
         vocab[name] = i
     (dst / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    # transformers 4 also writes the added tokens here; 5 keeps them in tokenizer.json only (and a folder
+    # converted on one lane is read on the other: FINAL_CACHE is shared).
     for i, name in _RENAME.items():
-        cfg["added_tokens_decoder"][str(i)].update(content=name, special=False)
+        if str(i) in cfg.get("added_tokens_decoder", {}):
+            cfg["added_tokens_decoder"][str(i)].update(content=name, special=False)
     cfg.pop("chat_template", None)
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (dst / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
@@ -166,7 +171,7 @@ def rollout_config(**overrides: Any):
 def chat_batch(tokenizer: Any, conversations: list[list[dict]], tools_kwargs: list[dict] | None = None,
                prompt_length: int = 256, **meta: Any) -> DataProto:
     """A left-padded prompt batch with raw_prompt (and tools_kwargs), as veRL's RL dataset builds it."""
-    rows = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+    rows = [chat_ids(tokenizer, c, add_generation_prompt=True) for c in conversations]
     pad = tokenizer.pad_token_id
     input_ids = torch.full((len(rows), prompt_length), pad, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), prompt_length), dtype=torch.long)

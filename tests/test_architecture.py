@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "final"
 # tools/ (tool-call parsing, tools.yaml, guarded execution) needs only core, and the rollout's multi-turn path
 # runs it, so it sits below rollout, as verl.tools sits below verl.workers.rollout.
 LAYERS = [
-    ("core", {"errors", "config", "models", "prompts", "sampling", "outputs", "request", "protocol", "dist",
+    ("core", {"errors", "compat", "config", "models", "prompts", "sampling", "outputs", "request", "protocol", "dist",
               "admission"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),

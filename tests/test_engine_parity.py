@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from final.compat import chat_ids
 from final.engine import EmbeddedEngine
 from final.models import resolve_model_path
 
@@ -25,7 +26,7 @@ def test_tiny_greedy_and_logits_match_hf(arch):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = EmbeddedEngine(path)
     try:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts = [chat_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True)
                    for q in QUESTIONS]
         outs = engine.generate(prompts, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
                                return_logprob=True)
@@ -52,7 +53,7 @@ def test_smollm2_greedy_matches_hf_and_knows_paris(smol_dir):
     hf = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
     engine = EmbeddedEngine(smol_dir)
     try:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts = [chat_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True)
                    for q in QUESTIONS]
         outs = engine.generate(prompts, {"max_new_tokens": 24, "temperature": 0})
         for prompt, out in zip(prompts, outs):

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from conftest import tiny_config
+from final.compat import chat_ids
 from final.errors import ConfigError, EngineError, ModelError, PromptError, SamplingError
 from final.inf import GenerationOutput, InferenceEngine
 
@@ -21,7 +22,7 @@ def test_prompt_shapes(tiny_inference):
                          temperature=0, max_tokens=5)
     assert len(batch.completions) == 3
     assert batch.token_ids[0] == one.token_ids[0] == batch.token_ids[2]  # same chat, same greedy tokens
-    ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True)
+    ids = chat_ids(eng.tokenizer, [{"role": "user", "content": "hello there"}], add_generation_prompt=True)
     assert eng.generate(ids, temperature=0, max_tokens=5).token_ids[0] == one.token_ids[0]
     raw = eng.generate("hello there", raw=True, temperature=0, max_tokens=5)
     assert raw.metadata[0]["prompt_tokens"] < one.metadata[0]["prompt_tokens"]  # no chat template

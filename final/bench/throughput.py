@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from final.compat import chat_ids
 from final.bench.timing import copy_bandwidth, matmul_flops, on_own_thread, side_by_side, sync
 
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.", "Explain photosynthesis briefly.",
@@ -26,7 +27,7 @@ def chat_prompts(tokenizer: Any, batch: int) -> list[list[int]]:
     out = []
     for i in range(batch):
         q = QUESTIONS[i % len(QUESTIONS)] + " Please answer carefully." * (i // len(QUESTIONS))
-        out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)))
+        out.append(chat_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True))
     return out
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from final.cartridges.build import build_from_text
 from final.cartridges.convs import Conversation
 from final.cartridges.format import CartridgeKV
+from final.compat import chat_ids
 from final.errors import CartridgeError
 
 
@@ -73,8 +74,7 @@ def _score(engine: Any, tokenizer: Any, convs: Sequence[Conversation], ids: dict
         tail = conv.prompt_ids + conv.answer_ids
         n = len(conv.answer_ids)
         teacher = _answer_logits(engine, tail, prefixes["full"], len(conv.prompt_ids), n)
-        bare = tokenizer.apply_chat_template([{"role": "user", "content": conv.question}], tokenize=True,
-                                             add_generation_prompt=True)
+        bare = chat_ids(tokenizer, [{"role": "user", "content": conv.question}], add_generation_prompt=True)
         students = {names[0]: _answer_logits(engine, list(bare) + conv.answer_ids, None, len(bare), n),
                     names[1]: _answer_logits(engine, tail, prefixes["first"], len(conv.prompt_ids), n),
                     names[2]: _answer_logits(engine, tail, prefixes["cart"], len(conv.prompt_ids), n),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from final.compat import rope_init_functions
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
 
@@ -56,8 +57,8 @@ def to_after_prefix(cart: CartridgeKV, positions: str, model_dir: str | Path | N
 def _rotation(model_dir: str | Path, p: int, head_dim: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of R_p, [head_dim], from the model's config (HF's own rope init: default, linear, llama3, yarn...)."""
     from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    ROPE_INIT_FUNCTIONS = rope_init_functions()  # noqa: N806 - HF's table, under HF's name
     config = AutoConfig.from_pretrained(str(model_dir))
     config = getattr(config, "text_config", None) or config
     if config.model_type not in ROTATE_HALF_MODELS:

@@ -30,6 +30,7 @@ from verl import DataProto
 from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolCall
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum, FinishReasonTypeEnum
 
+from final.compat import unserved_multi_turn
 from final.errors import PromptError, SequenceError, ToolConfigError
 from final.outputs import ROW_INFO, TRACE_KEY
 from final.prompts import object_array
@@ -74,9 +75,9 @@ class _Rollout:
 class MultiTurnRollout:
     def __init__(self, engine: Any, config: Any, processing_class: Any, tools: ToolSet | None = None):
         mt = config.multi_turn
-        if mt.interaction_config_path:
-            raise ToolConfigError("interactions are not supported by the local multi-turn rollout",
-                                  key="rollout.multi_turn.interaction_config_path")
+        unserved = unserved_multi_turn(mt)
+        if unserved:
+            raise ToolConfigError("is not served by final's multi-turn rollout", key=f"rollout.multi_turn.{unserved}")
         _check_multi_turn(mt)
         self.engine = engine
         self.config = config

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from final.compat import TOOL_MODULES
 from final.config import read_yaml
 from final.errors import ToolConfigError
 
@@ -132,7 +133,7 @@ def _import_class(name: Any, key: str, where: str) -> Any:
                               key=key, path=where)
     module_name, _, attr = name.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(TOOL_MODULES.get(module_name, module_name))
     except ImportError as exc:
         raise ToolConfigError(f"cannot import module {module_name!r}: {exc}", key=key, path=where) from exc
     if not hasattr(module, attr):
