@@ -161,7 +161,7 @@ MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "peer": _peer, "dp":
 def report(res: dict) -> str:
     """The human-readable table."""
     m = res["machine"]
-    lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, flags {' '.join(m['cpu_flags']) or '?'}, "
+    lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, flags {' '.join(m.get('cpu_flags') or ['?'])}, "
              f"torch {m['torch']}, "
              f"{m['torch_threads']} threads, device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}), "
              f"load {m.get('loadavg_1min', '?')}, model {res['model']}"]
