@@ -100,3 +100,16 @@ def test_model_shape_from_spec_config_and_folder(tmp_path):
     with pytest.raises(CartridgeError) as e:
         check_matches_model(random_cart(layers=3), ModelShape(2, 2, 16, 4096), "c")
     assert e.value.field == "num_layers"
+
+
+def test_loads_on_many_threads_at_once(tmp_path):
+    """final serve loads request cartridges on a thread pool: each load must keep ParameterList allow-listed
+    while another thread's load ends (torch's safe_globals() context swapped a process-wide list; the soak saw
+    'refused to unpickle' on a plain saved file)."""
+    import concurrent.futures
+
+    cart = random_cart()
+    path = save_cartridge(cart, tmp_path / "c.pt")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: load_cartridge(path), range(64)))
+    assert all(torch.equal(got.keys[0], cart.keys[0]) for got in loaded)

@@ -9,6 +9,7 @@ ParameterList's state_dict would use.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 import struct
@@ -130,6 +131,11 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
     return parts, meta
 
 
+@functools.cache
+def _allow_parameter_list() -> None:
+    torch.serialization.add_safe_globals([nn.ParameterList])
+
+
 def _read_pt(path: Path, head: bytes) -> dict:
     from safetensors import SafetensorError  # torch >= 2.10 hands a *.safetensors name to safetensors itself
 
@@ -139,7 +145,11 @@ def _read_pt(path: Path, head: bytes) -> dict:
     try:
         # Only tensors, containers and ParameterList may be rebuilt: anything naming another global is refused
         # before it runs, so a malicious pickle never executes.
-        with torch.serialization.safe_globals([nn.ParameterList]), warnings.catch_warnings():
+        # The allow-list is set once for the process (_allow_parameter_list), not per call: torch's
+        # safe_globals() context swaps a process-wide list on exit, so two threads loading at once (final serve
+        # loads request cartridges on a thread pool) dropped each other's entry mid-load ("refused to unpickle").
+        _allow_parameter_list()
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
