@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 _owned = False
 _our_env: set[str] = set()
+_PORT_TRIES = 5
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,7 +46,17 @@ def ensure_process_group() -> bool:
         return False
     set_single_rank_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend=backend_for_device(), rank=rank, world_size=world)
+    for attempt in range(_PORT_TRIES):
+        try:
+            dist.init_process_group(backend=backend_for_device(), rank=rank, world_size=world)
+            break
+        except dist.DistNetworkError as exc:
+            # free_port() only finds a port that was free a moment ago; on a busy machine (Ray, SGLang's
+            # subprocesses, parallel tests) another process can bind it before the TCPStore does. A port we
+            # picked is re-picked; a launcher's MASTER_PORT is its business, so that error goes up unchanged.
+            if "MASTER_PORT" not in _our_env or "EADDRINUSE" not in str(exc) or attempt == _PORT_TRIES - 1:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
     _owned = True
     return True
 

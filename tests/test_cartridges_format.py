@@ -113,3 +113,16 @@ def test_loads_on_many_threads_at_once(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         loaded = list(pool.map(lambda _: load_cartridge(path), range(64)))
     assert all(torch.equal(got.keys[0], cart.keys[0]) for got in loaded)
+
+
+def test_loads_after_someone_elses_scoped_allow_list_ends(tmp_path):
+    """A `with torch.serialization.safe_globals([nn.ParameterList])` block anywhere in the process (a test, a
+    library) removes the class when it ends, even if it was allowed before; cartridges must still load after
+    (a once-per-process flag refused every later cartridge in a clean-clone CI run: 33 failures)."""
+    cart = random_cart()
+    path = save_cartridge(cart, tmp_path / "c.pt")
+    load_cartridge(path)
+    with torch.serialization.safe_globals([nn.ParameterList]):
+        torch.load(path, weights_only=True)
+    assert nn.ParameterList not in torch.serialization.get_safe_globals()  # torch's behaviour this guards against
+    assert torch.equal(load_cartridge(path).keys[0], cart.keys[0])

@@ -9,7 +9,6 @@ ParameterList's state_dict would use.
 
 from __future__ import annotations
 
-import functools
 import pickle
 import re
 import struct
@@ -131,9 +130,29 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
     return parts, meta
 
 
-@functools.cache
+_PARAMETER_LIST = f"{nn.ParameterList.__module__}.{nn.ParameterList.__qualname__}"
+
+
 def _allow_parameter_list() -> None:
-    torch.serialization.add_safe_globals([nn.ParameterList])
+    # Checked on every load, not once: any other code's `with torch.serialization.safe_globals([ParameterList])`
+    # removes the class from the process-wide set when its block ends (torch removes what the block named, even
+    # if it was there before), and a once-per-process flag then refused every later cartridge in the process.
+    if nn.ParameterList not in torch.serialization.get_safe_globals():
+        torch.serialization.add_safe_globals([nn.ParameterList])
+
+
+def _load_weights_only(path: Path):
+    """torch.load(weights_only) with ParameterList allowed; retried once if another thread's safe_globals()
+    block removed the class between our check and the unpickle (the refusal then names ParameterList)."""
+    for attempt in (0, 1):
+        _allow_parameter_list()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if attempt or f"GLOBAL {_PARAMETER_LIST}" not in str(exc):
+                raise
 
 
 def _read_pt(path: Path, head: bytes) -> dict:
@@ -145,13 +164,9 @@ def _read_pt(path: Path, head: bytes) -> dict:
     try:
         # Only tensors, containers and ParameterList may be rebuilt: anything naming another global is refused
         # before it runs, so a malicious pickle never executes.
-        # The allow-list is set once for the process (_allow_parameter_list), not per call: torch's
-        # safe_globals() context swaps a process-wide list on exit, so two threads loading at once (final serve
-        # loads request cartridges on a thread pool) dropped each other's entry mid-load ("refused to unpickle").
-        _allow_parameter_list()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        # The allow-list is process-wide and never scoped to a `with` block here: a scoped block's exit removes the
+        # class while other threads (final serve loads request cartridges on a thread pool) are mid-load.
+        obj = _load_weights_only(path)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         m = re.search(r"GLOBAL ([\w.]+)", text)
