@@ -7,6 +7,7 @@ one machine never collide), and the group is destroyed on shutdown only if we cr
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import torch
@@ -17,10 +18,22 @@ _our_env: set[str] = set()
 _PORT_TRIES = 5
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", below: int | None = None) -> int:
+    """A port free at this moment: the OS's pick, or with `below`, a random one under that bound (SGLang 0.5.12
+    derives a gRPC port as port + 10000 and refuses one over 65535; the OS picks up to 60999)."""
+    if below is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(20000, below)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port under {below} on {host}")
 
 
 def backend_for_device() -> str:
@@ -46,10 +59,20 @@ def ensure_process_group() -> bool:
         return False
     set_single_rank_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        _init_group(rank, world)
+    except BaseException:
+        _forget_env()  # no group: the variables we set would tell child processes (torchrun-aware) there is one
+        raise
+    _owned = True
+    return True
+
+
+def _init_group(rank: int, world: int) -> None:
     for attempt in range(_PORT_TRIES):
         try:
             dist.init_process_group(backend=backend_for_device(), rank=rank, world_size=world)
-            break
+            return
         except dist.DistNetworkError as exc:
             # free_port() only finds a port that was free a moment ago; on a busy machine (Ray, SGLang's
             # subprocesses, parallel tests) another process can bind it before the TCPStore does. A port we
@@ -57,8 +80,12 @@ def ensure_process_group() -> bool:
             if "MASTER_PORT" not in _our_env or "EADDRINUSE" not in str(exc) or attempt == _PORT_TRIES - 1:
                 raise
             os.environ["MASTER_PORT"] = str(free_port())
-    _owned = True
-    return True
+
+
+def _forget_env() -> None:
+    for key in _our_env:
+        os.environ.pop(key, None)
+    _our_env.clear()
 
 
 def destroy_process_group() -> None:
@@ -67,7 +94,4 @@ def destroy_process_group() -> None:
     if _owned and dist.is_initialized():
         dist.destroy_process_group()
     _owned = False
-    for key in _our_env:  # a later group picks a fresh port
-        os.environ.pop(key, None)
-    _our_env.clear()
-_our_env: set[str] = set()
+    _forget_env()  # a later group picks a fresh port

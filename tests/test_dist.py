@@ -48,3 +48,5 @@ def test_a_port_taken_between_pick_and_bind_is_repicked(monkeypatch):
         with pytest.raises(dist.DistNetworkError):
             fdist.ensure_process_group()
     assert not dist.is_initialized()
+    # a failed start leaves no variables behind: a child (lm-eval's accelerate) would take WORLD_SIZE for a group
+    assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"} & set(os.environ)
