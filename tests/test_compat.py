@@ -32,14 +32,14 @@ def test_chat_ids_is_the_rendered_template_tokenized(tiny_dir):
     assert all(type(i) is int for i in ids)
 
 
-def test_sglang_backend_only_where_the_lane_has_it():
-    config = cfg(name="sglang")
-    if compat.SGLANG_BACKEND:
-        assert load_config(config).backend == "sglang"
-    else:
-        with pytest.raises(ConfigError, match="verl06 lane") as err:
-            load_config(config)
-        assert err.value.key == "rollout.name"
+def test_sglang_backend_is_the_lanes():
+    """verl06: veRL 0.6.0's in-process SGLangRollout (SGLang 0.5.2); verl09: SGLang 0.5.12's Engine, directly."""
+    from final.rollout import backend_class
+
+    assert load_config(cfg(name="sglang")).backend == "sglang"
+    cls = backend_class("sglang")
+    assert (cls.__module__, cls.name) == (("final.rollout.sglang" if compat.LANE == "verl06"
+                                            else "final.rollout.sglang_direct"), "sglang")
     # `auto` never resolves to a backend the lane lacks (no CUDA here: local on both)
     assert load_config(cfg(name="auto")).backend == "local"
 

@@ -1,7 +1,8 @@
 """Rollout backends behind one interface (final/rollout/base.py), chosen by `rollout.name`.
 
 local       final/rollout/local.py       the embedded engine, in this process
-sglang      final/rollout/sglang.py      veRL 0.6.0's SGLangRollout on an in-process SGLang 0.5.2 (CUDA)
+sglang      final/rollout/sglang.py      veRL 0.6.0's SGLangRollout on an in-process SGLang 0.5.2 (verl06 lane)
+            final/rollout/sglang_direct.py  SGLang 0.5.12's Engine, in-process (verl09 lane)
 tokasaurus  final/rollout/tokasaurus.py  a Tokasaurus server (or `final serve`) over HTTP
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from final.compat import SGLANG_ROLLOUT
 from final.errors import ConfigError
 from final.rollout.base import Backend, Capabilities, Observer
 
@@ -18,7 +20,7 @@ __all__ = ["Backend", "Capabilities", "Observer", "REGISTRY", "backend_class", "
 # backend name -> "module:class"; each module has build(EngineConfig, RolloutConfig, HFModelConfig).
 REGISTRY = {
     "local": "final.rollout.local:LocalRollout",
-    "sglang": "final.rollout.sglang:SGLangRollout",
+    "sglang": SGLANG_ROLLOUT,  # the lane's (final.compat)
     "tokasaurus": "final.rollout.tokasaurus:TokasaurusRollout",
 }
 

@@ -24,20 +24,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-
-@contextlib.contextmanager
-def keep_event_loop_policy() -> Iterator[None]:
-    """SGLang 0.5.2 installs uvloop's event-loop policy when sglang/srt/entrypoints/engine.py,
-    managers/tokenizer_manager.py or entrypoints/http_server.py is imported. A new policy forgets every thread's
-    current loop (the policy keeps them), so the engine thread's loop, a notebook's, a trainer's, are gone for
-    `asyncio.get_event_loop()`, which veRL calls. A library must not change that for its host process: restore it."""
-    policy = asyncio.get_event_loop_policy()
-    try:
-        yield
-    finally:
-        if asyncio.get_event_loop_policy() is not policy:
-            asyncio.set_event_loop_policy(policy)
-
+from final.rollout.sglang_procs import keep_event_loop_policy
 
 with keep_event_loop_policy():
     import sglang.srt.entrypoints.engine as sgl_engine

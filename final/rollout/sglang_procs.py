@@ -8,6 +8,7 @@ a death into a message for the caller.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
@@ -17,11 +18,25 @@ import multiprocessing.resource_tracker
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def keep_event_loop_policy() -> Iterator[None]:
+    """SGLang (0.5.2 and 0.5.12) installs uvloop's event-loop policy when sglang/srt/entrypoints/engine.py,
+    managers/tokenizer_manager.py or entrypoints/http_server.py is imported. A new policy forgets every thread's
+    current loop (the policy keeps them), so the engine thread's loop, a notebook's, a trainer's, are gone for
+    `asyncio.get_event_loop()`, which veRL calls. A library must not change that for its host process: restore it."""
+    policy = asyncio.get_event_loop_policy()
+    try:
+        yield
+    finally:
+        if asyncio.get_event_loop_policy() is not policy:
+            asyncio.set_event_loop_policy(policy)
 
 
 def new_children(before: set[int]) -> list[psutil.Process]:
