@@ -1,10 +1,11 @@
-"""veRL 0.6.0's own server mode generating through the `tokasaurus` replica (final/verl_replica.py), on CPU.
+"""veRL's own server mode generating through the `tokasaurus` replica (final/verl_replica.py), on CPU, on both
+lanes (veRL 0.6.0 and 0.9.1).
 
 What runs for real: a `final serve` process on 127.0.0.1 (the tiny model, embedded engine), a private local Ray
 (started once for the module), the trainer config composed by hydra from veRL's own ppo_trainer.yaml, and veRL's
-AgentLoopManager in standalone mode -> its AgentLoopWorker and RewardManagerWorker actors -> AsyncLLMServerManager
--> our TokasaurusHttpServer actor -> HTTP. The cartridge and dying-server tests drive a replica through
-AsyncLLMServerManager exactly as AgentLoopWorker does (one actor instead of a second manager's three).
+AgentLoopManager in standalone mode -> its AgentLoopWorker actors -> AsyncLLMServerManager (0.6.0) or the
+LLMServerManager's LLMServerClient (0.9.1) -> our TokasaurusHttpServer actor -> HTTP. The cartridge and dying-server
+tests drive a replica through that client exactly as AgentLoopWorker does.
 
 Between Ray and the server sits `Relay`, a transparent HTTP relay that records what passes; for the tool-calling
 row it answers the model's *first* turn itself with a tool call (the tiny random model never writes one), and
@@ -22,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, tiny_config
+from final.compat import LANE, chat_ids
 from final.errors import BackendUnavailableError, ConfigError
 from final.protocol.fingerprint import make_fingerprint
 from serve_helpers import spawn_serve, stop_serve
@@ -112,6 +115,18 @@ def first_turn_calls_the_tool(prompt: str) -> str | None:
     return CALL if "ALPHA" in prompt and "<tool_response>" not in prompt else None  # the system turn names <tool_call>
 
 
+def tools_yaml() -> Path:
+    """The shipped tools.yaml for veRL's own tool loader. veRL 0.9 removed verl.tools.gsm8k_tool, which it names;
+    final's InferenceEngine maps the name (final.compat.TOOL_MODULES), but veRL's AgentLoopWorker loads the class
+    itself, so a 0.9 trainer's tools.yaml names final's port of it: final.tools.gsm8k.Gsm8kTool."""
+    if LANE == "verl06":
+        return ROOT / "tools.yaml"
+    text = (ROOT / "tools.yaml").read_text().replace("verl.tools.gsm8k_tool.Gsm8kTool", "final.tools.gsm8k.Gsm8kTool")
+    path = Path(tempfile.gettempdir()) / f"final-verl09-tools-{os.getpid()}.yaml"
+    path.write_text(text)
+    return path
+
+
 def trainer_config(model: str, url: str, *overrides: str):
     """veRL's own ppo_trainer.yaml with the overrides a CPU run needs and the replica's settings (veRL 0.6.0:
     rollout.engine_kwargs.tokasaurus, see final/verl_replica.py)."""
@@ -126,9 +141,11 @@ def trainer_config(model: str, url: str, *overrides: str):
             "actor_rollout_ref.rollout.prompt_length=256", f"actor_rollout_ref.rollout.response_length={R}",
             "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.calculate_log_probs=true",
             "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.free_cache_engine=false",
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={ROOT / 'tools.yaml'}",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml()}",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
             "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+            # 0.9.1's standalone replicas count the rollout's own nodes (0 by default: hybrid)
+            *(["actor_rollout_ref.rollout.nnodes=1"] if LANE == "verl09" else []),
             f"+actor_rollout_ref.rollout.engine_kwargs.tokasaurus.tokasaurus_url={url}", *overrides])
 
 
@@ -192,9 +209,16 @@ def relay(server, local):
 
 @pytest.fixture(scope="module")
 def manager(ray_cluster, model, relay):
+    """veRL's AgentLoopManager in standalone mode, built as each lane's trainer builds it: 0.6.0 starts the
+    replicas itself; 0.9.1 takes an `llm_client` from an LLMServerManager that started them."""
     from verl.experimental.agent_loop import AgentLoopManager
 
-    return AgentLoopManager(trainer_config(model, relay.url))
+    config = trainer_config(model, relay.url)
+    if LANE == "verl06":
+        return AgentLoopManager(config)
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    return AgentLoopManager.create(config, LLMServerManager.create(config).get_client())
 
 
 def batch(messages: list, **extra):
@@ -219,12 +243,20 @@ def rows_of(out) -> list[tuple[list[int], list[int], list[float]]]:
 
 
 def replica_and_client(model: str, rollout_overrides: list[str], url: str):
-    """A TokasaurusReplica in standalone mode and the AsyncLLMServerManager an AgentLoopWorker would build on it."""
+    """A TokasaurusReplica in standalone mode and the client an AgentLoopWorker generates through: 0.6.0's
+    AsyncLLMServerManager over the replica's handle; 0.9.1's LLMServerClient from the LLMServerManager that
+    started the replica (through veRL's registry, as its trainer does)."""
+    cfg = trainer_config(model, url, *rollout_overrides)
+    if LANE == "verl09":
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        servers = LLMServerManager.create(cfg)
+        [replica] = servers.get_replicas()
+        return replica, servers.get_client()
     from verl.experimental.agent_loop.agent_loop import AsyncLLMServerManager
 
     from final.verl_replica import TokasaurusReplica
 
-    cfg = trainer_config(model, url, *rollout_overrides)
     replica = TokasaurusReplica(replica_rank=0, config=cfg.actor_rollout_ref.rollout,
                                 model_config=cfg.actor_rollout_ref.model, gpus_per_node=1)
     asyncio.run(replica.init_standalone())
@@ -244,7 +276,7 @@ def test_agent_loop_manager_equals_inference_engine_local_and_tokasaurus(manager
         "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs"}
     rows = rows_of(out)
     prompts = [p for p, _, _ in rows]
-    assert prompts == [local.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    assert prompts == [chat_ids(local.tokenizer, c, add_generation_prompt=True) for c in chats]
     ref = local.generate(prompts, temperature=0, max_tokens=R, logprobs=True)
     with InferenceEngine(engine_config(model, name="tokasaurus", custom={"tokasaurus_url": server})) as toka:
         over_http = toka.generate(prompts, temperature=0, max_tokens=R)
