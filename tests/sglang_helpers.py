@@ -65,6 +65,52 @@ def configs(rollout: dict[str, Any] | None = None, model: str = TINY, local_seed
     return sg.rollout_config(), lo.rollout_config(), sg.model_config(path)
 
 
+# token-id prompts of different lengths, the last one's id far into the vocabulary
+PROMPTS = [[1, 504, 3456, 28, 253], [1, 17, 99], [1, 2035, 441, 873, 12, 9, 1111, 20, 330, 45, 7, 8], [1, 40000]]
+
+
+class OnThread:
+    """LocalRollout the way InferenceEngine drives every rollout: on a RolloutThread (veRL's run_until_complete)."""
+
+    def __init__(self, rollout):
+        from final.rollout.thread import RolloutThread
+
+        self.rollout, self.thread = rollout, RolloutThread("test-local")
+
+    def generate_sequences(self, prompts, **kwargs):
+        return self.thread.run(self.rollout.generate_sequences, prompts, **kwargs)
+
+    def shutdown(self):
+        self.rollout.shutdown()
+        self.thread.close()
+
+
+def rollout_pair():
+    """A module fixture's body (`yield from`): (the lane's SGLang rollout, LocalRollout on its thread, model config)
+    on the tiny model with greedy val_kwargs, the two sides of a differential test; both shut down after. The stubs
+    go on the path before anything imports transformers (it decides at import whether torchvision exists)."""
+    use_sglang_cpu()
+    from final.rollout import backend_class
+    from final.rollout.local import LocalRollout
+
+    sglang_class = backend_class("sglang")  # the lane's: final.compat.SGLANG_ROLLOUT
+
+    sg_cfg, local_cfg, model_cfg = configs({"val_kwargs": {"temperature": 0}})
+    sglang = sglang_class(sg_cfg, model_cfg)
+    local = OnThread(LocalRollout(local_cfg, model_cfg))
+    yield sglang, local, model_cfg
+    sglang.shutdown()
+    local.shutdown()
+
+
+def both(pair, prompts, meta=None, **kwargs):
+    """The same DataProto through both sides of a rollout_pair."""
+    sglang, local, model_cfg = pair
+    a = sglang.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
+    b = local.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
+    return a, b
+
+
 def dataproto(model_config, prompt_ids: list[list[int]], meta: dict | None = None,
               non_tensor: dict[str, list] | None = None):
     from final.prompts import Prompt, build_dataproto

@@ -1,7 +1,8 @@
 """The verl09 lane's SGLang backend (final/rollout/sglang_direct.py) on the real SGLang 0.5.12 engine, veRL
 0.9.1's pin, on CPU: its tokenizer manager, scheduler and detokenizer processes, radix cache, KV pool and Llama
 code. Only the compiled kernels (tests/sglang_cpu) and torchvision (tests/sglang_cpu/verl09) are stood in for.
-Differential: the DataProto must be LocalRollout's, key for key. One engine serves the rollout tests and one, with
+Differential: the DataProto must be LocalRollout's, key for key (the verl06 lane's differential tests, collected
+here). One engine serves the rollout tests and one, with
 tools, the InferenceEngine tests (a start costs ~25 s here)."""
 
 from __future__ import annotations
@@ -15,34 +16,26 @@ import pytest
 import torch
 
 from final import compat
-from sglang_helpers import CPU_ARGS, STUBS, STUBS_09, TINY, assert_same_output, configs, dataproto, use_sglang_cpu
+from sglang_helpers import (CPU_ARGS, PROMPTS, STUBS, STUBS_09, TINY, assert_same_output, both, dataproto,
+                            rollout_pair, use_sglang_cpu)
 
 pytestmark = pytest.mark.skipif(compat.LANE != "verl09", reason="the verl09 lane's backend (SGLang 0.5.12); the "
                                 "verl06 lane's is tests/test_sglang_rollout.py")
 
-PROMPTS = [[1, 504, 3456, 28, 253], [1, 17, 99], [1, 2035, 441, 873, 12, 9, 1111, 20, 330, 45, 7, 8], [1, 40000]]
+
+# The differential tests of the verl06 lane's backend hold for this one as written: collected here, they run on
+# this module's `pair` (greedy batches key for key, truncation and padding, eos, val_kwargs, stop strings, calls from
+# threads and a running loop, rows repeated and sampled).
+from test_sglang_rollout import (  # noqa: E402,F401
+    test_eos_stops_and_masks_the_rest, test_generate_from_threads_and_event_loops,
+    test_greedy_batch_matches_local_key_for_key, test_response_length_truncation_and_padding,
+    test_sampling_with_n_repeats, test_stop_strings_end_generation_as_on_the_embedded_engine,
+    test_validation_uses_val_kwargs)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    use_sglang_cpu()
-    from final.rollout.local import LocalRollout
-    from final.rollout.sglang_direct import DirectSGLangRollout
-    from test_sglang_rollout import OnThread
-
-    sg_cfg, local_cfg, model_cfg = configs({"val_kwargs": {"temperature": 0}})
-    sglang = DirectSGLangRollout(sg_cfg, model_cfg)
-    local = OnThread(LocalRollout(local_cfg, model_cfg))
-    yield sglang, local, model_cfg
-    sglang.shutdown()
-    local.shutdown()
-
-
-def both(pair, prompts, meta=None, **kwargs):
-    sglang, local, model_cfg = pair
-    a = sglang.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
-    b = local.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
-    return a, b
+    yield from rollout_pair()
 
 
 def test_it_is_the_real_sglang_0_5_12_engine(pair):
@@ -51,7 +44,10 @@ def test_it_is_the_real_sglang_0_5_12_engine(pair):
     import torchvision
     from sglang.srt.entrypoints.engine import Engine
 
+    from final.rollout.sglang_direct import DirectSGLangRollout
+
     rollout = pair[0]
+    assert isinstance(rollout, DirectSGLangRollout)
     assert importlib.metadata.version("sglang") == sglang.__version__ == "0.5.12" and "site-packages" in sglang.__file__
     assert sgl_kernel.__file__.startswith(STUBS) and torchvision.__file__.startswith(STUBS_09)  # only these stood in
     engine = rollout.engine.engine
@@ -60,36 +56,6 @@ def test_it_is_the_real_sglang_0_5_12_engine(pair):
     assert (args.tp_size, args.device, args.skip_tokenizer_init, args.grammar_backend) == (1, "cpu", False, "none")
     assert args.port + 10000 <= 65535  # SGLang 0.5.12's gRPC port is port + 10000
     assert rollout.engine.processes and all(p.is_running() for p in rollout.engine.processes)
-
-
-def test_greedy_batch_matches_local_key_for_key(pair):
-    a, b = both(pair, PROMPTS, {"do_sample": False})
-    assert_same_output(a, b)
-    assert a.batch["responses"].shape == (4, 12) and "rollout_log_probs" in a.batch.keys()
-    assert a.batch["prompts"].shape == (4, 12) and a.meta_info == b.meta_info
-
-
-def test_response_length_eos_and_val_kwargs(pair):
-    a, b = both(pair, PROMPTS[:2], {"do_sample": False}, max_new_tokens=5)
-    assert_same_output(a, b)
-    mask = a.batch["attention_mask"][:, -12:]  # 5 tokens, then padding (the pad token is eos: veRL keeps the first)
-    assert mask[:, :6].all() and not mask[:, 6:].any()
-    greedy, _ = both(pair, PROMPTS[:1], {"do_sample": False})
-    stop = int(greedy.batch["responses"][0, 2])
-    a, b = both(pair, PROMPTS[:1], {"do_sample": False, "eos_token_id": [2, stop]}, stop_token_ids=[stop])
-    assert_same_output(a, b)
-    assert a.batch["attention_mask"][0, -12:].tolist() == [1] * 3 + [0] * 9
-    a, b = both(pair, PROMPTS, {"do_sample": True, "validate": True})  # val_kwargs.temperature = 0
-    assert_same_output(a, b)
-
-
-def test_stop_strings_end_generation_as_on_the_embedded_engine(pair):
-    _, _, model_cfg = pair
-    greedy, _ = both(pair, PROMPTS, {"do_sample": False})
-    stop = model_cfg.tokenizer.decode(greedy.batch["responses"][0, 3:5].tolist())
-    a, b = both(pair, PROMPTS, {"do_sample": False}, stop=[stop])
-    assert_same_output(a, b)
-    assert int(a.batch["attention_mask"][0, -12:].sum()) < 12
 
 
 def test_bad_requests_raise_typed_errors_and_serving_goes_on(pair):
@@ -112,14 +78,10 @@ def test_bad_requests_raise_typed_errors_and_serving_goes_on(pair):
     assert_same_output(a, b)
 
 
-def test_sampling_threads_loops_and_a_cancelled_call(pair):
-    """Rows sampled at temperature 0.9 (log-probs of what was drawn); calls from threads and a running loop overlap
-    on the engine's loop; a caller cancelled mid-call aborts its rows and the engine goes on serving."""
+def test_a_cancelled_call_aborts_its_rows_and_others_go_on(pair):
+    """Calls from one running loop overlap on the engine's loop; a caller cancelled mid-call aborts its rows (SGLang
+    is told by rid) and the engine goes on serving."""
     sglang, _, model_cfg = pair
-    data = dataproto(model_cfg, PROMPTS[:2], {"do_sample": True}).repeat(3, interleave=True)
-    a = sglang.generate_sequences(data, temperature=0.9, top_p=0.95)
-    assert a.batch["responses"].shape == (6, 12) and bool((a.batch["rollout_log_probs"] <= 0).all())
-    assert not all(torch.equal(a.batch["responses"][0], c) for c in a.batch["responses"][1:3])
     expected = sglang.generate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False})).batch["responses"]
 
     async def in_a_loop():

@@ -16,47 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_helpers import STUBS, assert_same_output, configs, dataproto, pythonpath, use_sglang_cpu
+from sglang_helpers import PROMPTS, STUBS, assert_same_output, both, dataproto, pythonpath, rollout_pair
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [[1, 504, 3456, 28, 253], [1, 17, 99], [1, 2035, 441, 873, 12, 9, 1111, 20, 330, 45, 7, 8], [1, 40000]]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    use_sglang_cpu()
-    from final.rollout.local import LocalRollout
-    from final.rollout.sglang import SGLangRollout
-
-    sg_cfg, local_cfg, model_cfg = configs({"val_kwargs": {"temperature": 0}})
-    sglang = SGLangRollout(sg_cfg, model_cfg)
-    local = OnThread(LocalRollout(local_cfg, model_cfg))
-    yield sglang, local, model_cfg
-    sglang.shutdown()
-    local.shutdown()
-
-
-class OnThread:
-    """LocalRollout the way InferenceEngine drives every rollout: on a RolloutThread (veRL's run_until_complete)."""
-
-    def __init__(self, rollout):
-        from final.rollout.thread import RolloutThread
-
-        self.rollout, self.thread = rollout, RolloutThread("test-local")
-
-    def generate_sequences(self, prompts, **kwargs):
-        return self.thread.run(self.rollout.generate_sequences, prompts, **kwargs)
-
-    def shutdown(self):
-        self.rollout.shutdown()
-        self.thread.close()
-
-
-def both(pair, prompts, meta=None, **kwargs):
-    sglang, local, model_cfg = pair
-    a = sglang.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
-    b = local.generate_sequences(dataproto(model_cfg, prompts, meta), **kwargs)
-    return a, b
+    yield from rollout_pair()
 
 
 def test_it_is_verls_own_class_on_the_real_sglang_engine(pair):
