@@ -40,6 +40,8 @@ def use_sglang_cpu() -> None:
             continue
         sys.path.insert(0, folder)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+    if LANE == "verl09":
+        os.environ["FINAL_SGLANG_CPU_UNPIN"] = "1"  # for SGLang's processes, started later (verl09/sitecustomize.py)
 
 
 def pythonpath(*extra: str) -> str:
@@ -87,8 +89,7 @@ class OnThread:
 
 def rollout_pair():
     """A module fixture's body (`yield from`): (the lane's SGLang rollout, LocalRollout on its thread, model config)
-    on the tiny model with greedy val_kwargs, the two sides of a differential test; both shut down after. The stubs
-    go on the path before anything imports transformers (it decides at import whether torchvision exists)."""
+    on the tiny model with greedy val_kwargs, the two sides of a differential test; both shut down after."""
     use_sglang_cpu()
     from final.rollout import backend_class
     from final.rollout.local import LocalRollout

@@ -1,4 +1,5 @@
 """RolloutConfig -> what veRL's SGLangRollout and SGLang 0.5.2's ServerArgs get; checked before anything starts.
+(The verl09 lane's sglang_direct.py builds SGLang 0.5.12's ServerArgs with translate_config too.)
 
 veRL 0.6.0 builds the engine's arguments itself (sglang_rollout.py `_init_inference_engine`) and hard-codes a few
 that are wrong for one in-process engine: `enable_memory_saver: True`, `base_gpu_id: 0`, `port: 30000 + rank`, and
@@ -128,7 +129,7 @@ def translate_config(config: Any, capability: tuple[int, int] | None, have_flash
         if key not in fields:
             near = difflib.get_close_matches(key, sorted(fields), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"is not an SGLang 0.5.2 ServerArgs field{hint}", key=where)
+            raise ConfigError(f"is not an SGLang {_installed()} ServerArgs field{hint}", key=where)
     device = extra.get("device") or "cuda"
     _check_one_gpu(extra)
     _check_memory_saver(extra, device)
@@ -136,6 +137,13 @@ def translate_config(config: Any, capability: tuple[int, int] | None, have_flash
                    "base_gpu_id": local_gpu(device, gpu_count), **extra}
     engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
     return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args
+
+
+def _installed() -> str:
+    """The SGLang release whose ServerArgs are checked (0.5.2 on the verl06 lane, 0.5.12 on verl09)."""
+    from importlib.metadata import version
+
+    return version("sglang")
 
 
 def check_sampling_kwargs(kwargs: dict) -> None:

@@ -7,12 +7,15 @@ Pinning only speeds up a host-to-device copy; on the CPU device there is no copy
 `torch.tensor` drops the flag; nothing else changes.
 
 Python imports `sitecustomize` at start from any sys.path entry, so SGLang's spawned scheduler and detokenizer get
-this through PYTHONPATH (tests/sglang_helpers.use_sglang_cpu). torch is patched when something imports it, so a
-process that never does pays nothing.
+this through PYTHONPATH. It acts only where FINAL_SGLANG_CPU_UNPIN=1, which tests/sglang_helpers.use_sglang_cpu sets
+in the test process at run time: so only processes started after it (SGLang's) are patched, never the test process
+itself, whose embedded engine is the reference (patched there, its greedy tokens changed; the cause was not
+pursued). torch is patched when something imports it, so a process that never does pays nothing.
 """
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 
@@ -47,7 +50,9 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
-if "torch" in sys.modules:
+if os.environ.get("FINAL_SGLANG_CPU_UNPIN") != "1":
+    pass
+elif "torch" in sys.modules:
     _patch(sys.modules["torch"])
 else:
     sys.meta_path.insert(0, _AfterTorch())
