@@ -193,7 +193,7 @@ def test_what_it_cannot_serve_is_refused_before_any_work(engine):
             rows.append(row)
 
     asyncio.run(stream())
-    assert len(rows) == 1 and rows[0].finish_reason in ("stop", "length")  # whole rows (NO_STREAMS)
+    assert len(rows) == 1 and rows[0].finish_reason in ("stop", "length")  # whole rows (no token streams)
     assert eng.generate("hi", temperature=0, max_tokens=2).completions  # still serving
 
 

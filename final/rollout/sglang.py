@@ -39,8 +39,8 @@ from final import dist
 from final.errors import BackendUnavailableError, EngineError
 from final.rollout.base import Backend, Capabilities, Observer
 from final.rollout.sglang_config import (  # noqa: F401 - re-exported: this module is the backend's public face
-    OWNED_SERVER_ARGS, check_sampling_kwargs, choose_attention_backend, local_gpu, translate_config)
-from final.rollout.sglang_procs import ProcessWatch, release_start, survive_sigquit
+    OWNED_SERVER_ARGS, check_sampling_kwargs, choose_attention_backend, local_gpu, sglang_device, translate_config)
+from final.rollout.sglang_procs import ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.thread import RolloutThread
 
 logger = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ _group_lock = threading.Lock()
 
 
 # ---- requirements and config ----------------------------------------------------------------------------
-def missing_requirements(cuda: bool, sglang: bool, device: str = "cuda") -> list[str]:
+def missing_requirements(cuda: bool, sglang: bool, device: str = "cuda", pin: str = "sglang[srt]==0.5.2") -> list[str]:
     """What keeps SGLang from running: a CUDA GPU (unless SGLang's CPU device is chosen) and the package."""
     missing = []
     if device != "cpu" and not cuda:
         missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
     if not sglang:
-        missing.append("the sglang package (sglang[srt]==0.5.2)")
+        missing.append(f"the sglang package ({pin})")
     return missing
 
 
@@ -78,8 +78,7 @@ def require_sglang(device: str = "cuda") -> None:
 def preflight(engine_config: Any) -> None:
     """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
     requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
-    sglang_kwargs = (engine_config.rollout.get("engine_kwargs") or {}).get("sglang") or {}
-    require_sglang(sglang_kwargs.get("device") or "cuda")
+    require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
     survive_sigquit()
 
 
@@ -134,7 +133,7 @@ class SGLangRollout(Backend):
     def __init__(self, config: Any, model_config: Any):
         global _group_users
         super().__init__(config, model_config, None)
-        device = ((config.engine_kwargs or {}).get("sglang") or {}).get("device") or "cuda"
+        device = sglang_device(config.engine_kwargs)
         require_sglang(device)
         if getattr(mp.current_process(), "_inheriting", False):
             raise EngineError(SPAWN_GUARD)
@@ -294,7 +293,7 @@ class SGLangRollout(Backend):
         logger.error(self._dead)
         release_start(self._thread_ident)
         with contextlib.suppress(RuntimeError):  # the loop may close under us during shutdown
-            self._thread.loop.call_soon_threadsafe(_cancel_all, self._thread.loop)  # a waiting call ends
+            self._thread.loop.call_soon_threadsafe(cancel_all, self._thread.loop)  # a waiting call ends
 
 
 def _rows_done(output: Any, observer: Observer | None) -> Any:
@@ -303,11 +302,6 @@ def _rows_done(output: Any, observer: Observer | None) -> Any:
         for _ in range(len(output)):
             observer.row_done()
     return output
-
-
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> SGLangRollout:

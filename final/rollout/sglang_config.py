@@ -105,9 +105,15 @@ def _check_memory_saver(extra: dict, device: str) -> None:
                                       f" (or leave it false, final's default)")
 
 
+def sglang_device(engine_kwargs: Any) -> str:
+    """`rollout.engine_kwargs.sglang.device`: SGLang's CPU device only when asked for by name."""
+    return ((engine_kwargs or {}).get("sglang") or {}).get("device") or "cuda"
+
+
 def translate_config(config: Any, capability: tuple[int, int] | None, have_flashinfer: bool,
-                     gpu_count: int = 1) -> tuple[Any, dict]:
-    """RolloutConfig -> (the RolloutConfig veRL gets, ServerArgs that override veRL's for the engine)."""
+                     gpu_count: int = 1, port_below: int | None = None) -> tuple[Any, dict]:
+    """RolloutConfig -> (the RolloutConfig veRL gets, ServerArgs that override veRL's for the engine). port_below
+    bounds the free port chosen for SGLang's `port` (SGLang 0.5.12 derives port + 10000 from it)."""
     from sglang.srt.server_args import ServerArgs
 
     if config.tensor_model_parallel_size != 1:
@@ -133,7 +139,8 @@ def translate_config(config: Any, capability: tuple[int, int] | None, have_flash
     device = extra.get("device") or "cuda"
     _check_one_gpu(extra)
     _check_memory_saver(extra, device)
-    server_args = {"port": dist.free_port(), "nccl_port": dist.free_port(), "enable_memory_saver": False,
+    server_args = {"port": dist.free_port(below=port_below), "nccl_port": dist.free_port(),
+                   "enable_memory_saver": False,
                    "base_gpu_id": local_gpu(device, gpu_count), **extra}
     engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
     return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args

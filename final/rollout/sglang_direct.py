@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import concurrent.futures.thread  # noqa: F401 - its exit hook, before SGLang disables threading._register_atexit
 import importlib.util
 import inspect
@@ -39,14 +40,14 @@ from typing import Any, Callable
 import psutil
 import torch
 
-from final import dist
 from final.engine.messages import Submission
 from final.errors import BackendUnavailableError, EngineError, PromptError, SamplingError, UnsupportedError
 from final.rollout.base import Capabilities
 from final.rollout.engine_rollout import EngineRollout
-from final.rollout.sglang_config import translate_config
-from final.rollout.sglang_procs import (ProcessWatch, keep_event_loop_policy, kill_processes, new_children,
-                                        survive_sigquit)
+from final.rollout.sglang import missing_requirements
+from final.rollout.sglang_config import sglang_device, translate_config
+from final.rollout.sglang_procs import (ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
+                                        new_children, survive_sigquit)
 from final.rollout.thread import gather_or_cancel
 
 logger = logging.getLogger(__name__)
@@ -58,15 +59,11 @@ NO_CARTRIDGES = ("the verl09 lane's SGLang backend does not inject cartridges (S
                  "port of final's 0.5.2 injection): use rollout.name local, or the verl06 lane's sglang backend")
 NO_SEED = ("SGLang 0.5.12 honours a per-request seed only with deterministic inference: set "
            "rollout.engine_kwargs.sglang.enable_deterministic_inference: true (batch-invariant kernels, slower)")
-NO_STREAMS = "rows arrive whole when they finish (token streams are not bridged from SGLang 0.5.12's engine)"
 
 
 def require_sglang(device: str) -> None:
-    missing = []
-    if device != "cpu" and not torch.cuda.is_available():
-        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
-    if importlib.util.find_spec("sglang") is None:
-        missing.append(f"the sglang package ({SGLANG})")
+    missing = missing_requirements(torch.cuda.is_available(), importlib.util.find_spec("sglang") is not None, device,
+                                   SGLANG)
     if missing:
         raise BackendUnavailableError(
             f"rollout.name: sglang needs {' and '.join(missing)}. On a CUDA machine of the verl09 lane: pip install "
@@ -79,7 +76,7 @@ def server_args(config: Any, device: str) -> dict:
     capability = None if device == "cpu" else tuple(torch.cuda.get_device_capability())
     have_flashinfer = importlib.util.find_spec("flashinfer") is not None
     gpus = 1 if device == "cpu" else torch.cuda.device_count()
-    config, extra = translate_config(config, capability, have_flashinfer, gpus)
+    config, extra = translate_config(config, capability, have_flashinfer, gpus, port_below=GRPC_PORT_LIMIT)
     backend = config.engine_kwargs["sglang"]["attention_backend"]
     args = {"dtype": config.dtype, "mem_fraction_static": config.gpu_memory_utilization, "tp_size": 1,
             "load_format": config.load_format, "max_running_requests": config.max_num_seqs,
@@ -87,12 +84,18 @@ def server_args(config: Any, device: str) -> dict:
             # final passes no grammar constraints (json_schema/regex/ebnf are not sampling keys it serves), and
             # SGLang's default, xgrammar, is a compiled package its scheduler would import for nothing
             "grammar_backend": "none", **extra}
-    if "port" not in ((config.engine_kwargs or {}).get("sglang") or {}):
-        args["port"] = dist.free_port(below=GRPC_PORT_LIMIT)
     if device == "cpu":
         args.setdefault("disable_cuda_graph", True)
         args.setdefault("disable_piecewise_cuda_graph", True)
     return args
+
+
+@functools.cache
+def _sampling_keys() -> frozenset[str]:
+    """SamplingParams' keyword names (read once: this check runs for every row)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return frozenset(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
 
 
 def check_sampling_params(params: dict, vocab_size: int) -> None:
@@ -100,7 +103,7 @@ def check_sampling_params(params: dict, vocab_size: int) -> None:
     request reaches the engine (SGLang raises TypeError / ValueError from its tokenizer manager)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    allowed = set(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
+    allowed = _sampling_keys()
     for key in params:
         if key not in allowed:
             raise SamplingError(f"is not an SGLang 0.5.12 sampling parameter ({', '.join(sorted(allowed))})", key)
@@ -257,7 +260,7 @@ class DirectSGLangEngine:
         leave them waiting forever), and every later one is refused."""
         self._dead = f"SGLang's process {pid} exited while serving (see its log above); create a new engine."
         logger.error(self._dead)
-        self.loop.call_soon_threadsafe(_cancel_all, self.loop)
+        self.loop.call_soon_threadsafe(cancel_all, self.loop)
 
     def _abort(self, future: Any, rids: list[str]) -> None:
         future.cancel()
@@ -268,17 +271,16 @@ class DirectSGLangEngine:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=False, tools=True, tool_events=True, notes=(
-        ("cartridge", NO_CARTRIDGES), ("streaming", NO_STREAMS)))
+    # streaming stays False (Capabilities' default): token streams are not bridged, astream yields whole rows
+    capabilities = Capabilities(cartridges=False, tools=True, tool_events=True, notes=(("cartridge", NO_CARTRIDGES),))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
-        sglang_kwargs = (engine_config.rollout.get("engine_kwargs") or {}).get("sglang") or {}
-        require_sglang(sglang_kwargs.get("device") or "cuda")
+        require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
         survive_sigquit()
 
     def __init__(self, config: Any, model_config: Any):
-        device = ((config.engine_kwargs or {}).get("sglang") or {}).get("device") or "cuda"
+        device = sglang_device(config.engine_kwargs)
         require_sglang(device)
         survive_sigquit()  # SGLang's watchdog SIGQUITs this process when a child dies (main thread only: else no-op)
         args = server_args(config, device)
@@ -299,11 +301,6 @@ class DirectSGLangRollout(EngineRollout):
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
         raise BackendUnavailableError("weight updates into SGLang 0.5.12 are veRL 0.9's own path (its ServerAdapter); "
                                       "final's sglang backend on the verl09 lane serves fixed weights")
-
-
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> DirectSGLangRollout:

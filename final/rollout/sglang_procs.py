@@ -39,6 +39,12 @@ def keep_event_loop_policy() -> Iterator[None]:
             asyncio.set_event_loop_policy(policy)
 
 
+def cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task of an engine's loop (run on that loop): after a death, whatever waits there ends."""
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
 def new_children(before: set[int]) -> list[psutil.Process]:
     """Children of this process not in `before`, minus multiprocessing's shared helpers (the resource tracker that
     `spawn` starts on first use serves the whole process, and ignores SIGTERM)."""
