@@ -22,6 +22,7 @@ LAYERS = [
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
     ("inf", {"inf", "calls"}),
+    ("distill", {"distill"}),  # training cartridges is an application of InferenceEngine (synth, train, distill, eval)
     ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__",
               "verl_replica"}),
 ]
@@ -30,7 +31,7 @@ LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
 def _modules() -> list[tuple[Path, str]]:
     """(file, the name its layer is looked up by). A feature's command line (`cli.py`, e.g. `final cartridge`
-    in final/cartridges/cli.py) lives with its feature but is an app: it builds on InferenceEngine."""
+    in final/distill/cli.py) lives with its feature but is an app: it builds on InferenceEngine."""
     return [(p, "cli" if p.name == "cli.py" else p.relative_to(ROOT).parts[0].removesuffix(".py"))
             for p in sorted(ROOT.rglob("*.py")) if p.relative_to(ROOT).parts[0] != "__init__.py"]
 
@@ -49,6 +50,14 @@ def _imported_tops(tree: ast.AST) -> set[str]:
 
 def test_every_module_has_a_layer():
     assert {top for _, top in _modules()} <= set(LEVEL), "add new top-level modules to LAYERS"
+
+
+def test_cartridges_library_never_reaches_up():
+    """final/cartridges/ is the format and serving library inf.py uses: no file there (a command line included)
+    imports final.inf, final.cli or the training apps."""
+    bad = [f"{p.relative_to(ROOT.parent)} imports final.{t}" for p in sorted((ROOT / "cartridges").rglob("*.py"))
+           for t in _imported_tops(ast.parse(p.read_text())) if LEVEL[t] > LEVEL["cartridges"]]
+    assert not bad, bad
 
 
 def test_imports_point_down():

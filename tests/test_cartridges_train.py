@@ -14,10 +14,10 @@ import torch.nn as nn
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A, spec
-from final.cartridges.convs import read_conversations
+from final.distill.convs import read_conversations
 from final.cartridges.format import load_cartridge
-from final.cartridges.synth import SynthConfig, synthesize
-from final.cartridges.train import (Student, TrainConfig, TrainableKV, checkpoint_path, initial_ids,
+from final.distill.synth import SynthConfig, synthesize
+from final.distill.train import (Student, TrainConfig, TrainableKV, checkpoint_path, initial_ids,
                                     train_cartridge)
 from final.errors import CartridgeError
 from final.models import resolve_model_path
@@ -156,7 +156,7 @@ def test_resume_continues_the_same_run(data, tmp_path):
 
 
 def test_eval_orders_the_conditions(inference, trained, data):
-    from final.cartridges.evaluate import evaluate, table
+    from final.distill.evaluate import evaluate, table
     from final.prompts import document_ids
 
     out, _ = trained
@@ -171,7 +171,7 @@ def test_eval_orders_the_conditions(inference, trained, data):
 
 
 def test_cli_workflow(tmp_path, capsys):
-    from final.cartridges.cli import main
+    from final.distill.cli import main
 
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC_A)

@@ -3,7 +3,7 @@
 Per batch: a chunk of the document (a window of `chunk_tokens`) goes in a system turn; the model, prompted with a
 seed instruction (structuring, summarization, question, use case, creative), writes a user message at T≈0.6;
 then it answers that message with the chunk in context (the teacher, T=0 by default), keeping the top-k logprobs of
-every answer token. Rows are appended to a JSONL file (final/cartridges/convs.py) batch by batch; a rerun skips
+every answer token. Rows are appended to a JSONL file (final/distill/convs.py) batch by batch; a rerun skips
 the ids already there, so a killed run resumes.
 
 On the local backend the chunk is prefilled once per batch and served as a cartridge (exact: a cartridge stands for
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from final.cartridges.convs import Conversation, append, done_ids
+from final.distill.convs import Conversation, append, done_ids
 from final.errors import CartridgeError
 from final.prompts import continuation_ids, document_ids
 

@@ -1,4 +1,4 @@
-"""`final cartridge build|inspect|verify` (also runnable as `python -m final.cartridges.cli ...`).
+"""`final cartridge build|inspect|verify` (also runnable as `python -m final.distill.cli ...`).
 
   build   --text FILE --out PATH     prefill the text, save its KV as a cartridge (+ manifest beside it)
   inspect PATH                       print the cartridge's shape, dtype, tokens and manifest; check the checksum
@@ -245,7 +245,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from final.cartridges.synth import SynthConfig, synthesize
+    from final.distill.synth import SynthConfig, synthesize
 
     text = _read_text(args.text)
     cfg = SynthConfig(count=args.count, batch=args.batch, chunk_tokens=args.chunk_tokens,
@@ -270,7 +270,7 @@ def _synth(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from final.cartridges.train import TrainConfig, train_cartridge
+    from final.distill.train import TrainConfig, train_cartridge
     from final.engine.engine import resolve_dtype
 
     cfg = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -290,8 +290,8 @@ def _eval(args: argparse.Namespace) -> int:
     import dataclasses
 
     from final.cartridges.build import document_ids
-    from final.cartridges.convs import read_conversations
-    from final.cartridges.evaluate import evaluate, table
+    from final.distill.convs import read_conversations
+    from final.distill.evaluate import evaluate, table
     from final.cartridges.service import CartridgeService
 
     text = _read_text(args.text)

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from final.cartridges.convs import Conversation
+from final.distill.convs import Conversation
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
 
@@ -250,7 +250,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     """synth's conversations -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt."""
     from transformers import AutoTokenizer
 
-    from final.cartridges.convs import read_conversations
+    from final.distill.convs import read_conversations
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
     from final.models import resolve_model_path
