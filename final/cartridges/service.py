@@ -83,9 +83,7 @@ class CartridgeService:
         stamp = local_stamp(fetched.path) if source == "local" else None  # before the read (see local_stamp)
         nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
         cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
-        positions = positions or (manifest.positions if manifest else None) or detect_positions(fetched.config) \
-            or DEFAULT_POSITIONS
-        cart = to_after_prefix(cart, positions, self.model_dir, str(fetched.path))
+        cart, positions = self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))
         with self._load_lock:
             return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
                                                            "positions": positions, "stamp": stamp,
@@ -136,6 +134,22 @@ class CartridgeService:
             check_matches_manifest(cart, manifest, name)
         check_matches_model(cart, self.model, name)
         return cart, manifest
+
+    def as_served(self, cart: CartridgeKV, manifest: Any, positions: str | None, config: Any,
+                  name: str) -> tuple[CartridgeKV, str]:
+        """A file's cartridge in the convention the engine serves (after_prefix), and the convention it was in:
+        the caller's choice, else the manifest's, else the run's config.yaml beside it, else after_prefix."""
+        positions = positions or (manifest.positions if manifest else None) or detect_positions(config) \
+            or DEFAULT_POSITIONS
+        return to_after_prefix(cart, positions, self.model_dir, name), positions
+
+    def read_served(self, file: str | Path, *, positions: str | None = None) -> CartridgeKV:
+        """A local file (or run folder) as load() would serve it: checked, positions applied, not admitted."""
+        if positions is not None:
+            check_positions(positions, file=str(file))
+        fetched = self._fetch("local", str(file), str(file), False)
+        cart, manifest = self.read(fetched.path, fetched.manifest)
+        return self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))[0]
 
     def add(self, cartridge_id: str, cart: CartridgeKV, *, pin: bool = False) -> str:
         """Serve an in-memory cartridge (e.g. one just built from text)."""

@@ -1,4 +1,5 @@
-"""`final cartridge build|inspect|verify` (also runnable as `python -m final.distill.cli ...`).
+"""`final cartridge ...` (also runnable as `python -m final.distill.cli ...`); the training commands' flags and
+handlers are in final/distill/train_cli.py.
 
   build   --text FILE --out PATH     prefill the text, save its KV as a cartridge (+ manifest beside it)
   inspect PATH                       print the cartridge's shape, dtype, tokens and manifest; check the checksum
@@ -6,7 +7,8 @@
   convert IN OUT                     rewrite a cartridge as .pt or .safetensors (by OUT's suffix), with a manifest
   synth   --text FILE --out JSONL    self-study: the model asks and answers questions about chunks (resumable)
   train   --data JSONL --text FILE --tokens P --out PATH   distil the conversations into a P-token cartridge
-  eval    PATH --text FILE --data JSONL   KL to the full-document teacher: no doc, first P tokens, cartridge, doc
+  distill --text FILE --tokens P --out PATH    on-policy: the student samples, final is the teacher (resumable)
+  eval    PATH --text FILE --data JSONL   KL to the full-document teacher: no doc, first P tokens, cartridge
 """
 
 from __future__ import annotations
@@ -59,59 +61,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("out", type=Path)
     c.add_argument("--save-dtype", help="dtype of the written tensors (default: unchanged)")
     c.set_defaults(cartridge_func=_convert)
-    _register_training(sub)
+    from final.distill.train_cli import register_training
+
+    register_training(sub)
     parser.set_defaults(func=run)
     return parser
-
-
-def _register_training(sub: Any) -> None:
-    def model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
-        p.add_argument("--model", default=DEFAULT_MODEL, help=f"model path or builtin name (default {DEFAULT_MODEL})")
-        p.add_argument("--dtype", default=dtype, help=f"model dtype (default {dtype}; auto: bf16 on CUDA, else fp32)")
-
-    s = sub.add_parser("synth", help="self-study: synthesize conversations about a document (resumable JSONL)")
-    s.add_argument("--text", required=True, type=Path, help="document text file")
-    s.add_argument("--out", required=True, type=Path, help="JSONL to append to (rows already there are kept)")
-    s.add_argument("--config", help="InferenceEngine config (any backend); default: the local engine on --model")
-    s.add_argument("--count", type=int, default=64, help="conversations in the file when done (default 64)")
-    s.add_argument("--batch", type=int, default=16, help="conversations per chunk (default 16)")
-    s.add_argument("--chunk-tokens", type=int, default=1024, help="tokens of the document per chunk (default 1024)")
-    s.add_argument("--question-tokens", type=int, default=64)
-    s.add_argument("--answer-tokens", type=int, default=128)
-    s.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per answer token (default 20)")
-    s.add_argument("--temperature", type=float, default=0.6, help="question sampling temperature (default 0.6)")
-    s.add_argument("--answer-temperature", type=float, default=0.0, help="teacher temperature (default 0)")
-    s.add_argument("--seed", type=int, default=0, help="chunks, seed prompts and sampling (another seed: held-out)")
-    model_args(s)
-    s.set_defaults(cartridge_func=_synth)
-
-    t = sub.add_parser("train", help="distil synthesized conversations into a trained cartridge (resumable)")
-    t.add_argument("--data", required=True, type=Path, help="JSONL from `final cartridge synth`")
-    t.add_argument("--text", required=True, type=Path, help="the document (its first P tokens initialise the KV)")
-    t.add_argument("--init-text", type=Path, help="initialise from this (unrelated) text's first P tokens instead")
-    t.add_argument("--tokens", required=True, type=int, help="P: the cartridge's length in tokens")
-    t.add_argument("--out", required=True, type=Path, help="output .pt (cartridges-repo layout) or .safetensors")
-    t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--batch", type=int, default=4, help="conversations per step (default 4)")
-    t.add_argument("--lr", type=float, default=2e-2)
-    t.add_argument("--frozen-tokens", type=int, default=1, help="leading tokens kept fixed (default 1, the sink)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (OUT.ckpt)")
-    t.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    t.add_argument("--save-dtype", help="dtype of the saved tensors (default: the model's)")
-    t.add_argument("--id", help="cartridge id recorded in the manifest (default: the output file's stem)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    model_args(t, "auto")
-    t.set_defaults(cartridge_func=_train)
-
-    e = sub.add_parser("eval", help="KL of a trained cartridge to the full-document teacher on held-out questions")
-    e.add_argument("path", type=Path)
-    e.add_argument("--text", required=True, type=Path, help="the document the cartridge stands for")
-    e.add_argument("--data", required=True, type=Path, help="held-out JSONL from `final cartridge synth --seed N`")
-    e.add_argument("--limit", type=int, help="use only the first N conversations")
-    e.add_argument("--json", action="store_true", help="print JSON")
-    model_args(e)
-    e.set_defaults(cartridge_func=_eval)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,19 +75,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _open_engine(args: argparse.Namespace):
-    """The embedded engine (through InferenceEngine, the one composition root) and its tokenizer."""
-    from final.inf import local_engine
+    from final.distill.train_cli import open_engine
 
-    inference = local_engine(args.model, dtype=args.dtype)
-    return inference, inference.engine, inference.tokenizer
+    return open_engine(args)
 
 
 def _read_text(path: Path) -> str:
-    from final.errors import CartridgeError
+    from final.distill.train_cli import read_text
 
-    if not path.is_file():
-        raise CartridgeError("text file does not exist", file=str(path), field="text")
-    return path.read_text()
+    return read_text(path)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -241,73 +191,6 @@ def _convert(args: argparse.Namespace) -> int:
                                      source_document=old.source_document if old else None,
                                      labels=old.labels if old else None)
     print(f"wrote {out} and {new.write(out)}")
-    return 0
-
-
-def _synth(args: argparse.Namespace) -> int:
-    from final.distill.synth import SynthConfig, synthesize
-
-    text = _read_text(args.text)
-    cfg = SynthConfig(count=args.count, batch=args.batch, chunk_tokens=args.chunk_tokens,
-                      question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                      question_temperature=args.temperature, answer_temperature=args.answer_temperature,
-                      seed=args.seed)
-    cfg.check()
-    if args.config:
-        from final.inf import InferenceEngine
-
-        inference = InferenceEngine(args.config)
-    else:
-        inference = _open_engine(args)[0]
-    try:
-        written = synthesize(inference, text, args.out, cfg)
-    finally:
-        inference.shutdown()
-    print(f"wrote {written} conversations to {args.out} ({cfg.count} in all)")
-    return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from final.distill.train import TrainConfig, train_cartridge
-    from final.engine.engine import resolve_dtype
-
-    cfg = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr,
-                      frozen_tokens=args.frozen_tokens, seed=args.seed, checkpoint_every=args.checkpoint_every)
-    save = resolve_dtype(args.save_dtype, torch.device("cpu")) if args.save_dtype else None
-    summary = train_cartridge(args.model, args.data, args.out, cfg, text=_read_text(args.text),
-                              init_text=_read_text(args.init_text) if args.init_text else None,
-                              device=args.device, dtype=args.dtype, save_dtype=save, cartridge_id=args.id,
-                              source_document=str(args.text), progress=not args.quiet)
-    print(f"wrote {summary['out']} ({summary['tokens']} tokens, {summary['bytes']} bytes): loss "
-          f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps on "
-          f"{summary['conversations']} conversations")
-    return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from final.cartridges.build import document_ids
-    from final.distill.convs import read_conversations
-    from final.distill.evaluate import evaluate, table
-    from final.cartridges.service import CartridgeService
-
-    text = _read_text(args.text)
-    inference, engine, tok = _open_engine(args)
-    try:
-        cart, _ = CartridgeService(engine, inference.model_dir).read(args.path, _manifest_of(args.path))
-        convs = read_conversations(args.data, len(tok))[:args.limit]
-        rows = evaluate(engine, tok, document_ids(tok, text), cart, convs)
-    finally:
-        inference.shutdown()
-    if args.json:
-        print(json.dumps({"conversations": len(convs), "answer_tokens": sum(len(c.answer_ids) for c in convs),
-                          "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
-    else:
-        print(f"{len(convs)} held-out conversations, {sum(len(c.answer_ids) for c in convs)} answer tokens")
-        print(table(rows))
     return 0
 
 

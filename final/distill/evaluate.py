@@ -3,10 +3,11 @@
 On held-out conversations (synthesized questions the cartridge was not trained on, with their answers), the
 teacher reads the whole document in its system turn; each student reads the same question and answer after
 (a) nothing (the plain chat rendering, no document), (b) the document's first p tokens (what `build` gives at that
-size, and the `prefix` initialisation of `train`), (c) the cartridge, (d) the whole document (0 by construction).
-The score is KL(teacher || student) over the full vocabulary, averaged over answer tokens, plus how often the
-student's most likely token is the teacher's. Every forward is the engine's serving forward (`runner.forward_full`
-after a loaded prefix), so what is measured is what `generate(cartridge=...)` serves.
+size, and the `prefix` initialisation of `train`), (c) the cartridge. The score is KL(teacher || student) over the
+full vocabulary, averaged over answer tokens, plus how often the student's most likely token is the teacher's.
+Every forward is the engine's serving forward (`runner.forward_full` after a loaded prefix), so what is measured is
+what `generate(cartridge=...)` serves; the cartridge comes in already in that convention (the CLI reads it with
+CartridgeService.read_served, which applies a `from_zero` file's rotation as serving does).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def evaluate(engine: Any, tokenizer: Any, doc_ids: Sequence[int], cart: Cartridg
     first = CartridgeKV([k[:, :, :p] for k in full.keys], [v[:, :, :p] for v in full.values], full.num_frozen_tokens)
     elem = cart.keys[0].element_size()
     sizes = {"no document": 0, f"first {p} tokens": first.nbytes // first.keys[0].element_size() * elem,
-             "cartridge": cart.nbytes, "full document": full.nbytes // full.keys[0].element_size() * elem}
+             "cartridge": cart.nbytes}
     ids = {name: f"__eval-{uuid.uuid4().hex[:8]}" for name in ("first", "cart", "full")}
     for name, kv in (("first", first), ("cart", cart), ("full", full)):
         engine.load_cartridge(ids[name], [k.to(full.dtype) for k in kv.keys], [v.to(full.dtype) for v in kv.values])
@@ -61,7 +62,7 @@ def evaluate(engine: Any, tokenizer: Any, doc_ids: Sequence[int], cart: Cartridg
         for cid in ids.values():
             engine.unload_cartridge(cid)
     n = sum(len(c.answer_ids) for c in convs)
-    prefix = {"no document": 0, f"first {p} tokens": p, "cartridge": p, "full document": len(doc_ids)}
+    prefix = {"no document": 0, f"first {p} tokens": p, "cartridge": p}
     return [KLRow(name, prefix[name], sums[name][0] / n, sums[name][1] / n, sizes[name]) for name in sizes]
 
 
@@ -77,8 +78,7 @@ def _score(engine: Any, tokenizer: Any, convs: Sequence[Conversation], ids: dict
         bare = chat_ids(tokenizer, [{"role": "user", "content": conv.question}], add_generation_prompt=True)
         students = {names[0]: _answer_logits(engine, list(bare) + conv.answer_ids, None, len(bare), n),
                     names[1]: _answer_logits(engine, tail, prefixes["first"], len(conv.prompt_ids), n),
-                    names[2]: _answer_logits(engine, tail, prefixes["cart"], len(conv.prompt_ids), n),
-                    names[3]: teacher}
+                    names[2]: _answer_logits(engine, tail, prefixes["cart"], len(conv.prompt_ids), n)}
         for name, logits in students.items():
             kl, top1 = kl_and_top1(teacher, logits)
             sums[name][0] += kl.sum().item()
@@ -88,7 +88,7 @@ def _score(engine: Any, tokenizer: Any, convs: Sequence[Conversation], ids: dict
 
 def _names(prefixes: dict[str, Any]) -> tuple[str, ...]:
     p = prefixes["first"].length
-    return ("no document", f"first {p} tokens", "cartridge", "full document")
+    return ("no document", f"first {p} tokens", "cartridge")
 
 
 def _answer_logits(engine: Any, ids: list[int], prefix: Any, prompt_len: int, n: int) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Context distillation into a cartridge (the cartridges repo's `train.py` with `loss_type="logits"`).
 
 The student is the frozen model plus a trainable KV prefix of p tokens (post-RoPE keys/values per layer,
-[1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on the answer tokens only, to
-match the teacher's top-k distribution (cross-entropy against the teacher's top-k probabilities, the KL to the
-teacher up to a constant). Adam updates the prefix only; the first `frozen_tokens` stay fixed (the attention
-sink). Positions: the conversation starts at p, as final serves a cartridge ("after_prefix").
+[1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on every target token of the rows
+(final.distill.convs: every token after the system turn, as the repo, or the answer's only), to match the
+teacher's top-k distribution (final.distill.losses; the KL to the teacher is reported beside the loss). Adam
+updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). Positions: the conversation starts at p, as final serves a cartridge ("after_prefix").
 
 The model is HF transformers' (autograd, the same weights the engine loads); the prefix is handed to it as a
 DynamicCache whose tensors are the trainable parameters, so gradients reach them. One code path for CPU and CUDA:
@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from final.distill.convs import Conversation
+from final.distill.losses import StepLoss, Targets, step_loss
+from final.distill.trainer import Trainer
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
 
@@ -116,32 +118,41 @@ class TrainableKV(nn.Module):
 
 @dataclass
 class Batch:
-    ids: torch.Tensor  # [B, T] prompt + answer, right-padded
-    where: torch.Tensor  # [B, T] the positions that predict an answer token
-    top_ids: torch.Tensor  # [N, k] teacher's top-k at those positions, in row order
-    top_logprobs: torch.Tensor  # [N, k]
+    ids: torch.Tensor  # [B, T] each row's token stream after the cartridge, right-padded
+    where: torch.Tensor  # [B, T] the positions that predict a target token (row-major order = the targets' order)
+    targets: Targets
 
 
 def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device) -> Batch:
-    width = max(len(c.prompt_ids) + len(c.answer_ids) for c in convs)
+    """Rows -> tensors: position j predicts token j+1, so target token j is read at position j-1; masked targets
+    are left out."""
+    width = max(len(c.ids) for c in convs)
     ids = torch.full((len(convs), width), pad_id, dtype=torch.long)
     where = torch.zeros((len(convs), width), dtype=torch.bool)
-    for r, c in enumerate(convs):
-        row = c.prompt_ids + c.answer_ids
-        ids[r, :len(row)] = torch.tensor(row)
-        # position j predicts token j+1: the answer's tokens are predicted from the prompt's last token on
-        where[r, len(c.prompt_ids) - 1:len(row) - 1] = True
     k = min(len(t) for c in convs for t in c.top_ids)
-    top_ids = torch.tensor([t[:k] for c in convs for t in c.top_ids], dtype=torch.long)
-    top_lps = torch.tensor([t[:k] for c in convs for t in c.top_logprobs], dtype=torch.float32)
-    return Batch(ids.to(device), where.to(device), top_ids.to(device), top_lps.to(device))
+    top_ids, top_lps, tokens, token_lps, sampled = [], [], [], [], []
+    for r, c in enumerate(convs):
+        row, start = c.ids, c.first_target
+        ids[r, :len(row)] = torch.tensor(row)
+        keep = [j for j in range(len(row) - start) if c.mask is None or c.mask[j]]
+        where[r, [start - 1 + j for j in keep]] = True
+        top_ids += [c.top_ids[j][:k] for j in keep]
+        top_lps += [c.top_logprobs[j][:k] for j in keep]
+        tokens += [row[start + j] for j in keep]
+        token_lps += [c.token_logprobs[j] if c.token_logprobs else 0.0 for j in keep]
+        sampled += [c.sampled and start + j >= len(c.prompt_ids) for j in keep]
+    t = Targets(torch.tensor(top_ids, dtype=torch.long), torch.tensor(top_lps, dtype=torch.float32),
+                torch.tensor(tokens, dtype=torch.long), torch.tensor(token_lps, dtype=torch.float32),
+                torch.tensor(sampled, dtype=torch.bool))
+    t = Targets(*(x.to(device) for x in (t.top_ids, t.top_logprobs, t.token_ids, t.token_logprobs, t.sampled)))
+    return Batch(ids.to(device), where.to(device), t)
 
 
-def distill_loss(student: Student, cache: TrainableKV, batch: Batch) -> torch.Tensor:
-    """Mean over answer tokens of -sum_k p_teacher(k) log q_student(k) over the teacher's top-k."""
+def distill_loss(student: Student, cache: TrainableKV, batch: Batch, loss: str = "forward_topk") -> StepLoss:
+    """The step's loss over every target token (final.distill.losses), with its KL figures."""
     keys, values = cache.full()
     logq = student.log_probs(keys, values, batch.ids, batch.where)
-    return -(batch.top_logprobs.exp() * logq.gather(1, batch.top_ids)).sum(-1).mean()
+    return step_loss(loss, logq, batch.targets)
 
 
 def batch_order(n: int, batch: int, step: int, seed: int) -> list[int]:
@@ -164,60 +175,24 @@ def checkpoint_path(out: str | Path) -> Path:
 
 def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
           ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
-          identity: dict | None = None) -> list[float]:
+          identity: dict | None = None) -> list[dict]:
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
-    every cfg.checkpoint_every steps and at the end; returns every step's loss (resumed ones included).
-    `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must."""
+    every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
+    included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must."""
     from tqdm import tqdm
 
-    cache.to(student.device)
-    opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=cfg.lr)
-    key = {**_resume_key(cfg), **(identity or {})}
-    losses = load_checkpoint(ckpt, cache, opt, key) if ckpt.is_file() else []
-    bar = tqdm(range(len(losses), cfg.steps), desc="train", unit="step", disable=not progress,
-               initial=len(losses), total=cfg.steps)
+    trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})})
+    done = trainer.resume(cfg.steps)
+    bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
+               total=cfg.steps)
     for step in bar:
         rows = [convs[i] for i in batch_order(len(convs), cfg.batch, step, cfg.seed)]
-        loss = distill_loss(student, cache, make_batch(rows, pad_id, student.device))
-        if not torch.isfinite(loss):
-            raise CartridgeError(f"loss is {loss.item()} at step {step}; lower --lr", field="lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {losses[-1]:.4f}")
+        rec = trainer.step(make_batch(rows, pad_id, student.device))
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
+        (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(ckpt, cache, opt, key, losses)
-    return losses
-
-
-def save_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict,
-                    losses: list[float]) -> None:
-    state = {"cache": {k: v.detach().cpu() for k, v in cache.state_dict().items()},
-             "optimizer": opt.state_dict(), "losses": list(losses), "config": key}
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
-
-
-def load_checkpoint(path: Path, cache: TrainableKV, opt: torch.optim.Optimizer, key: dict) -> list[float]:
-    """Restore cache, optimizer and loss history; a checkpoint of another setup is refused, not silently mixed."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        saved = state["config"]
-        if saved != key:
-            diff = sorted(k for k in set(saved) | set(key) if saved.get(k) != key.get(k))
-            raise CartridgeError(f"checkpoint was made with other settings ({', '.join(diff)}); delete it or use "
-                                 "the same settings", file=str(path), field="checkpoint")
-        cache.load_state_dict(state["cache"])
-        opt.load_state_dict(state["optimizer"])
-        return [float(x) for x in state["losses"]]
-    except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as exc:
-        if isinstance(exc, CartridgeError):
-            raise
-        raise CartridgeError(f"unreadable training checkpoint: {type(exc).__name__}: {str(exc)[:200]}",
-                             file=str(path), field="checkpoint") from None
+            trainer.save()
+    return trainer.history
 
 
 def _digest(ids: Sequence[int]) -> str:
@@ -278,4 +253,5 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
                                           positions="after_prefix")  # the training forward's convention (Student)
     manifest.write(out)
     return {"out": str(out), "tokens": cart.num_tokens, "steps": cfg.steps, "conversations": len(convs),
-            "first_loss": losses[0], "last_loss": losses[-1], "bytes": cart.nbytes}
+            "first_loss": losses[0]["loss"], "last_loss": losses[-1]["loss"], "first_kl": losses[0]["forward_kl"],
+            "last_kl": losses[-1]["forward_kl"], "bytes": cart.nbytes}

@@ -1,0 +1,127 @@
+"""Held-out KL against wall time: on-policy, mixed and off-policy distillation of one document into a cartridge.
+
+    .venv/bin/python bench/cartridge_distill.py [--tokens 64] [--steps 40] [--modes on,mixed,off] [--every 10]
+
+One loop (final.distill.distill, what `final cartridge distill` runs) at equal compute per step - the same
+questions per step, the same answer budget - differing only in who answers: the student with its current cartridge
+(`on`, on_policy_fraction 1), half and half (`mixed`, 0.5), or the teacher (`off`, 0: self-study made on the fly).
+Every --every steps the cartridge is judged on held-out questions (synthesized with another seed, deduplicated
+against every training question) by `final.distill.evaluate`: KL per answer token to the teacher that reads the
+whole document, beside the document's first p tokens and no document. Evaluation time is not counted in the wall
+time. Prints a table per mode, the cost split of a step, and writes summary.json in --work.
+The document is bench/data/vellmark.txt (original text written for this benchmark, ~1,500 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "bench" / "data" / "vellmark.txt"
+FRACTION = {"on": 1.0, "mixed": 0.5, "off": 0.0}
+
+
+def heldout(inference, text: str, work: Path, args: argparse.Namespace):
+    from final.distill.convs import read_conversations
+    from final.distill.synth import SynthConfig, synthesize
+
+    path = work / "heldout.jsonl"
+    cfg = SynthConfig(count=args.heldout, batch=args.heldout, min_chunk_tokens=512, max_chunk_tokens=2048,
+                      question_tokens=64, answer_tokens=args.answer_tokens, seed=10_000 + args.seed,
+                      supervise="answer")
+    synthesize(inference, text, path, cfg, progress=False)
+    return read_conversations(path, len(inference.tokenizer))
+
+
+def judge(inference, text: str, rows, cart) -> dict:
+    from final.distill.evaluate import evaluate
+    from final.prompts import document_ids
+
+    out = evaluate(inference.engine, inference.tokenizer, document_ids(inference.tokenizer, text), cart, rows)
+    return dict(zip(("no document", "first_p", "cartridge"), (r.kl for r in out)))
+
+
+def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.Namespace) -> dict:
+    from final.distill.convs import dedupe
+    from final.distill.distill import DistillConfig, distill
+    from final.distill.synth import SynthConfig
+
+    cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
+                        answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
+                        seed=args.seed, checkpoint_every=args.steps,
+                        synth=SynthConfig(min_chunk_tokens=512, max_chunk_tokens=2048, question_tokens=64))
+    points, clock, seen = [], {"train_s": 0.0}, []
+
+    def on_step(rec: dict, cache) -> None:
+        clock["train_s"] += sum(rec[k] for k in ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"))
+        seen.extend(rec.get("questions", []))
+        if rec["step"] % args.every == 0 or rec["step"] == args.steps:
+            kl = judge(inference, text, dedupe(rows, seen), cache.cartridge())
+            points.append({"step": rec["step"], "wall_s": round(clock["train_s"], 1), **kl})
+            print(f"[{mode}] step {rec['step']}: {json.dumps(points[-1])}", flush=True)
+
+    out = work / f"{mode}-p{args.tokens}.pt"
+    for stale in (out, out.with_name(out.name + ".ckpt")):
+        stale.unlink(missing_ok=True)
+    history = distill(inference, text, out, cfg, model=args.model, dtype="float32", progress=False, on_step=on_step)
+    stages = ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s")
+    cost = {k: round(sum(r[k] for r in history) / len(history), 2) for k in stages}
+    return {"points": points, "step_cost_s": cost, "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "cartridge_distill")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--answer-tokens", type=int, default=128)
+    ap.add_argument("--loss", default="forward_topk")
+    ap.add_argument("--modes", default="on,mixed,off")
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--heldout", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    from final.inf import local_engine
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text()
+    inference = local_engine(args.model, dtype="float32")
+    try:
+        rows = heldout(inference, text, args.work, args)
+        results = {m: run_mode(inference, text, m, rows, args.work, args) for m in args.modes.split(",")}
+    finally:
+        inference.shutdown()
+    summary = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                           "load_1min_at_end": os.getloadavg()[0]}, "date": time.strftime("%Y-%m-%d"),
+               "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+    (args.work / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(report(results, args))
+    return 0
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    lines = [f"p={args.tokens}, {args.questions} questions/step, held-out KL per answer token (nats)", "",
+             "| mode | step | train wall s | no document | first p tokens | cartridge | cartridge / first p |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, res in results.items():
+        for pt in res["points"]:
+            lines.append(f"| {mode} | {pt['step']} | {pt['wall_s']} | {pt['no document']:.4f} | {pt['first_p']:.4f} "
+                         f"| {pt['cartridge']:.4f} | {pt['cartridge'] / pt['first_p']:.2f}x |")
+    lines += ["", "| mode | question s | rollout s | teacher s | gradient s | sync s | (mean per step) |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    for mode, res in results.items():
+        c = res["step_cost_s"]
+        lines.append(f"| {mode} | {c['question_s']} | {c['rollout_s']} | {c['teacher_s']} | {c['gradient_s']} | "
+                     f"{c['sync_s']} | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

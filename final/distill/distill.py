@@ -1,0 +1,280 @@
+"""On-policy cartridge distillation: the loop seed 000 was written for, with final as the teacher.
+
+Each step:
+  1. questions: a chunk of the document and self-study seed prompts (synth's plan, seeded by the step), the
+     model writes the user messages with the chunk in context (T=0.6, CoT instructions as synth);
+  2. rollout: the student, the base model with the *current* cartridge, samples answers (T=1 by default, n per
+     question) - in-process through InferenceEngine (`rollout="engine"`, the cartridge updated in memory) or
+     through veRL's own AgentLoopManager -> the `tokasaurus` replica -> `final serve` (`rollout="verl"`,
+     final.distill.verl_rollout; the file is re-read at each step through force_redownload);
+     with on_policy_fraction < 1 the remaining questions are answered by the teacher instead (T=0, off-policy,
+     self-study's data made on the fly);
+  3. teacher: the same base model with the whole document in its system turn (the repo's template), served as a
+     cartridge built once and shared by every row, scores every token after the system turn with top-k
+     logprobs (InferenceEngine.score: any backend);
+  4. gradient: the loss (final.distill.losses: forward_topk, reverse_k1 or reverse_k3 on the student's own tokens,
+     forward top-k on the question's) on the HF student with the cartridge as its trainable KV prefix; Adam;
+  5. sync: the cartridge is written atomically to OUT in the repo's layout (+ manifest) and the next step samples
+     with it.
+One token stream throughout: the student sees cartridge + continuation_ids(messages) when it samples, when it is
+trained, and when it is served (no chat-template default system turn after the cartridge: it stands for that turn).
+Every draw is seeded by (seed, step), and the checkpoint (OUT.ckpt) holds cache, optimizer and records, so a
+killed run resumes where its last checkpoint was.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from final.distill.convs import Conversation
+from final.distill.losses import LOSSES
+from final.distill.synth import ChunkContext, SynthConfig, ask, plan_batch, system_text
+from final.distill.train import Student, TrainableKV, initial_ids, make_batch
+from final.distill.trainer import Trainer
+from final.errors import CartridgeError
+from final.prompts import continuation_ids
+
+ROLLOUTS = ("engine", "verl")
+
+
+@dataclass
+class DistillConfig:
+    tokens: int  # p: the cartridge's length
+    steps: int = 40
+    questions: int = 8  # questions per step
+    n: int = 1  # student samples per question
+    temperature: float = 1.0  # the student's sampling temperature
+    answer_tokens: int = 128
+    top_k: int = 20
+    lr: float = 2e-2
+    loss: str = "forward_topk"
+    on_policy_fraction: float = 1.0
+    supervise: str = "all"  # "all": every token after the system turn (the repo's); "answer": the answer's only
+    frozen_tokens: int = 1
+    seed: int = 0
+    checkpoint_every: int = 5
+    rollout: str = "engine"
+    synth: SynthConfig = field(default_factory=lambda: SynthConfig(min_chunk_tokens=512, max_chunk_tokens=2048,
+                                                                   question_tokens=64))
+
+    def check(self) -> None:
+        for key in ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every"):
+            if getattr(self, key) < 1:
+                raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
+        if not 0 <= self.frozen_tokens < self.tokens:
+            raise CartridgeError(f"must be in [0, tokens={self.tokens}), got {self.frozen_tokens}",
+                                 field="frozen_tokens")
+        for key, ok in (("lr", self.lr > 0 and math.isfinite(self.lr)),
+                        ("temperature", self.temperature > 0 and math.isfinite(self.temperature)),
+                        ("on_policy_fraction", 0 <= self.on_policy_fraction <= 1)):
+            if not ok:
+                raise CartridgeError(f"out of range: {getattr(self, key)}", field=key)
+        for key, allowed in (("loss", LOSSES), ("rollout", ROLLOUTS), ("supervise", ("all", "answer"))):
+            if getattr(self, key) not in allowed:
+                raise CartridgeError(f"must be one of {list(allowed)}, got {getattr(self, key)!r}", field=key)
+        self.synth.check()
+
+    def resume_key(self) -> dict:
+        """What must match for a resume to continue the same run (the step budget may grow)."""
+        key = {k: v for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "synth", "rollout")}
+        return {**key, "synth": {k: v for k, v in asdict(self.synth).items() if k not in ("count", "batch")}}
+
+    def on_policy_rows(self) -> int:
+        return round(self.questions * self.on_policy_fraction)
+
+
+class StudentSampler:
+    """Step 2 in-process: the base model plus the current cartridge, on the same InferenceEngine as the teacher."""
+
+    def __init__(self, inference: Any, out: Path, cid: str):
+        self.inference, self.out, self.cid = inference, out, cid
+
+    def sync(self, cart: Any) -> None:
+        if self.inference.cartridges is not None:  # the embedded engine: replace the resident copy
+            self.inference.cartridges.add(self.cid, cart, pin=True)
+
+    def sample(self, convs: list[list[dict]], prompts: list[list[int]], n: int, seed: int,
+               cfg: DistillConfig) -> list[tuple[int, list[int], list[int]]]:
+        """(question index, prompt ids, answer ids) per sample, prompt-major."""
+        cartridge = self.cid if self.inference.cartridges is not None else [
+            {"id": str(self.out), "source": "local", "force_redownload": True}]  # a server re-reads the file
+        out = self.inference.generate(prompts, cartridge=cartridge, n=n, temperature=cfg.temperature,
+                                      max_tokens=cfg.answer_tokens, seed=seed)
+        return [(i // n, prompts[i // n], list(ids)) for i, ids in enumerate(out.token_ids)]
+
+    def close(self) -> None:
+        if self.inference.cartridges is not None and self.cid in (self.inference.cartridge_ids() or []):
+            self.inference.cartridges.unpin(self.cid)
+            self.inference.unload_cartridge(self.cid)
+
+
+@dataclass
+class Run:
+    """What one distill() call works with (built once, used by every step)."""
+    cfg: DistillConfig
+    inference: Any
+    doc: list[int]  # the document's tokens (chunks are drawn from them)
+    teacher: ChunkContext
+    sampler: Any  # StudentSampler or final.distill.verl_rollout.VerlRollout
+    trainer: Trainer
+    pad_id: int
+
+
+def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
+    """Steps 1-3 of one step: its questions, the student's (and teacher's) answers, the teacher's targets."""
+    cfg, tok = run.cfg, run.inference.tokenizer
+    ids = list(range(cfg.questions))
+    plan = plan_batch(len(run.doc), step, ids, cfg.synth)
+    chunk = system_text(tok.decode(run.doc[plan.window[0]:plan.window[1]]), cfg.synth.template)
+    seed = cfg.seed * 1_000_003 + step * 1009
+    t0 = time.perf_counter()
+    with ChunkContext(run.inference, chunk, f"__distill-chunk-{step}") as ctx:
+        questions = ask(ctx, plan, ids, cfg.synth, seed)
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    prompts = [continuation_ids(tok, c) for c in convs]
+    t1 = time.perf_counter()
+    m = cfg.on_policy_rows()
+    samples = run.sampler.sample(convs[:m], prompts[:m], cfg.n, seed + 1, cfg) if m else []
+    if m < len(prompts):  # off-policy rows: the teacher answers greedily
+        answers = run.teacher.generate(prompts[m:], temperature=0.0, max_tokens=cfg.answer_tokens)
+        samples += [(m + i, prompts[m + i], list(a)) for i, a in enumerate(answers.token_ids)]
+    t2 = time.perf_counter()
+    scored = run.teacher.teacher_scores([p for _, p, _ in samples], [a for _, _, a in samples], cfg.top_k)
+    rows = [_row(q, prompt, answer, tops, lps, q < m, questions[q], plan.kinds[q], plan.window, cfg)
+            for (q, prompt, answer), (tops, lps) in zip(samples, scored) if answer]
+    info = {"question_s": t1 - t0, "rollout_s": t2 - t1, "teacher_s": time.perf_counter() - t2,
+            "questions": questions}
+    return rows, info
+
+
+def _row(q: int, prompt: list[int], answer: list[int], tops: list, lps: list[float], sampled: bool, question: str,
+         kind: str, window: tuple[int, int], cfg: DistillConfig) -> Conversation:
+    start = 1 if cfg.supervise == "all" else len(prompt)
+    tops, lps = tops[start - 1:], lps[start - 1:]
+    return Conversation(q, prompt, answer, [[t for t, _ in top] for top in tops],
+                        [[lp for _, lp in top] for top in tops], kind, question, "", window, start, None,
+                        sampled, lps)
+
+
+def run_step(run: Run, step: int, out: Path, save: Callable[[Any], Path]) -> dict:
+    """One whole step: rows, the gradient step, the sync of the new cartridge."""
+    rows, info = step_rows(run, step)
+    if not rows:
+        raise CartridgeError(f"step {step + 1}: every answer was empty; raise --answer-tokens", field="answer_tokens")
+    rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), **info,
+                           answer_tokens=sum(len(r.answer_ids) for r in rows))
+    t0 = time.perf_counter()
+    cart = run.trainer.cache.cartridge()
+    save(cart)
+    run.sampler.sync(cart)
+    rec["sync_s"] = time.perf_counter() - t0
+    return rec
+
+
+class VerlSampler:
+    """Step 2 through veRL: its AgentLoopManager samples through the replica from `final serve`, which re-reads
+    the cartridge file each step (force_redownload); nothing to sync in memory."""
+
+    def __init__(self, rollout: Any):
+        self.rollout = rollout
+
+    def sync(self, cart: Any) -> None:
+        pass
+
+    def sample(self, convs: list[list[dict]], prompts: list[list[int]], n: int, seed: int,
+               cfg: DistillConfig) -> list[tuple[int, list[int], list[int]]]:
+        rows = self.rollout.sample(convs, n=n, seed=seed)
+        for r in rows:  # the one-token-stream rule: what the server put after the cartridge is what we train on
+            if r.prompt_ids != prompts[r.row]:
+                raise CartridgeError(f"the veRL rollout of question {r.row} saw other prompt tokens than the "
+                                     "student is trained on (a system turn after the cartridge?)", field="rollout")
+        return [(r.row, prompts[r.row], list(r.response_ids)) for r in rows]
+
+    def close(self) -> None:
+        self.rollout.close()
+
+
+def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, model: str, device: str = "cpu",
+            dtype: str = "auto", server: str | None = None, progress: bool = True,
+            on_step: Callable[[dict, TrainableKV], None] | None = None) -> list[dict]:
+    """Run (or resume) the loop for cfg.steps steps; the cartridge is at `out` after every step. Returns every
+    step's record (loss, forward_kl, reverse_kl, seconds per stage)."""
+    from tqdm import tqdm
+
+    from final.models import resolve_model_path
+
+    cfg.check()
+    out = Path(out)
+    tok = inference.tokenizer
+    doc = tok(text, add_special_tokens=False).input_ids
+    if not doc:
+        raise CartridgeError("document text is empty", field="text")
+    student = Student(resolve_model_path(model), device, dtype)
+    init = initial_ids(tok, text, cfg.tokens)
+    cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
+    trainer = Trainer(student, cache, cfg.lr, out.with_name(out.name + ".ckpt"),
+                      {**cfg.resume_key(), "model": model, "document": _digest(doc)}, loss=cfg.loss)
+    done = trainer.resume(cfg.steps)
+    save = _saver(out, model, text, cfg)
+    save(cache.cartridge())
+    sampler = _sampler(inference, out, cfg, model=model, dtype=dtype, server=server)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    try:
+        sampler.sync(cache.cartridge())
+        with ChunkContext(inference, system_text(text, cfg.synth.template), "__distill-teacher") as teacher:
+            run = Run(cfg, inference, doc, teacher, sampler, trainer, pad)
+            bar = tqdm(range(done, cfg.steps), desc="distill", unit="step", disable=not progress, initial=done,
+                       total=cfg.steps)
+            for step in bar:
+                rec = run_step(run, step, out, save)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
+                bar.write(_line(rec, cfg.steps))
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    trainer.save()
+                if on_step is not None:
+                    on_step(rec, cache)
+    finally:
+        sampler.close()
+    return trainer.history
+
+
+def _line(rec: dict, steps: int) -> str:
+    rev = "" if rec["reverse_kl"] is None else f" reverse_kl {rec['reverse_kl']:.4f}"
+    cost = " ".join(f"{k[:-2]} {rec[k]:.1f}s" for k in ("question_s", "rollout_s", "teacher_s", "gradient_s",
+                                                          "sync_s"))
+    return f"step {rec['step']}/{steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}{rev} | {cost}"
+
+
+def _sampler(inference: Any, out: Path, cfg: DistillConfig, *, model: str, dtype: str, server: str | None) -> Any:
+    if cfg.rollout == "engine":
+        return StudentSampler(inference, out, "__distill-student")
+    from final.distill.verl_rollout import VerlRollout
+
+    return VerlSampler(VerlRollout(model=model, cartridge=out, server=server, max_tokens=cfg.answer_tokens,
+                                   temperature=cfg.temperature, dtype=dtype))
+
+
+def _saver(out: Path, model: str, text: str, cfg: DistillConfig) -> Callable[[Any], Path]:
+    """Write the cartridge (atomically: save_cartridge renames a finished temp file) and its manifest."""
+    from final.cartridges.format import save_cartridge
+    from final.cartridges.manifest import CartridgeManifest
+
+    def save(cart: Any) -> Path:
+        path = save_cartridge(cart, out)
+        labels = {"format": "chat", "method": f"on-policy distillation ({cfg.loss})", "init": "prefix",
+                  "on_policy_fraction": str(cfg.on_policy_fraction)}
+        CartridgeManifest.describe(cart, path, cartridge_id=out.stem, model_id=model, labels=labels,
+                                   positions="after_prefix").write(path)
+        return path
+
+    return save
+
+
+def _digest(ids: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]

@@ -1,0 +1,78 @@
+"""Distillation losses on a cartridge's student, per target token, and the KL each reports.
+
+`forward_topk` is the cartridges repo's loss (`train.py`, loss_type="logits") and veRL 0.9's `forward_kl_topk`:
+-sum_k p_teacher(k) log q_student(k) over the teacher's top-k ids, not renormalised. Its value includes the
+teacher's entropy over those k, so the KL reported beside it is that cross-entropy minus the teacher's top-k
+entropy, sum_k p (log p - log q): 0 when the student equals the teacher on the top-k.
+
+The reverse forms need the token to be the student's own sample (on-policy rows); the teacher gives log p of it:
+- `reverse_k1`: Thinking Machines' on-policy distillation / a policy gradient with per-token advantage
+  -(log q - log p): the surrogate (log q - log p).detach() * log q has the gradient of KL(q || p) on the sample.
+- `reverse_k3`: veRL's `low_var_kl` (k3 = exp(log p - log q) - (log p - log q) - 1, backpropagated directly), the
+  only signal of the public on-policy cartridge trainer. Its reported KL is k3's value (>= 0, unbiased).
+Each step reports the forward top-k KL over every target (one figure that compares across losses and runs) and,
+on sampled tokens, the mean k1 = log q - log p, an unbiased estimate of KL(q || p) (negative on one token at times).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSSES = ("forward_topk", "reverse_k1", "reverse_k3")
+
+
+@dataclass
+class Targets:
+    """What the teacher said at N target positions (in row order): its top-k and, for sampled tokens, the token
+    and the teacher's logprob of it. `sampled` marks positions whose token the student itself sampled."""
+    top_ids: torch.Tensor  # [N, k]
+    top_logprobs: torch.Tensor  # [N, k]
+    token_ids: torch.Tensor  # [N]
+    token_logprobs: torch.Tensor  # [N] the teacher's log p of token_ids (0 where unknown: not sampled)
+    sampled: torch.Tensor  # [N] bool
+
+
+def forward_topk(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (loss, KL) of the top-k forward KL; logq [N, V] the student's log-probs."""
+    p = t.top_logprobs.exp()
+    ce = -(p * logq.gather(1, t.top_ids)).sum(-1)
+    entropy = -(p * t.top_logprobs).sum(-1)
+    return ce, (ce - entropy).detach()
+
+
+def reverse_k1(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    lq = logq.gather(1, t.token_ids[:, None])[:, 0]
+    k1 = lq - t.token_logprobs
+    return k1.detach() * lq, k1.detach()
+
+
+def reverse_k3(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    lq = logq.gather(1, t.token_ids[:, None])[:, 0]
+    r = t.token_logprobs - lq
+    k3 = r.exp() - r - 1
+    return k3, k3.detach()
+
+
+_FORMS = {"forward_topk": forward_topk, "reverse_k1": reverse_k1, "reverse_k3": reverse_k3}
+
+
+@dataclass
+class StepLoss:
+    loss: torch.Tensor  # the mean over target tokens, what backward() runs on
+    forward_kl: float  # mean top-k forward KL over every target (comparable across losses and runs)
+    reverse_kl: float | None  # mean k1 estimate of KL(student || teacher) on the student's own samples
+    targets: int
+
+
+def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
+    """`name` on the student's own samples, forward_topk everywhere else (a reverse KL estimated on a token the
+    student did not sample, e.g. a question the teacher wrote or an off-policy answer, has no meaning)."""
+    loss, kl = forward_topk(logq, t)
+    reverse = None
+    if bool(t.sampled.any()):
+        if name != "forward_topk":
+            loss = torch.where(t.sampled, _FORMS[name](logq, t)[0], loss)
+        reverse = float(reverse_k1(logq, t)[1][t.sampled].mean())
+    return StepLoss(loss.mean(), float(kl.mean()), reverse, int(loss.numel()))

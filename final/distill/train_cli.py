@@ -1,0 +1,237 @@
+"""`final cartridge synth | train | distill | eval`: the flags and handlers of the training commands (the
+`cartridge` command itself, with build/inspect/verify/convert, is final/distill/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+
+
+def open_engine(args: argparse.Namespace):
+    """The embedded engine (through InferenceEngine, the one composition root) and its tokenizer."""
+    from final.inf import local_engine
+
+    inference = local_engine(args.model, dtype=args.dtype)
+    return inference, inference.engine, inference.tokenizer
+
+
+def read_text(path: Path) -> str:
+    from final.errors import CartridgeError
+
+    if not path.is_file():
+        raise CartridgeError("text file does not exist", file=str(path), field="text")
+    return path.read_text()
+
+
+def chunk_range(value: str) -> tuple[int, int]:
+    """--chunk-tokens MIN-MAX (or one number for both)."""
+    lo, _, hi = value.partition("-")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX or N, got {value!r}") from None
+
+
+def _model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model path or builtin name (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default=dtype, help=f"model dtype (default {dtype}; auto: bf16 on CUDA, else fp32)")
+
+
+def _question_args(p: argparse.ArgumentParser, chunk: str, question_tokens: int) -> None:
+    p.add_argument("--chunk-tokens", type=chunk_range, default=chunk_range(chunk),
+                   help=f"each chunk's length, drawn in MIN-MAX (default {chunk}; the repo: 512-4096)")
+    p.add_argument("--question-tokens", type=int, default=question_tokens)
+    p.add_argument("--cot-probability", type=float, default=0.2,
+                   help="share of questions given a chain-of-thought instruction (default 0.2, the repo's)")
+    p.add_argument("--plain-system", action="store_true",
+                   help="the chunk alone in the system turn, not in the repo's system-prompt template")
+    p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
+    p.add_argument("--supervise", choices=("all", "answer"), default="all",
+                   help="targets: every token after the system turn (default, the repo's) or the answer's only")
+
+
+def register_training(sub: Any) -> None:
+    s = sub.add_parser("synth", help="self-study: synthesize conversations about a document (resumable JSONL)")
+    s.add_argument("--text", required=True, type=Path, help="document text file")
+    s.add_argument("--out", required=True, type=Path, help="JSONL to append to (rows already there are kept)")
+    s.add_argument("--config", help="InferenceEngine config (any backend); default: the local engine on --model")
+    s.add_argument("--count", type=int, default=64, help="conversations in the file when done (default 64)")
+    s.add_argument("--batch", type=int, default=16, help="conversations per chunk (default 16)")
+    _question_args(s, "512-2048", 128)
+    s.add_argument("--answer-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.6, help="question sampling temperature (default 0.6)")
+    s.add_argument("--answer-temperature", type=float, default=0.0, help="teacher temperature (default 0)")
+    s.add_argument("--seed", type=int, default=0, help="chunks, seed prompts and sampling (another seed: held-out)")
+    _model_args(s)
+    s.set_defaults(cartridge_func=_synth)
+
+    t = sub.add_parser("train", help="distil synthesized conversations into a trained cartridge (resumable)")
+    t.add_argument("--data", required=True, type=Path, help="JSONL from `final cartridge synth`")
+    t.add_argument("--text", required=True, type=Path, help="the document (its first P tokens initialise the KV)")
+    t.add_argument("--init-text", type=Path, help="initialise from this (unrelated) text's first P tokens instead")
+    t.add_argument("--tokens", required=True, type=int, help="P: the cartridge's length in tokens")
+    t.add_argument("--out", required=True, type=Path, help="output .pt (cartridges-repo layout) or .safetensors")
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--batch", type=int, default=4, help="conversations per step (default 4)")
+    t.add_argument("--lr", type=float, default=2e-2)
+    t.add_argument("--frozen-tokens", type=int, default=1, help="leading tokens kept fixed (default 1, the sink)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (OUT.ckpt)")
+    t.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    t.add_argument("--save-dtype", help="dtype of the saved tensors (default: the model's)")
+    t.add_argument("--id", help="cartridge id recorded in the manifest (default: the output file's stem)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _model_args(t, "auto")
+    t.set_defaults(cartridge_func=_train)
+    _register_distill(sub)
+
+    e = sub.add_parser("eval", help="KL of a trained cartridge to the full-document teacher on held-out questions")
+    e.add_argument("path", type=Path)
+    e.add_argument("--text", required=True, type=Path, help="the document the cartridge stands for")
+    e.add_argument("--data", required=True, type=Path, help="held-out JSONL from `final cartridge synth --seed N`")
+    e.add_argument("--train-data", type=Path, action="append", default=[],
+                   help="training JSONL: held-out rows asking one of its questions are dropped (repeatable)")
+    e.add_argument("--positions", choices=("after_prefix", "from_zero"),
+                   help="the cartridge's position convention (default: its manifest's or run config's)")
+    e.add_argument("--limit", type=int, help="use only the first N conversations")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    _model_args(e)
+    e.set_defaults(cartridge_func=_eval)
+
+
+def _register_distill(sub: Any) -> None:
+    d = sub.add_parser("distill", help="on-policy distillation: the student samples with the current cartridge, "
+                                       "final (the document as a cartridge) is the teacher (resumable)")
+    d.add_argument("--text", required=True, type=Path, help="the document the cartridge will stand for")
+    d.add_argument("--tokens", required=True, type=int, help="P: the cartridge's length in tokens")
+    d.add_argument("--out", required=True, type=Path, help="the cartridge, rewritten after every step (+ OUT.ckpt)")
+    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--questions", type=int, default=8, help="questions per step (default 8)")
+    d.add_argument("--n", type=int, default=1, help="student samples per question (default 1)")
+    d.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature")
+    d.add_argument("--answer-tokens", type=int, default=128)
+    d.add_argument("--loss", choices=("forward_topk", "reverse_k1", "reverse_k3"), default="forward_topk",
+                   help="on the student's own tokens (default forward_topk: see README for the measurement)")
+    d.add_argument("--on-policy-fraction", type=float, default=1.0,
+                   help="share of each step's questions the student answers; the rest the teacher (off-policy)")
+    d.add_argument("--lr", type=float, default=2e-2)
+    d.add_argument("--frozen-tokens", type=int, default=1)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--checkpoint-every", type=int, default=5)
+    d.add_argument("--rollout", choices=("engine", "verl"), default="engine",
+                   help="engine: sample in-process; verl: veRL's AgentLoopManager through the tokasaurus replica "
+                        "against `final serve` (started here unless --server)")
+    d.add_argument("--server", help="with --rollout verl: a running `final serve` URL that can read --out")
+    d.add_argument("--config", help="InferenceEngine config for the teacher and in-process rollouts (any backend)")
+    d.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    _question_args(d, "512-2048", 64)
+    _model_args(d)
+    d.set_defaults(cartridge_func=_distill)
+
+
+def _synth_config(args: argparse.Namespace, **kw: Any):
+    from final.distill.synth import SynthConfig
+
+    return SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
+                       question_tokens=args.question_tokens, top_k=args.top_k, cot_probability=args.cot_probability,
+                       supervise=args.supervise, template=None if args.plain_system else SynthConfig.template,
+                       **kw)
+
+
+def _inference(args: argparse.Namespace):
+    if args.config:
+        from final.inf import InferenceEngine
+
+        return InferenceEngine(args.config)
+    return open_engine(args)[0]
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from final.distill.synth import synthesize
+
+    text = read_text(args.text)
+    cfg = _synth_config(args, count=args.count, batch=args.batch, answer_tokens=args.answer_tokens,
+                        question_temperature=args.temperature, answer_temperature=args.answer_temperature,
+                        seed=args.seed)
+    cfg.check()
+    inference = _inference(args)
+    try:
+        written = synthesize(inference, text, args.out, cfg)
+    finally:
+        inference.shutdown()
+    print(f"wrote {written} conversations to {args.out} ({cfg.count} in all)")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from final.distill.train import TrainConfig, train_cartridge
+    from final.engine.engine import resolve_dtype
+
+    cfg = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr,
+                      frozen_tokens=args.frozen_tokens, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    save = resolve_dtype(args.save_dtype, torch.device("cpu")) if args.save_dtype else None
+    summary = train_cartridge(args.model, args.data, args.out, cfg, text=read_text(args.text),
+                              init_text=read_text(args.init_text) if args.init_text else None,
+                              device=args.device, dtype=args.dtype, save_dtype=save, cartridge_id=args.id,
+                              source_document=str(args.text), progress=not args.quiet)
+    print(f"wrote {summary['out']} ({summary['tokens']} tokens, {summary['bytes']} bytes): loss "
+          f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, KL {summary['first_kl']:.4f} -> "
+          f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} conversations")
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from final.distill.distill import DistillConfig, distill
+
+    text = read_text(args.text)
+    cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
+                        temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
+                        lr=args.lr, loss=args.loss, on_policy_fraction=args.on_policy_fraction,
+                        supervise=args.supervise, frozen_tokens=args.frozen_tokens, seed=args.seed,
+                        checkpoint_every=args.checkpoint_every, rollout=args.rollout,
+                        synth=_synth_config(args, seed=args.seed))
+    cfg.check()
+    inference = _inference(args)
+    try:
+        history = distill(inference, text, args.out, cfg, model=args.model, device=args.device, dtype=args.dtype,
+                          server=args.server, progress=not args.quiet)
+    finally:
+        inference.shutdown()
+    first, last = history[0], history[-1]
+    print(f"wrote {args.out} ({cfg.tokens} tokens): loss {first['loss']:.4f} -> {last['loss']:.4f}, KL "
+          f"{first['forward_kl']:.4f} -> {last['forward_kl']:.4f} over {len(history)} steps")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from final.cartridges.service import CartridgeService
+    from final.distill.convs import dedupe, read_conversations
+    from final.distill.evaluate import evaluate, table
+    from final.prompts import document_ids
+
+    text = read_text(args.text)
+    inference, engine, tok = open_engine(args)
+    try:
+        cart = CartridgeService(engine, inference.model_dir).read_served(args.path, positions=args.positions)
+        seen = [r.question for path in args.train_data for r in read_conversations(path, len(tok))]
+        convs = dedupe(read_conversations(args.data, len(tok)), seen)[:args.limit]
+        rows = evaluate(engine, tok, document_ids(tok, text), cart, convs)
+    finally:
+        inference.shutdown()
+    tokens = sum(len(c.answer_ids) for c in convs)
+    if args.json:
+        print(json.dumps({"conversations": len(convs), "answer_tokens": tokens,
+                          "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+    else:
+        print(f"{len(convs)} held-out conversations, {tokens} answer tokens")
+        print(table(rows))
+    return 0

@@ -1,0 +1,74 @@
+"""The optimizer side shared by `train` (off-policy) and `distill` (on-policy): Adam on a cartridge's trainable
+part, one step per batch, a record per step, and a checkpoint (cache, optimizer, records, settings) that a
+resumed run continues from. A checkpoint made with other settings is refused, not silently mixed, and so is a
+step budget below the steps it already holds (its cache would be saved under a smaller step count)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from final.errors import CartridgeError
+
+
+class Trainer:
+    def __init__(self, student: Any, cache: Any, lr: float, ckpt: Path, key: dict, loss: str = "forward_topk"):
+        self.student, self.cache, self.ckpt, self.key, self.loss = student, cache, Path(ckpt), key, loss
+        cache.to(student.device)
+        self.opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=lr)
+        self.history: list[dict] = []
+
+    def resume(self, steps: int) -> int:
+        """Load the checkpoint if there is one; returns the steps already done."""
+        if self.ckpt.is_file():
+            self.history = self._load()
+        if steps < len(self.history):
+            raise CartridgeError(f"the checkpoint already holds {len(self.history)} steps, more than the {steps} "
+                                 f"asked for; ask for at least {len(self.history)} or delete {self.ckpt}",
+                                 file=str(self.ckpt), field="steps")
+        return len(self.history)
+
+    def step(self, batch: Any, **extra: Any) -> dict:
+        """One Adam step on a batch (final.distill.train.Batch); returns and keeps its record."""
+        from final.distill.train import distill_loss
+
+        t0 = time.perf_counter()
+        out = distill_loss(self.student, self.cache, batch, self.loss)
+        if not torch.isfinite(out.loss):
+            raise CartridgeError(f"loss is {out.loss.item()} at step {len(self.history) + 1}; lower --lr",
+                                 field="lr")
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        self.opt.step()
+        rec = {"step": len(self.history) + 1, "loss": out.loss.item(), "forward_kl": out.forward_kl,
+               "reverse_kl": out.reverse_kl, "targets": out.targets, "gradient_s": time.perf_counter() - t0, **extra}
+        self.history.append(rec)
+        return rec
+
+    def save(self) -> None:
+        state = {"cache": {k: v.detach().cpu() for k, v in self.cache.state_dict().items()},
+                 "optimizer": self.opt.state_dict(), "history": list(self.history), "config": self.key}
+        tmp = self.ckpt.with_name(f".{self.ckpt.name}.tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.ckpt)
+
+    def _load(self) -> list[dict]:
+        path = self.ckpt
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            saved = state["config"]
+            if saved != self.key:
+                diff = sorted(k for k in set(saved) | set(self.key) if saved.get(k) != self.key.get(k))
+                raise CartridgeError(f"checkpoint was made with other settings ({', '.join(diff)}); delete it or "
+                                     "use the same settings", file=str(path), field="checkpoint")
+            self.cache.load_state_dict(state["cache"])
+            self.opt.load_state_dict(state["optimizer"])
+            return [dict(r) for r in state["history"]]
+        except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as exc:
+            if isinstance(exc, CartridgeError):
+                raise
+            raise CartridgeError(f"unreadable training checkpoint: {type(exc).__name__}: {str(exc)[:200]}",
+                                 file=str(path), field="checkpoint") from None

@@ -1,0 +1,201 @@
+"""`final cartridge distill` (the on-policy loop) and the faithfulness fixes of off-policy training (issue 27),
+on the tiny model: real engine, real HF student, real files; a few seconds each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cartridges_helpers import TINY
+from serve_helpers import DOC_A
+from final.distill.convs import Conversation, dedupe, read_conversations
+from final.distill.distill import DistillConfig, distill
+from final.distill.synth import SynthConfig, synthesize, system_text
+from final.distill.train import Student, TrainConfig, TrainableKV, distill_loss, make_batch, train_cartridge
+from final.errors import CartridgeError
+from final.models import resolve_model_path
+from final.prompts import document_ids
+
+SMALL = dict(batch=2, min_chunk_tokens=16, max_chunk_tokens=16, question_tokens=6, answer_tokens=6, top_k=5)
+QUICK = SynthConfig(min_chunk_tokens=16, max_chunk_tokens=24, question_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def inference():
+    from final.inf import local_engine
+
+    engine = local_engine(TINY, dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(inference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("synth") / "convs.jsonl"
+    synthesize(inference, DOC_A, path, SynthConfig(count=4, **SMALL), progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def student():
+    return Student(resolve_model_path(TINY))
+
+
+def test_a_cache_of_the_teachers_own_context_has_zero_kl_and_the_teachers_entropy_as_loss(inference, data,
+                                                                                          student):
+    """The reference a broken target would fail: a cartridge that *is* the teacher's context (the chunk in its
+    system turn) gives KL ~ 0, and the loss is the teacher's top-k entropy."""
+    tok = inference.tokenizer
+    row = read_conversations(data, len(tok))[0]
+    doc = tok(DOC_A, add_special_tokens=False).input_ids
+    ids = document_ids(tok, system_text(tok.decode(doc[row.chunk[0]:row.chunk[1]])))
+    cache = TrainableKV(*student.prefill(ids), frozen_tokens=1)
+    with torch.no_grad():
+        out = distill_loss(student, cache, make_batch([row], tok.pad_token_id, student.device))
+    p = torch.tensor(row.top_logprobs)
+    entropy = float(-(p.exp() * p).sum(-1).mean())
+    assert out.forward_kl == pytest.approx(0.0, abs=2e-4)
+    assert out.loss.item() == pytest.approx(entropy, abs=2e-4)
+    # and a cache of another text does not
+    other = TrainableKV(*student.prefill(document_ids(tok, "An unrelated note about tides.")), frozen_tokens=1)
+    with torch.no_grad():
+        assert distill_loss(student, other, make_batch([row], tok.pad_token_id, student.device)).forward_kl > 0.01
+
+
+def test_training_lowers_the_loss_on_the_same_batch(data, student, tmp_path):
+    from transformers import AutoTokenizer
+
+    from final.distill.train import initial_ids
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(TINY))
+    rows = read_conversations(data, student.vocab_size)
+    batch = make_batch(rows, tok.pad_token_id, student.device)
+    init = TrainableKV(*student.prefill(initial_ids(tok, DOC_A, 8)), frozen_tokens=1)
+    out = tmp_path / "c.pt"
+    summary = train_cartridge(TINY, data, out, TrainConfig(tokens=8, steps=6, batch=4, lr=5e-2), text=DOC_A,
+                              progress=False)
+    from final.cartridges.format import load_cartridge
+
+    cart = load_cartridge(out)
+    trained = TrainableKV(cart.keys, cart.values, frozen_tokens=1)
+    with torch.no_grad():
+        before, after = distill_loss(student, init, batch), distill_loss(student, trained, batch)
+    assert after.loss.item() < before.loss.item() and after.forward_kl < before.forward_kl
+    assert 0 <= summary["last_kl"] <= summary["last_loss"]  # the KL is the loss less the teacher's entropy
+
+
+def test_a_torn_last_line_is_cut_before_a_resume_appends(inference, tmp_path):
+    path = tmp_path / "c.jsonl"
+    synthesize(inference, DOC_A, path, SynthConfig(count=2, **SMALL), progress=False)
+    with open(path, "a") as fh:
+        fh.write('{"id": 2, "prompt_ids": [1, 2')  # a run killed mid-write
+    assert synthesize(inference, DOC_A, path, SynthConfig(count=4, **SMALL), progress=False) == 2
+    assert [r.id for r in read_conversations(path, len(inference.tokenizer))] == [0, 1, 2, 3]
+
+
+def test_steps_below_the_checkpoint_are_refused_not_saved_under_a_smaller_count(data, tmp_path):
+    cfg = dict(tokens=8, batch=2, lr=5e-2, checkpoint_every=1)
+    out = tmp_path / "c.pt"
+    train_cartridge(TINY, data, out, TrainConfig(steps=3, **cfg), text=DOC_A, progress=False)
+    before = out.read_bytes()
+    with pytest.raises(CartridgeError) as err:
+        train_cartridge(TINY, data, out, TrainConfig(steps=2, **cfg), text=DOC_A, progress=False)
+    assert err.value.field == "steps" and out.read_bytes() == before
+
+
+def test_eval_serves_a_from_zero_cartridge_in_its_convention(inference, data, tmp_path, capsys):
+    """The same tensors declared after_prefix and from_zero (manifest) score differently, as they are served."""
+    from final.cartridges.build import build_from_text
+    from final.cartridges.format import save_cartridge
+    from final.cartridges.manifest import CartridgeManifest
+    from final.distill.cli import main
+
+    tok = inference.tokenizer
+    cart = build_from_text(inference.engine, document_ids(tok, DOC_A)[:8])
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC_A)
+    rows = {}
+    for positions in ("after_prefix", "from_zero"):
+        path = save_cartridge(cart, tmp_path / positions / "c.pt")
+        CartridgeManifest.describe(cart, path, cartridge_id="c", model_id=TINY, positions=positions).write(path)
+        assert main(["cartridge", "eval", str(path), "--model", TINY, "--text", str(doc), "--data", str(data),
+                     "--json"]) == 0
+        rows[positions] = json.loads(capsys.readouterr().out)["rows"]
+    # after_prefix: the file is the document's first 8 tokens, served as they are
+    assert rows["after_prefix"][2]["kl"] == pytest.approx(rows["after_prefix"][1]["kl"], abs=1e-6)
+    # from_zero: the keys are rotated at load as serving does, so the same tensors score otherwise
+    assert abs(rows["from_zero"][2]["kl"] - rows["after_prefix"][2]["kl"]) > 1e-4
+
+
+def test_held_out_rows_are_deduplicated_against_training_questions():
+    row = lambda i, q: Conversation(i, [1, 2], [3], [[3]], [[0.0]], question=q)  # noqa: E731
+    kept = dedupe([row(0, "Who keeps  the light?"), row(1, "who keeps the light?"), row(2, "When?"),
+                   row(3, "What year?")], ["WHEN?"])
+    assert [r.id for r in kept] == [0, 3]
+
+
+def run_distill(inference, out, **kw):
+    cfg = DistillConfig(**{**dict(tokens=8, steps=2, questions=2, n=2, answer_tokens=6, top_k=5, lr=5e-2,
+                                  checkpoint_every=1, synth=QUICK), **kw})
+    return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False)
+
+
+def test_distill_steps_rewrite_the_cartridge_and_resume_the_same_run(inference, tmp_path):
+    from final.cartridges.format import load_cartridge
+
+    straight = run_distill(inference, tmp_path / "a.pt", steps=3)
+    assert [r["step"] for r in straight] == [1, 2, 3]
+    for r in straight:
+        assert r["reverse_kl"] is not None and r["forward_kl"] >= 0 and r["targets"] > 0
+        assert all(r[k] >= 0 for k in ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"))
+    resumed = tmp_path / "b.pt"
+    run_distill(inference, resumed, steps=2)
+    assert len(run_distill(inference, resumed, steps=3)) == 3
+    a, b = load_cartridge(tmp_path / "a.pt"), load_cartridge(resumed)
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    init = document_ids(inference.tokenizer, DOC_A)[:8]
+    assert not torch.allclose(a.keys[0][:, :, 1:], build(inference, init).keys[0][:, :, 1:])
+    # the student's cartridge is not left in the engine; the teacher's neither
+    assert not [c for c in inference.cartridge_ids() if c.startswith("__distill")]
+
+
+def build(inference, ids):
+    from final.cartridges.build import build_from_text
+
+    return build_from_text(inference.engine, ids)
+
+
+@pytest.mark.parametrize("loss", ["reverse_k1", "reverse_k3"])
+def test_reverse_losses_and_mixed_rows(inference, tmp_path, loss):
+    history = run_distill(inference, tmp_path / "c.pt", steps=1, questions=2, loss=loss, on_policy_fraction=0.5)
+    assert torch.isfinite(torch.tensor(history[0]["loss"])) and history[0]["reverse_kl"] is not None
+
+
+def test_off_policy_rows_only_have_no_reverse_kl(inference, tmp_path):
+    history = run_distill(inference, tmp_path / "c.pt", steps=1, on_policy_fraction=0.0)
+    assert history[0]["reverse_kl"] is None and history[0]["forward_kl"] >= 0
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(tokens=0), "tokens"), (dict(loss="kl"), "loss"), (dict(on_policy_fraction=1.5), "on_policy_fraction"),
+    (dict(temperature=0.0), "temperature"), (dict(rollout="vllm"), "rollout"), (dict(questions=0), "questions"),
+    (dict(tokens=4, frozen_tokens=4), "frozen_tokens"),
+])
+def test_bad_distill_settings_name_the_field(kw, field):
+    with pytest.raises(CartridgeError) as err:
+        DistillConfig(**{"tokens": 8, **kw}).check()
+    assert err.value.field == field
+
+
+def test_cli_distill(tmp_path, capsys):
+    from final.distill.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC_A)
+    out = tmp_path / "d.pt"
+    assert main(["cartridge", "distill", "--model", TINY, "--text", str(doc), "--tokens", "8", "--out", str(out),
+                 "--steps", "1", "--questions", "2", "--answer-tokens", "4", "--question-tokens", "4",
+                 "--chunk-tokens", "16-24", "--top-k", "4", "--quiet"]) == 0
+    assert "over 1 steps" in capsys.readouterr().out and out.is_file()
