@@ -99,13 +99,14 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
     """
     out: list[list[int] | None] = [None] * len(prompts)
     chats = []
+    vocab = len(tokenizer) if any(p.ids is not None for p in prompts) else 0  # once: see tokenize_continuations
     for i, p in enumerate(prompts):
         if after_cartridge is not None and after_cartridge[i] and p.ids is None:
             chat = p.messages is not None
             out[i] = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
         elif p.ids is not None:
-            if max(p.ids) >= len(tokenizer):
-                raise PromptError(f"token id {max(p.ids)} is outside the vocabulary of {len(tokenizer)}", i)
+            if max(p.ids) >= vocab:
+                raise PromptError(f"token id {max(p.ids)} is outside the vocabulary of {vocab}", i)
             out[i] = p.ids
         elif p.messages is not None:
             if getattr(tokenizer, "chat_template", None) is None:
@@ -132,15 +133,16 @@ def tokenize_continuations(continuations: Any, n_prompts: int, tokenizer: Any, m
     if not isinstance(items, (list, tuple)) or len(items) != n_prompts:
         raise PromptError(f"continuations must be one entry (text, token ids or None) per prompt ({n_prompts})")
     out = []
+    vocab = len(tokenizer)  # once: a fast tokenizer's len() asks the Rust side for the vocabulary (~1 ms or more)
     for i, c in enumerate(items):
         if c is None:
             ids = []
         elif isinstance(c, str) and c:
             ids = tokenizer(c, add_special_tokens=False)["input_ids"]
-        elif _is_ids(c) and all(0 <= t < len(tokenizer) for t in c):
+        elif _is_ids(c) and all(0 <= t < vocab for t in c):
             ids = list(c)
         else:
-            raise PromptError(f"continuation must be non-empty text, token ids in [0, {len(tokenizer)}) or None, "
+            raise PromptError(f"continuation must be non-empty text, token ids in [0, {vocab}) or None, "
                               f"got {c!r:.80}", i)
         if len(ids) > max_tokens:
             raise PromptError(f"continuation has {len(ids)} tokens, over rollout.response_length={max_tokens}", i)
