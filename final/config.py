@@ -27,17 +27,14 @@ import yaml
 from final.compat import check_mode
 from final.errors import ConfigError
 from final.sampling import Limits
-from final.protocol.bodies import (CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_CARTRIDGE_KEYS,
-                                   check_cartridge_sources)
+from final.protocol.bodies import check_cartridge_sources
+from final.protocol.cartridge_spec import check_cartridge_specs
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
 TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
              "replicas", "ray_address", "cartridge_sources")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
-# a config's spec: the wire's plus a local path and pinning (the wire's `positions` is ours too: see bodies.py)
-CARTRIDGE_KEYS = tuple(dict.fromkeys(WIRE_CARTRIDGE_KEYS + ("positions", "path", "pin")))
-REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str}
 LOCAL_QUANTIZATIONS = ("int8",)  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
@@ -370,48 +367,3 @@ def _describe(hint: Any) -> str:
 
 def _check_cartridges(value: Any, path: str | None) -> list[dict]:
     return check_cartridge_specs(value, path)
-
-
-def check_cartridge_specs(value: Any, path: str | None, where: str = "cartridges",
-                          keys: tuple[str, ...] = CARTRIDGE_KEYS, fill_defaults: bool = True) -> list[dict]:
-    """A list of cartridge specs ({id, source, force_redownload, ...}) in a config, each key checked.
-
-    fill_defaults adds source=local and force_redownload=false; without it specs are kept as written (the
-    tokasaurus backend sends them on, and Tokasaurus has defaults of its own)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ConfigError(f"must be a list of {{{', '.join(keys)}}}", key=where, path=path)
-    out = [check_cartridge_spec(item, f"{where}[{i}]", keys, path=path) for i, item in enumerate(value)]
-    return [{"source": "local", "force_redownload": False, **item} for item in out] if fill_defaults else out
-
-
-def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str | None = None,
-                         request: bool = False) -> dict:
-    """One cartridge spec: the rules of the config, the tokasaurus backend and requests (CartridgeService).
-    A config's spec needs an id; a request's may give a path instead. Errors: ConfigError naming the key path,
-    or for a request (request=True) CartridgeError naming the field."""
-    from final.errors import CartridgeError
-
-    def error(message: str, key: str) -> Exception:
-        return CartridgeError(message, field=key) if request else ConfigError(message, key=key, path=path)
-
-    if not isinstance(item, dict):
-        raise error(f"must be a mapping with id and source, got {type(item).__name__}", at)
-    for key in item:
-        if key not in keys:
-            near = difflib.get_close_matches(str(key), list(keys), n=1)
-            raise error(f"unknown key; {f'did you mean {near[0]!r}?' if near else 'valid keys: ' + ', '.join(keys)}",
-                        f"{at}.{key}")
-    for key in ("id", "path"):
-        if item.get(key) is not None and (not isinstance(item[key], str) or not item[key]):
-            raise error("must be a non-empty string", f"{at}.{key}")
-    if not item.get("id") and not (request and item.get("path")):
-        raise error("is required (a non-empty string)", f"{at}.id")
-    for key, choices in (("source", CARTRIDGE_SOURCES), ("positions", CARTRIDGE_POSITIONS)):
-        if key in item and item[key] not in choices:
-            raise error(f"must be one of {', '.join(choices)}, got {item[key]!r}", f"{at}.{key}")
-    for key in ("force_redownload", "pin", "allow_nonfinite"):
-        if key in item and not isinstance(item[key], bool):
-            raise error(f"must be true or false, got {item[key]!r}", f"{at}.{key}")
-    return dict(item)

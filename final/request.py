@@ -18,6 +18,7 @@ from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
 from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY, Score, scores_of
 from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
                            tokenize_continuations)
+from final.protocol.cartridge_spec import REQUEST_CARTRIDGE_KEYS, check_cartridge_name, check_cartridge_spec
 from final.sampling import Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
 
 
@@ -170,11 +171,12 @@ def _tools_kwargs(items: list[Prompt], parsed: Sampling, tools_kwargs: Any, tool
 
 def _check_cartridges(request: Request, rules: CallRules) -> None:
     """Unknown ids and malformed specs are refused now; specs are loaded when the call runs."""
-    from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
-
     refs = request.cartridge_refs()
     if not refs:
         return
+    for ref in refs:  # an id is a name too: refused as the spec's would be (and never quoted whole)
+        if isinstance(ref, str):
+            check_cartridge_name(ref, "cartridge")
     specs = [r for r in refs if isinstance(r, Mapping)]
     if specs and rules.cartridge_ids() is None:
         raise CartridgeError(f"the {rules.backend} backend loads no cartridges from requests; name the ids of its "

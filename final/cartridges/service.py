@@ -24,8 +24,8 @@ from final.cartridges.manifest import (MANIFEST_SUFFIX, ModelShape, check_matche
 from final.cartridges.positions import DEFAULT_POSITIONS, check_positions, detect_positions, to_after_prefix
 from final.cartridges.sources import Fetched, fetch
 from final.cartridges.store import CartridgeStore, StoreMetrics
-from final.config import REQUEST_CARTRIDGE_KEYS, check_cartridge_spec
 from final.errors import CartridgeError, CartridgeSourceError
+from final.protocol.cartridge_spec import REQUEST_CARTRIDGE_KEYS, check_cartridge_name, check_cartridge_spec
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class CartridgeService:
         cid = id or path
         if not isinstance(cid, str) or not cid:
             raise CartridgeError("needs an id or a path", field="id")
+        check_cartridge_name(cid, "id" if id else "path")  # before a name meets the filesystem or a download
+        if id and path is not None:
+            check_cartridge_name(path, "path")
         if positions is not None:
             check_positions(positions, file=cid)
         with self._load_lock:

@@ -25,11 +25,11 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from final.config import check_cartridge_specs
 from final.engine.messages import Submission
 from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, PromptError, SamplingError,
                           UnsupportedError)
 from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
+from final.protocol.cartridge_spec import check_cartridge_specs
 from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RetryPolicy, apost_json
 from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities

@@ -71,8 +71,9 @@ def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
         status, code = {"disabled": (403, "cartridge_source_disabled"), "timeout": (504, "cartridge_source_timeout")
                         }.get(exc.reason, (502, "cartridge_source_unreachable"))
         return APIError(status, message, param="cartridges", code=code)
-    if isinstance(exc, CartridgeError):
-        return APIError(400, message, param="cartridges", code="invalid_cartridge")
+    if isinstance(exc, CartridgeError):  # a <cartridge> block's error names the system message it is in
+        param = "messages" if (exc.field or "").startswith("messages") else "cartridges"
+        return APIError(400, message, param=param, code="invalid_cartridge")
     if isinstance(exc, ConfigError):
         return APIError(400, message, param=exc.key, code="invalid_config")
     return APIError(400, message, code=type(exc).__name__)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError
 from final.protocol.bodies import (Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest, CompletionsRequest,
                                    GenerateRequest)
+from final.protocol.cartridge_spec import MAX_PART_BYTES, REQUEST_CARTRIDGE_KEYS, check_cartridge_spec, shown
 from final.request import Request
 from final.sampling import check_params
 
@@ -150,16 +151,18 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
     return out
 
 
-# Tokasaurus' (geoff/cartridges, server/utils.py process_request) cartridge block in a system message
-CARTRIDGE_BLOCK = re.compile(r"<cartridge>\s*(\{.*?\})\s*</cartridge>", re.DOTALL)
+# Tokasaurus' (geoff/cartridges, server/utils.py process_request) cartridge block in a system message. Whatever
+# stands between the tags is the block, so an empty one or one holding a list is refused, not left in the text.
+CARTRIDGE_BLOCK = re.compile(r"<cartridge>(.*?)</cartridge>", re.DOTALL)
 
 
 def system_cartridges(req: Any) -> Any:
     """A chat body whose system messages hold `<cartridge>{"id": ..., "source": ...}</cartridge>` blocks, as
     Tokasaurus' branch reads them on every chat route: the blocks become the request's cartridges and leave the
-    message (blank lines squeezed as it does). Unlike Tokasaurus, a bad block is a 400 (it skips it with a
-    warning), a system message left empty is dropped (the cartridge stands for the document's system turn), and
-    blocks together with a `cartridges` field are refused (it would drop the field's)."""
+    message (blank lines squeezed as it does). Unlike Tokasaurus, a bad block (empty, not one JSON object, a
+    wrong field or a name final.protocol.cartridge_spec refuses) is a 400 (it skips it with a warning), a system
+    message left empty is dropped (the cartridge stands for the document's system turn), and blocks together with
+    a `cartridges` field are refused (it would drop the field's)."""
     if not isinstance(req, ChatCompletionRequest):
         return req
     found: list[Cartridge] = []
@@ -170,13 +173,7 @@ def system_cartridges(req: Any) -> Any:
         if message.get("role") != "system" or not isinstance(content, str) or "<cartridge>" not in content:
             messages.append(message)
             continue
-        for block in CARTRIDGE_BLOCK.findall(content):
-            try:
-                found.append(Cartridge.model_validate_json(block))
-            except ValidationError as exc:
-                first = exc.errors(include_url=False)[0]
-                raise CartridgeError(f"<cartridge> block {block[:80]!r}: {first['msg']}",
-                                     field=f"messages[{j}].content") from None
+        found.extend(_block_cartridge(block, f"messages[{j}].content") for block in CARTRIDGE_BLOCK.findall(content))
         cleaned = re.sub(r"\n\s*\n\s*\n", "\n\n", CARTRIDGE_BLOCK.sub("", content).strip())
         if cleaned:
             messages.append({**message, "content": cleaned})
@@ -190,6 +187,21 @@ def system_cartridges(req: Any) -> Any:
     return CartridgeChatCompletionRequest.model_construct(**{**dict(req), "messages": messages, "cartridges": found})
 
 
+def _block_cartridge(block: str, field: str) -> Cartridge:
+    """One <cartridge> block: a JSON object of the wire's Cartridge fields whose names pass the one name check."""
+    text = block.strip()
+    if not text.startswith("{"):
+        raise CartridgeError(f"<cartridge> block {shown(text)} must hold one JSON object "
+                             '{"id": ..., "source": ...}', field=field)
+    try:
+        cart = Cartridge.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise CartridgeError(f"<cartridge> block {shown(text, 80)}: {first['msg']}", field=field) from None
+    check_cartridge_spec(cart.model_dump(exclude_none=True), field, REQUEST_CARTRIDGE_KEYS, request=True)
+    return cart
+
+
 def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | None,
                     sources: tuple[str, ...] = ("local",)) -> list[dict | str] | None:
     """The request's cartridges as specs to load. HTTP clients may load local files only from --cartridge-dir,
@@ -200,8 +212,10 @@ def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | No
     without a path, a cartridge evicted between this check and the load would be read from the id as a path.
     loaded=None: this server holds no cartridges (InferenceEngine refuses the specs)."""
     specs: list[dict | str] = []
-    for spec in getattr(req, "cartridges", None) or []:
-        out = spec.model_dump(exclude_none=True)
+    for i, spec in enumerate(getattr(req, "cartridges", None) or []):
+        # every name is checked before it meets the filesystem: a NUL or a 5,000-character id is a 400, not a 500
+        out = check_cartridge_spec(spec.model_dump(exclude_none=True), f"cartridges[{i}]", REQUEST_CARTRIDGE_KEYS,
+                                   request=True)
         if loaded is not None and spec.source != "local":
             if spec.id in loaded and not spec.force_redownload:
                 out = spec.id  # resident: no download, whichever sources are allowed
@@ -210,7 +224,7 @@ def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | No
         elif loaded is not None and "local" not in sources:
             raise _disabled(spec, sources, "this server loads no local cartridge files")
         elif loaded is not None:
-            path = _local_under(cartridge_dir, spec.id)
+            path = _local_under(cartridge_dir, spec.id, f"cartridges[{i}].id")
             if path is not None:
                 out["path"] = str(path)  # resident: served from memory; evicted meanwhile: reloaded from here
             elif spec.id in loaded and not spec.force_redownload:
@@ -231,20 +245,28 @@ def _disabled(spec: Cartridge, sources: tuple[str, ...], what: str) -> Cartridge
                                 file=spec.id, source=spec.source, reason="disabled")
 
 
-def _local_under(folder: Path | None, name: str) -> Path | None:
+def _local_under(folder: Path | None, name: str, field: str = "id") -> Path | None:
     """A local id under --cartridge-dir: the file or folder it names, else Tokasaurus' folder for it
     (./cartridges/<sanitized id>/). A folder's cartridge file (cartridge.pt, cache_last.pt...) must resolve
-    inside the folder too, so a symlink in it cannot lead out."""
+    inside the folder too, so a symlink in it cannot lead out. A lookup the OS refuses (a folder on the way the
+    server may not read; a symlink loop, which pathlib raises as RuntimeError) is the client's CartridgeError
+    naming `field`, not a 500."""
     from final.cartridges.sources import folder_file, sanitize_cartridge_id
 
-    path = _under(folder, name)
-    if path is not None and not path.exists():
-        toka = _under(folder, sanitize_cartridge_id(name))
-        path = toka if toka is not None and toka.is_dir() else path
-    if path is not None and path.is_dir():
-        inner = folder_file(path)
-        return _under(folder, str(inner)) if inner is not None else path
-    return path
+    try:
+        path = _under(folder, name)
+        toka_name = sanitize_cartridge_id(name)  # slashes become '-': a long id may make a name no folder can have
+        if path is not None and not path.exists() and len(toka_name.encode()) <= MAX_PART_BYTES:
+            toka = _under(folder, toka_name)
+            path = toka if toka is not None and toka.is_dir() else path
+        if path is not None and path.is_dir():
+            inner = folder_file(path)
+            return _under(folder, str(inner)) if inner is not None else path
+        return path
+    except (OSError, RuntimeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise CartridgeError(f"cannot be looked up under --cartridge-dir: {why}", file=shown(name),
+                             field=field) from None
 
 
 def _under(folder: Path | None, name: str) -> Path | None:
