@@ -71,8 +71,21 @@ def main() -> int:
         print("|---|---:|---:|---:|---:|")
         for r in res["rows"]:
             print(f"| {r['condition']} | {r['prefix_tokens']} | {r['kl']:.4f} | {r['top1']:.3f} | {r['kv_bytes']:,} |")
-    print("\nwall seconds:", json.dumps({k: round(v, 1) for k, v in times.items()}))
+    print(cost_table(times, args))
     return 0
+
+
+def cost_table(times: dict[str, float], args: argparse.Namespace) -> str:
+    """The per-stage cost table bench/RESULTS.md shows, as measured by this run (a resumed stage that had
+    nothing left to do shows its short time, not the original one)."""
+    what = {"synth_train": f"{args.train_count} conversations", "synth_heldout": f"{args.heldout_count} conversations"}
+    for p in args.tokens:
+        what[f"train_p{p}"] = f"{args.steps} steps x {args.batch} conversations"
+        what[f"eval_p{p}"] = f"{args.heldout_count} conversations x 3 forwards, 1 prefill of the document"
+    lines = ["\n| stage | what | wall time |", "|---|---|---:|"]
+    lines += [f"| {stage} | {what.get(stage, '')} | {sec / 60:.1f} min |" for stage, sec in times.items()]
+    lines.append(f"| total | | {sum(times.values()) / 60:.1f} min |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
