@@ -96,7 +96,9 @@ def tokasaurus_body(ids: list[int], params: dict, cartridges: list[dict]) -> dic
     body: dict[str, Any] = {"model": "default", "prompt": list(ids), "max_tokens": params["max_new_tokens"],
                             "temperature": params.get("temperature", 1.0), "top_p": params.get("top_p", 1.0),
                             "n": 1, "logprobs_in_fingerprint": True}
-    for key in ("seed", "presence_penalty", "frequency_penalty"):
+    if params.get("seed") is not None:  # seed 0 is a seed (row 0 of a call seeded 0)
+        body["seed"] = params["seed"]
+    for key in ("presence_penalty", "frequency_penalty"):
         if params.get(key):  # Tokasaurus refuses non-zero penalties; leave them out unless asked for
             body[key] = params[key]
     stop = params.get("stop")
