@@ -52,10 +52,12 @@ class TokasaurusSettings:
     retry_delay: float = 2.0
 
     @classmethod
-    def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom") -> "TokasaurusSettings":
+    def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom",
+                    also: tuple[str, ...] = ()) -> "TokasaurusSettings":
         """`where`: the block's key path in error messages (final's config and veRL 0.9: rollout.custom; veRL
-        0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py)."""
-        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay"}
+        0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py); `also`: keys of the block
+        that the caller reads itself (the veRL replica's cartridge_replaces_system_turn)."""
+        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay", *also}
         for key in custom:
             if key not in known:
                 raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(known))}", key=f"{where}.{key}",
