@@ -23,12 +23,14 @@ priority. 0.9.1's `rollout.seed` (default 42) seeds a server, not a row: its vLL
 a replica replica_rank + seed (verl/workers/rollout/vllm_rollout/vllm_async_server.py:627); 0.6.0 has no such key,
 and neither reaches a replica's generate(). What veRL does give an agent loop is every non-tensor column of its
 row (0.6.0 agent_loop.py:471, 0.9.1 :645), and it picks the loop by the row's `agent_name` among those named in
-`rollout.agent.agent_loop_config_path` (0.6.0 agent_loop.py:396-400 and :497, 0.9.1 :534-539 and :682). So `sample` names SeededSingleTurnAgentLoop there: veRL's SingleTurnAgentLoop
-with the row's `seed` column added to its sampling params. Row r of a call (prompt-major: conversation r // n)
-samples with seed + r, the rule of InferenceEngine.generate(conversations, n=n, seed=seed) (final.sampling.row_seed),
-and `final serve`'s embedded engine draws each row with its own generator, whatever else is in the batch: the same
-seed gives the same samples (and logprobs within 1e-4) as in-process generation with the same cartridge file
-(tests/test_distill_verl.py). A greedy row draws nothing, so its seed is dropped (final/server/prepare.py).
+`rollout.agent.agent_loop_config_path` (0.6.0 agent_loop.py:396-400 and :497, 0.9.1 :534-539 and :682). So
+`sample` names SeededSingleTurnAgentLoop there: veRL's SingleTurnAgentLoop with the row's `seed` column added to
+its sampling params. Row r of a call (prompt-major: conversation r // n) samples with seed + r, the rule of
+InferenceEngine.generate(conversations, n=n, seed=seed) (final.sampling.row_seed), and `final serve`'s embedded
+engine draws each row with its own generator, whatever else is in the batch: the same seed gives the same samples
+(and logprobs within 1e-4) as in-process generation with the same cartridge file (tests/test_distill_verl.py). A
+greedy row draws nothing, so its seed is dropped (final/server/prepare.py). A server whose engine refuses per-request
+seeds (final serve on the sglang backend: SGLang 0.5.2 has none) answers such rows with an error.
 """
 
 from __future__ import annotations
@@ -200,10 +202,10 @@ class VerlRollout:
         import_external_libs(modules)  # what verl/__init__.py does when the variable is set before `import verl`
         if ray.is_initialized():
             return
-        root = str(Path(sys.modules["final"].__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the folder that holds this `final` package
         path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
         env = {"VERL_USE_EXTERNAL_MODULES": ",".join(modules), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
-        # each AgentLoopWorker (and 0.6.0's reward worker beside it) holds a CPU while alive
+        # Ray places each AgentLoopWorker on a CPU, and 0.6.0's reward worker beside it holds one while alive
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2 * num_workers), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
         self._own_ray = True
@@ -223,8 +225,8 @@ class VerlRollout:
                 f"actor_rollout_ref.model.path={self.model_dir}", f"{rollout}.name=tokasaurus", f"{rollout}.mode=async",
                 f"{rollout}.tensor_model_parallel_size=1", f"{rollout}.prompt_length={self.max_prompt_tokens}",
                 f"{rollout}.response_length={max_tokens}", f"{rollout}.temperature={float(temperature)}",
-                f"{rollout}.top_p={float(top_p)}", f"{rollout}.val_kwargs.temperature=0", f"{rollout}.val_kwargs.top_p=1.0",
-                f"{rollout}.calculate_log_probs=true",
+                f"{rollout}.top_p={float(top_p)}", f"{rollout}.calculate_log_probs=true",
+                f"{rollout}.val_kwargs.temperature=0", f"{rollout}.val_kwargs.top_p=1.0",  # sample(greedy=True)
                 f"{rollout}.free_cache_engine=false", f"{rollout}.agent.num_workers={num_workers}",
                 f"{rollout}.agent.agent_loop_config_path={loops}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
                 *STANDALONE_OVERRIDES])
