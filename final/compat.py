@@ -12,6 +12,9 @@ What differs between them and is read here, so that no other module asks for a v
 - veRL 0.9 removed `rollout.mode: sync` (its RolloutConfig raises): `ROLLOUT_MODES` / `check_mode`.
 - veRL 0.9 removed the in-process SGLangRollout, and pins SGLang 0.5.12 instead of 0.5.2: `SGLANG_ROLLOUT`,
   `SGLANG_PIN`.
+- veRL's standalone agent loop (AgentLoopManager without a trainer's worker group): 0.6.0's manager starts the
+  rollout replicas itself, 0.9.1's takes the client of an LLMServerManager that started them, and 0.9.1 counts the
+  rollout's own nodes (`rollout.nnodes`, 0 = hybrid): `standalone_agent_loop`, `STANDALONE_OVERRIDES`.
 - transformers 5 dropped `default` from HF's RoPE init table (cartridge position conversion): `rope_init_functions`.
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
   rebuilds as a SentencePiece-style tokenizer over SmolLM2's byte-level BPE: prompts tokenize wrong and output
@@ -89,6 +92,25 @@ MULTI_TURN_UNSERVED: tuple[str, ...] = (
 def unserved_multi_turn(mt: Any) -> str | None:
     """The first field of MULTI_TURN_UNSERVED set in veRL's MultiTurnConfig `mt`, else None."""
     return next((name for name in MULTI_TURN_UNSERVED if getattr(mt, name, None)), None)
+
+
+# hydra overrides of veRL's ppo_trainer.yaml that a standalone AgentLoopManager needs on this lane
+STANDALONE_OVERRIDES: tuple[str, ...] = () if LANE == "verl06" else ("actor_rollout_ref.rollout.nnodes=1",)
+
+
+def standalone_agent_loop(config: Any) -> tuple[Any, list[Any]]:
+    """veRL's AgentLoopManager in standalone mode over the trainer config `config` (with STANDALONE_OVERRIDES),
+    built as this lane's trainer builds it, and the rollout replicas it generates through (whose `servers` are
+    the Ray actors behind them)."""
+    from verl.experimental.agent_loop import AgentLoopManager
+
+    if LANE == "verl06":
+        manager = AgentLoopManager(config)
+        return manager, list(manager.rollout_replicas)
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    servers = LLMServerManager.create(config)
+    return AgentLoopManager.create(config, servers.get_client()), list(servers.get_replicas())
 
 
 def rope_init_functions() -> dict:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from final.compat import chat_ids
 from final.errors import CartridgeError, PromptError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -188,6 +189,29 @@ def continuation_ids(tokenizer: Any, messages: str | list[dict], chat: bool = Tr
         messages = [{"role": "user", "content": messages}]
     _, rest = _split_chat(tokenizer, messages)
     return tokenizer(rest, add_special_tokens=False).input_ids
+
+
+def default_system_ids(tokenizer: Any) -> list[int]:
+    """The ids a chat template renders before a conversation that has no system turn of its own (its default
+    system turn, e.g. SmolLM2's "You are a helpful AI assistant named SmolLM...", and a BOS if the template writes
+    one); [] when it renders nothing there. A cartridge stands for the system turn, so what follows a cartridge is
+    a rendered conversation without these ids: `after_system_turn(chat_ids(...), default_system_ids(...))` equals
+    continuation_ids(...) for a conversation that has no system turn (veRL's agent loop renders the former)."""
+    probe = [{"role": "user", "content": "x"}]
+    full = chat_ids(tokenizer, probe, add_generation_prompt=True)
+    rest = continuation_ids(tokenizer, probe)
+    if len(full) < len(rest) or full[len(full) - len(rest):] != rest:
+        raise CartridgeError("the chat template does not render a conversation as its default system turn followed "
+                             "by what follows a cartridge (continuation_ids)", field="chat_template")
+    return full[:len(full) - len(rest)]
+
+
+def after_system_turn(ids: Sequence[int], system_ids: Sequence[int]) -> list[int]:
+    """`ids` without its leading default system turn (default_system_ids); ids that start otherwise (a system
+    turn of the conversation's own, which continuation_ids keeps too) are returned as they are."""
+    ids = [int(i) for i in ids]
+    n = len(system_ids)
+    return ids[n:] if n and ids[:n] == list(system_ids) else ids
 
 
 def build_dataproto(prompt_ids: list[list[int]], prompts: list[Prompt], pad_token_id: int,

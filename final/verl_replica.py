@@ -16,12 +16,23 @@ or by one line in the trainer's entry point: `import final.verl_replica`.
          logprobs_in_fingerprint and the configured cartridges (final/protocol/: bodies, fingerprint, retries)
       -> TokenOutput(token_ids, log_probs)
 
-Settings (seed 000's block: tokasaurus_url, cartridges, max_retries, base_timeout, retry_delay) come from
+Settings (seed 000's block: tokasaurus_url, cartridges, max_retries, base_timeout, retry_delay, and ours:
+cartridge_replaces_system_turn) come from
 `rollout.custom` where veRL has that field (0.9.x: seed 000's config verbatim) and otherwise from
 `rollout.engine_kwargs.tokasaurus` (0.6.0): engine_kwargs is 0.6.0's free-form per-backend dict (vllm: {},
 sglang: {} beside it), it travels inside RolloutConfig to every replica and actor, and hydra takes it as an
 override (`+actor_rollout_ref.rollout.engine_kwargs.tokasaurus.tokasaurus_url=...`). `agent.custom_async_server`
 is not a settings block: it names a server class ({path, name}).
+
+One token stream with a cartridge: veRL's agent loops render the whole chat template, so a conversation without a
+system turn of its own reaches the replica as `[template's default system turn] + conversation` (SmolLM2: "You are a
+helpful AI assistant named SmolLM..."), while a cartridge stands for the system turn: final's InferenceEngine,
+cartridge training (final.prompts.continuation_ids) and the cartridges repo put the conversation right after it.
+`cartridge_replaces_system_turn` (default true) makes the replica drop that leading default system turn
+(final.prompts.default_system_ids, from veRL's tokenizer of `model.path` and `model.custom_chat_template`) before
+the ids go to the server whenever cartridges are configured, so the server sees exactly continuation_ids(...).
+A conversation's own system turn is kept (continuation_ids keeps it too), and so is every id of the rollout that
+veRL records (`prompts` in its DataProto still start with the default system turn). false: the ids go as rendered.
 
 The base model behind the server is frozen (only the cartridge is trained), so there are no weights to sync:
 wake_up/sleep are no-ops in every mode. A cartridge being trained is rewritten at the same path between steps
@@ -40,7 +51,7 @@ from verl.single_controller.ray import RayClassWithInitArgs
 from verl.workers.rollout import base as worker_rollouts
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from final.errors import ConfigError, UnsupportedError
+from final.errors import CartridgeError, ConfigError, UnsupportedError
 
 if TYPE_CHECKING:
     from final.rollout.tokasaurus import TokasaurusSettings
@@ -48,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME = "tokasaurus"
+SYSTEM_TURN = "cartridge_replaces_system_turn"  # the replica's own key in seed 000's block (see above)
 # veRL 0.9's TokenOutput adds stop_reason ('completed' | 'aborted'); 0.6.0's has only ids and logprobs
 _STOP_REASON = {"stop": "completed", "length": "completed", "abort": "aborted"}
 
@@ -56,13 +68,9 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
-def replica_settings(config: Any) -> "TokasaurusSettings":
-    """Seed 000's settings from a RolloutConfig: `custom` (veRL >= 0.9) or `engine_kwargs.tokasaurus` (0.6.0).
-
-    Raises ConfigError naming the key when the block is not a mapping, both are set, or a value is wrong."""
-    # final's rollout code loads on first use, not at import: `import verl` itself imports this module (the hook)
-    from final.rollout.tokasaurus import TokasaurusSettings
-
+def _settings_block(config: Any) -> tuple[dict, str]:
+    """Seed 000's block from a RolloutConfig and its key path: `custom` (veRL >= 0.9) or `engine_kwargs.tokasaurus`
+    (0.6.0). Raises ConfigError naming the key when the block is not a mapping or both are set."""
     custom = _plain(config.custom) if "custom" in type(config).__dataclass_fields__ else None
     engine = _plain((_plain(config.engine_kwargs) or {}).get(NAME))
     if custom and engine:
@@ -73,7 +81,41 @@ def replica_settings(config: Any) -> "TokasaurusSettings":
     if not isinstance(block, dict):
         raise ConfigError(f"must be a mapping of tokasaurus_url, cartridges, ..., got {type(block).__name__}",
                           key=where)
-    return TokasaurusSettings.from_custom(block, where=where)
+    return block, where
+
+
+def replica_settings(config: Any) -> "TokasaurusSettings":
+    """Seed 000's settings from a RolloutConfig (ConfigError naming the key when a value is wrong)."""
+    # final's rollout code loads on first use, not at import: `import verl` itself imports this module (the hook)
+    from final.rollout.tokasaurus import TokasaurusSettings
+
+    block, where = _settings_block(config)
+    return TokasaurusSettings.from_custom(block, where=where, also=(SYSTEM_TURN,))
+
+
+def system_turn_ids(config: Any, model_config: Any, settings: "TokasaurusSettings") -> list[int]:
+    """The leading ids the replica drops before the server sees a prompt: the chat template's default system turn
+    when cartridges are configured and cartridge_replaces_system_turn is true (its default), else none."""
+    block, where = _settings_block(config)
+    replaces = block.get(SYSTEM_TURN, True)
+    if not isinstance(replaces, bool):
+        raise ConfigError(f"must be true or false, got {replaces!r}", key=f"{where}.{SYSTEM_TURN}")
+    if not replaces or not settings.cartridges:
+        return []
+    from verl.utils import hf_tokenizer
+    from verl.utils.fs import copy_to_local
+
+    from final.prompts import default_system_ids
+
+    # the tokenizer and template veRL's AgentLoopWorker renders prompts with
+    tokenizer = hf_tokenizer(copy_to_local(model_config.path), trust_remote_code=model_config.trust_remote_code)
+    if model_config.custom_chat_template is not None:
+        tokenizer.chat_template = model_config.custom_chat_template
+    try:
+        return default_system_ids(tokenizer)
+    except CartridgeError as exc:
+        raise ConfigError(f"{exc}: set it to false to send prompts as veRL renders them",
+                          key=f"{where}.{SYSTEM_TURN}") from exc
 
 
 @ray.remote(num_cpus=0, num_gpus=0)  # it waits on HTTP: holding a CPU would starve veRL's workers on a small node
@@ -81,10 +123,12 @@ class TokasaurusHttpServer:
     """Seed 000's TokasaurusHttpServer: veRL's token-in-token-out server handle, over HTTP to Tokasaurus (or
     `final serve`). The HTTP client runs on its own loop thread (TokasaurusEngine), so generate calls overlap."""
 
-    def __init__(self, config: Any, settings: "TokasaurusSettings", rollout_mode: RolloutMode, replica_rank: int):
+    def __init__(self, config: Any, settings: "TokasaurusSettings", rollout_mode: RolloutMode, replica_rank: int,
+                 system_turn: tuple[int, ...] = ()):
         from final.rollout.tokasaurus import TokasaurusEngine
 
         self.config = config
+        self.system_turn = list(system_turn)  # dropped from the front of each prompt (cartridge_replaces_system_turn)
         self.rollout_mode = rollout_mode
         self.replica_rank = replica_rank
         # like veRL's SGLang server: the longest sequence is prompt_length + response_length
@@ -97,6 +141,9 @@ class TokasaurusHttpServer:
         given = sorted(k for k, v in {"image_data": image_data, **multimodal}.items() if v is not None)
         if given:
             raise UnsupportedError(NAME, given[0], "Tokasaurus' completions endpoint takes token ids only")
+        from final.prompts import after_system_turn
+
+        prompt_ids = after_system_turn(prompt_ids, self.system_turn)
         params = dict(sampling_params)
         want_logprobs = bool(params.pop("logprobs", False))
         params["max_new_tokens"] = min(self.config.response_length, self.max_model_len - len(prompt_ids) - 1)
@@ -147,10 +194,12 @@ class TokasaurusReplica(RolloutReplica):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.settings = replica_settings(self.config)  # a wrong key fails here, in the driver, before any actor
+        self.system_turn = system_turn_ids(self.config, self.model_config, self.settings)
 
     def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
         return RayClassWithInitArgs(cls=TokasaurusHttpServer, config=self.config, settings=self.settings,
-                                    rollout_mode=self.rollout_mode, replica_rank=self.replica_rank)
+                                    rollout_mode=self.rollout_mode, replica_rank=self.replica_rank,
+                                    system_turn=tuple(self.system_turn))
 
     async def init_standalone(self) -> None:
         self.rollout_mode = RolloutMode.STANDALONE

@@ -52,10 +52,12 @@ class TokasaurusSettings:
     retry_delay: float = 2.0
 
     @classmethod
-    def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom") -> "TokasaurusSettings":
+    def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom",
+                    also: tuple[str, ...] = ()) -> "TokasaurusSettings":
         """`where`: the block's key path in error messages (final's config and veRL 0.9: rollout.custom; veRL
-        0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py)."""
-        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay"}
+        0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py); `also`: keys of the block
+        that the caller reads itself (the veRL replica's cartridge_replaces_system_turn)."""
+        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay", *also}
         for key in custom:
             if key not in known:
                 raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(known))}", key=f"{where}.{key}",
@@ -96,7 +98,9 @@ def tokasaurus_body(ids: list[int], params: dict, cartridges: list[dict]) -> dic
     body: dict[str, Any] = {"model": "default", "prompt": list(ids), "max_tokens": params["max_new_tokens"],
                             "temperature": params.get("temperature", 1.0), "top_p": params.get("top_p", 1.0),
                             "n": 1, "logprobs_in_fingerprint": True}
-    for key in ("seed", "presence_penalty", "frequency_penalty"):
+    if params.get("seed") is not None:  # seed 0 is a seed (row 0 of a call seeded 0)
+        body["seed"] = params["seed"]
+    for key in ("presence_penalty", "frequency_penalty"):
         if params.get(key):  # Tokasaurus refuses non-zero penalties; leave them out unless asked for
             body[key] = params[key]
     stop = params.get("stop")
