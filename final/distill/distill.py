@@ -139,6 +139,7 @@ def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
     t1 = time.perf_counter()
     m = cfg.on_policy_rows()
     samples = run.sampler.sample(convs[:m], prompts[:m], cfg.n, seed + 1, cfg) if m else []
+    drawn = [a for _, _, a in samples]  # the student's own samples, kept in the step's record
     if m < len(prompts):  # off-policy rows: the teacher answers greedily
         answers = run.teacher.generate(prompts[m:], temperature=0.0, max_tokens=cfg.answer_tokens)
         samples += [(m + i, prompts[m + i], list(a)) for i, a in enumerate(answers.token_ids)]
@@ -147,7 +148,7 @@ def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
     rows = [_row(q, prompt, answer, tops, lps, q < m, questions[q], plan.kinds[q], plan.window, cfg)
             for (q, prompt, answer), (tops, lps) in zip(samples, scored) if answer]
     info = {"question_s": t1 - t0, "rollout_s": t2 - t1, "teacher_s": time.perf_counter() - t2,
-            "questions": questions}
+            "questions": questions, "samples": drawn}
     return rows, info
 
 
