@@ -18,24 +18,9 @@ from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids
 
-SMALL = dict(batch=2, min_chunk_tokens=16, max_chunk_tokens=16, question_tokens=6, answer_tokens=6, top_k=5)
+from test_cartridges_train import SMALL, data, inference  # noqa: F401  (the same module fixtures, one rule)
+
 QUICK = SynthConfig(min_chunk_tokens=16, max_chunk_tokens=24, question_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def inference():
-    from final.inf import local_engine
-
-    engine = local_engine(TINY, dtype="float32")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def data(inference, tmp_path_factory):
-    path = tmp_path_factory.mktemp("synth") / "convs.jsonl"
-    synthesize(inference, DOC_A, path, SynthConfig(count=4, **SMALL), progress=False)
-    return path
 
 
 @pytest.fixture(scope="module")
