@@ -53,6 +53,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
+                        updates=args.updates, lr=args.lr, temperature=args.temperature,
                         seed=args.seed, checkpoint_every=args.steps,
                         synth=SynthConfig(min_chunk_tokens=512, max_chunk_tokens=2048, question_tokens=64))
     points, clock, seen = [], {"train_s": 0.0}, []
@@ -83,6 +84,9 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--loss", default="forward_topk")
+    ap.add_argument("--updates", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=2e-2)
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--modes", default="on,mixed,off")
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--heldout", type=int, default=12)

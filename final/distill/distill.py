@@ -51,6 +51,7 @@ class DistillConfig:
     answer_tokens: int = 128
     top_k: int = 20
     lr: float = 2e-2
+    updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
     loss: str = "forward_topk"
     on_policy_fraction: float = 1.0
     supervise: str = "all"  # "all": every token after the system turn (the repo's); "answer": the answer's only
@@ -62,7 +63,7 @@ class DistillConfig:
                                                                    question_tokens=64))
 
     def check(self) -> None:
-        for key in ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every"):
+        for key in ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every", "updates"):
             if getattr(self, key) < 1:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
         if not 0 <= self.frozen_tokens < self.tokens:
@@ -166,7 +167,7 @@ def run_step(run: Run, step: int, out: Path, save: Callable[[Any], Path]) -> dic
     rows, info = step_rows(run, step)
     if not rows:
         raise CartridgeError(f"step {step + 1}: every answer was empty; raise --answer-tokens", field="answer_tokens")
-    rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), **info,
+    rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), run.cfg.updates, **info,
                            answer_tokens=sum(len(r.answer_ids) for r in rows))
     t0 = time.perf_counter()
     cart = run.trainer.cache.cartridge()

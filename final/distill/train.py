@@ -4,7 +4,8 @@ The student is the frozen model plus a trainable KV prefix of p tokens (post-RoP
 [1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on every target token of the rows
 (final.distill.convs: every token after the system turn, as the repo, or the answer's only), to match the
 teacher's top-k distribution (final.distill.losses; the KL to the teacher is reported beside the loss). Adam
-updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). Positions: the conversation starts at p, as final serves a cartridge ("after_prefix").
+updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). Positions: the conversation
+starts at p, as final serves a cartridge ("after_prefix").
 
 The model is HF transformers' (autograd, the same weights the engine loads); the prefix is handed to it as a
 DynamicCache whose tensors are the trainable parameters, so gradients reach them. One code path for CPU and CUDA:

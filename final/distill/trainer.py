@@ -31,20 +31,25 @@ class Trainer:
                                  file=str(self.ckpt), field="steps")
         return len(self.history)
 
-    def step(self, batch: Any, **extra: Any) -> dict:
-        """One Adam step on a batch (final.distill.train.Batch); returns and keeps its record."""
+    def step(self, batch: Any, updates: int = 1, **extra: Any) -> dict:
+        """`updates` Adam steps on one batch (final.distill.train.Batch); returns and keeps the step's record. Its
+        loss and KL are the first update's: the batch as it came, before the cartridge learned from it."""
         from final.distill.train import distill_loss
 
         t0 = time.perf_counter()
-        out = distill_loss(self.student, self.cache, batch, self.loss)
-        if not torch.isfinite(out.loss):
-            raise CartridgeError(f"loss is {out.loss.item()} at step {len(self.history) + 1}; lower --lr",
-                                 field="lr")
-        self.opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        self.opt.step()
-        rec = {"step": len(self.history) + 1, "loss": out.loss.item(), "forward_kl": out.forward_kl,
-               "reverse_kl": out.reverse_kl, "targets": out.targets, "gradient_s": time.perf_counter() - t0, **extra}
+        first = None
+        for _ in range(updates):
+            out = distill_loss(self.student, self.cache, batch, self.loss)
+            if not torch.isfinite(out.loss):
+                raise CartridgeError(f"loss is {out.loss.item()} at step {len(self.history) + 1}; lower --lr",
+                                     field="lr")
+            self.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            self.opt.step()
+            first = first or out
+        rec = {"step": len(self.history) + 1, "loss": first.loss.item(), "forward_kl": first.forward_kl,
+               "reverse_kl": first.reverse_kl, "targets": first.targets, "gradient_s": time.perf_counter() - t0,
+               **extra}
         self.history.append(rec)
         return rec
 
