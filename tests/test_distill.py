@@ -158,6 +158,18 @@ def test_reverse_losses_and_mixed_rows(inference, tmp_path, loss):
     assert torch.isfinite(torch.tensor(history[0]["loss"])) and history[0]["reverse_kl"] is not None
 
 
+def test_more_updates_per_step_move_the_cartridge_further_on_the_same_rows(inference, tmp_path):
+    from final.cartridges.format import load_cartridge
+
+    init = build(inference, document_ids(inference.tokenizer, DOC_A)[:8])
+    one, four = tmp_path / "one.pt", tmp_path / "four.pt"
+    a = run_distill(inference, one, steps=1, on_policy_fraction=0.0)
+    b = run_distill(inference, four, steps=1, on_policy_fraction=0.0, updates=4)
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], abs=1e-5)  # the record is the rows as they came
+    moved = [float((c.keys[0][:, :, 1:] - init.keys[0][:, :, 1:]).norm()) for c in map(load_cartridge, (one, four))]
+    assert moved[1] > moved[0] > 0
+
+
 def test_off_policy_rows_only_have_no_reverse_kl(inference, tmp_path):
     history = run_distill(inference, tmp_path / "c.pt", steps=1, on_policy_fraction=0.0)
     assert history[0]["reverse_kl"] is None and history[0]["forward_kl"] >= 0
