@@ -196,3 +196,27 @@ def test_cli_distill(tmp_path, capsys):
                  "--steps", "1", "--questions", "2", "--answer-tokens", "4", "--question-tokens", "4",
                  "--chunk-tokens", "16-24", "--top-k", "4", "--quiet"]) == 0
     assert "over 1 steps" in capsys.readouterr().out and out.is_file()
+
+
+def test_the_training_benches_print_the_tables_results_md_shows():
+    """bench/RESULTS.md's per-stage cost table and KL-vs-time table are what the reproduce commands print."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    args = argparse.Namespace(train_count=48, heldout_count=12, tokens=[64], steps=24, batch=4)
+    cost = load("cartridge_train").cost_table({"synth_train": 570.0, "train_p64": 1098.0, "eval_p64": 120.0}, args)
+    assert "| stage | what | wall time |" in cost and "| train_p64 | 24 steps x 4 conversations | 18.3 min |" in cost
+    assert cost.strip().endswith("| total | | 29.8 min |")
+    args = argparse.Namespace(tokens=64, questions=8)
+    point = {"step": 10, "wall_s": 379.8, "no document": 0.2719, "first_p": 0.1727, "cartridge": 0.1665}
+    kl = load("cartridge_distill").report({"off": {"points": [point], "step_cost_s": dict.fromkeys(
+        ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"), 1.0)}}, args)
+    assert "| off | 10 | 379.8 | 0.2719 | 0.1727 | 0.1665 | 0.96x |" in kl
