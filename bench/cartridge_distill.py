@@ -50,6 +50,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
     from final.distill.convs import dedupe
     from final.distill.distill import DistillConfig, distill
     from final.distill.synth import SynthConfig
+    from final.distill.train import checkpoint_path
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
@@ -67,7 +68,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
             print(f"[{mode}] step {rec['step']}: {json.dumps(points[-1])}", flush=True)
 
     out = work / f"{mode}-p{args.tokens}.pt"
-    for stale in (out, out.with_name(out.name + ".ckpt")):
+    for stale in (out, checkpoint_path(out)):
         stale.unlink(missing_ok=True)
     history = distill(inference, text, out, cfg, model=args.model, dtype="float32", progress=False, on_step=on_step)
     stages = ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s")

@@ -29,7 +29,7 @@ class Prompt:
     ids: list[int] | None = None
 
 
-def _is_ids(x: Any) -> bool:
+def is_ids(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
@@ -39,7 +39,7 @@ def _is_conversation(x: Any) -> bool:
 
 def prompt_items(prompts: Any) -> list:
     """One prompt or a batch -> the list of prompts, each still in its accepted shape (not validated)."""
-    if isinstance(prompts, (str, dict)) or _is_ids(prompts) or _is_conversation(prompts):
+    if isinstance(prompts, (str, dict)) or is_ids(prompts) or _is_conversation(prompts):
         items = [prompts]
     elif isinstance(prompts, (list, tuple)):
         items = list(prompts)
@@ -63,7 +63,7 @@ def _normalize_one(item: Any, index: int, raw: bool) -> Prompt:
         return Prompt(text=item) if raw else Prompt(messages=[{"role": "user", "content": item}])
     if isinstance(item, dict):
         item = [item]
-    if _is_ids(item):
+    if is_ids(item):
         if any(t < 0 for t in item):
             raise PromptError("token ids must be >= 0", index)
         return Prompt(ids=list(item))
@@ -129,7 +129,7 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
 def tokenize_continuations(continuations: Any, n_prompts: int, tokenizer: Any, max_tokens: int) -> list[list[int]]:
     """Scoring: one continuation per prompt (text, token ids, or None for none; one prompt may take it bare).
     Text is encoded without special tokens, as lm-eval encodes a continuation: it goes right after the prompt."""
-    one = isinstance(continuations, str) or _is_ids(continuations)
+    one = isinstance(continuations, str) or is_ids(continuations)
     items = [continuations] if one and n_prompts == 1 else continuations
     if not isinstance(items, (list, tuple)) or len(items) != n_prompts:
         raise PromptError(f"continuations must be one entry (text, token ids or None) per prompt ({n_prompts})")
@@ -140,7 +140,7 @@ def tokenize_continuations(continuations: Any, n_prompts: int, tokenizer: Any, m
             ids = []
         elif isinstance(c, str) and c:
             ids = tokenizer(c, add_special_tokens=False)["input_ids"]
-        elif _is_ids(c) and all(0 <= t < vocab for t in c):
+        elif is_ids(c) and all(0 <= t < vocab for t in c):
             ids = list(c)
         else:
             raise PromptError(f"continuation must be non-empty text, token ids in [0, {vocab}) or None, "

@@ -33,7 +33,8 @@ from typing import Any, Callable
 from final.distill.convs import Conversation
 from final.distill.losses import LOSSES
 from final.distill.synth import ChunkContext, SynthConfig, ask, plan_batch, system_text
-from final.distill.train import Student, TrainableKV, initial_ids, make_batch
+from final.distill.train import (Student, TrainableKV, check_training, checkpoint_path, digest, initial_ids,
+                                 make_batch)
 from final.distill.trainer import Trainer
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -63,14 +64,9 @@ class DistillConfig:
                                                                    question_tokens=64))
 
     def check(self) -> None:
-        for key in ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every", "updates"):
-            if getattr(self, key) < 1:
-                raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
-        if not 0 <= self.frozen_tokens < self.tokens:
-            raise CartridgeError(f"must be in [0, tokens={self.tokens}), got {self.frozen_tokens}",
-                                 field="frozen_tokens")
-        for key, ok in (("lr", self.lr > 0 and math.isfinite(self.lr)),
-                        ("temperature", self.temperature > 0 and math.isfinite(self.temperature)),
+        check_training(self, ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every",
+                              "updates"))
+        for key, ok in (("temperature", self.temperature > 0 and math.isfinite(self.temperature)),
                         ("on_policy_fraction", 0 <= self.on_policy_fraction <= 1)):
             if not ok:
                 raise CartridgeError(f"out of range: {getattr(self, key)}", field=key)
@@ -162,7 +158,7 @@ def _row(q: int, prompt: list[int], answer: list[int], tops: list, lps: list[flo
                         sampled, lps)
 
 
-def run_step(run: Run, step: int, out: Path, save: Callable[[Any], Path]) -> dict:
+def run_step(run: Run, step: int, save: Callable[[Any], Path]) -> dict:
     """One whole step: rows, the gradient step, the sync of the new cartridge."""
     rows, info = step_rows(run, step)
     if not rows:
@@ -218,21 +214,22 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
     student = Student(resolve_model_path(model), device, dtype)
     init = initial_ids(tok, text, cfg.tokens)
     cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
-    trainer = Trainer(student, cache, cfg.lr, out.with_name(out.name + ".ckpt"),
-                      {**cfg.resume_key(), "model": model, "document": _digest(doc)}, loss=cfg.loss)
+    trainer = Trainer(student, cache, cfg.lr, checkpoint_path(out),
+                      {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=cfg.loss)
     done = trainer.resume(cfg.steps)
-    save = _saver(out, model, text, cfg)
-    save(cache.cartridge())
+    save = _saver(out, model, cfg)
+    start = cache.cartridge()
+    save(start)
     sampler = _sampler(inference, out, cfg, model=model, dtype=dtype, server=server)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     try:
-        sampler.sync(cache.cartridge())
+        sampler.sync(start)
         with ChunkContext(inference, system_text(text, cfg.synth.template), "__distill-teacher") as teacher:
             run = Run(cfg, inference, doc, teacher, sampler, trainer, pad)
             bar = tqdm(range(done, cfg.steps), desc="distill", unit="step", disable=not progress, initial=done,
                        total=cfg.steps)
             for step in bar:
-                rec = run_step(run, step, out, save)
+                rec = run_step(run, step, save)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
                 bar.write(_line(rec, cfg.steps))
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -260,7 +257,7 @@ def _sampler(inference: Any, out: Path, cfg: DistillConfig, *, model: str, dtype
                                    temperature=cfg.temperature, dtype=dtype))
 
 
-def _saver(out: Path, model: str, text: str, cfg: DistillConfig) -> Callable[[Any], Path]:
+def _saver(out: Path, model: str, cfg: DistillConfig) -> Callable[[Any], Path]:
     """Write the cartridge (atomically: save_cartridge renames a finished temp file) and its manifest."""
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
@@ -274,9 +271,3 @@ def _saver(out: Path, model: str, text: str, cfg: DistillConfig) -> Callable[[An
         return path
 
     return save
-
-
-def _digest(ids: list[int]) -> str:
-    import hashlib
-
-    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]

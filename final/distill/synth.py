@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from final.distill.convs import Conversation, append, done_ids
 from final.errors import CartridgeError
-from final.prompts import continuation_ids, document_ids
+from final.prompts import continuation_ids, document_ids, is_ids
 
 # The cartridges repo's SYSTEM_PROMPT_TEMPLATE (synthesizers/self_study.py): the teacher's view of a chunk.
 SYSTEM_TEMPLATE = (
@@ -217,7 +217,7 @@ class ChunkContext:
         if self.loaded:
             return self.inference.generate(prompts, cartridge=self.cid, **sampling)
         tok = self.inference.tokenizer
-        ids = [self.head + (p if _is_ids(p) else continuation_ids(tok, p)) for p in prompts]
+        ids = [self.head + (p if is_ids(p) else continuation_ids(tok, p)) for p in prompts]
         return self.inference.generate(ids, **sampling)
 
     def teacher_scores(self, prompts: list[list[int]], answers: list[list[int]],
@@ -237,7 +237,3 @@ class ChunkContext:
         if self.loaded:
             self.inference.cartridges.unpin(self.cid)
             self.inference.unload_cartridge(self.cid)
-
-
-def _is_ids(prompt: Any) -> bool:
-    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)

@@ -43,14 +43,19 @@ class TrainConfig:
     checkpoint_every: int = 10
 
     def check(self) -> None:
-        for key in ("tokens", "steps", "batch", "checkpoint_every"):
-            if getattr(self, key) < 1:
-                raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
-        if not 0 <= self.frozen_tokens < self.tokens:
-            raise CartridgeError(f"must be in [0, tokens={self.tokens}), got {self.frozen_tokens}",
-                                 field="frozen_tokens")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise CartridgeError(f"must be a positive number, got {self.lr}", field="lr")
+        check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
+
+
+def check_training(cfg: object, counts: Sequence[str]) -> None:
+    """The settings every cartridge training shares (train and distill): counts >= 1, the frozen part inside the
+    cache, a positive finite lr."""
+    for key in counts:
+        if getattr(cfg, key) < 1:
+            raise CartridgeError(f"must be at least 1, got {getattr(cfg, key)}", field=key)
+    if not 0 <= cfg.frozen_tokens < cfg.tokens:
+        raise CartridgeError(f"must be in [0, tokens={cfg.tokens}), got {cfg.frozen_tokens}", field="frozen_tokens")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise CartridgeError(f"must be a positive number, got {cfg.lr}", field="lr")
 
 
 class Student:
@@ -142,10 +147,9 @@ def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device)
         tokens += [row[start + j] for j in keep]
         token_lps += [c.token_logprobs[j] if c.token_logprobs else 0.0 for j in keep]
         sampled += [c.sampled and start + j >= len(c.prompt_ids) for j in keep]
-    t = Targets(torch.tensor(top_ids, dtype=torch.long), torch.tensor(top_lps, dtype=torch.float32),
-                torch.tensor(tokens, dtype=torch.long), torch.tensor(token_lps, dtype=torch.float32),
-                torch.tensor(sampled, dtype=torch.bool))
-    t = Targets(*(x.to(device) for x in (t.top_ids, t.top_logprobs, t.token_ids, t.token_logprobs, t.sampled)))
+    t = Targets(*(torch.tensor(x, dtype=d, device=device) for x, d in (
+        (top_ids, torch.long), (top_lps, torch.float32), (tokens, torch.long), (token_lps, torch.float32),
+        (sampled, torch.bool))))
     return Batch(ids.to(device), where.to(device), t)
 
 
@@ -196,7 +200,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     return trainer.history
 
 
-def _digest(ids: Sequence[int]) -> str:
+def digest(ids: Sequence[int]) -> str:
+    """A short fingerprint of token ids (what a checkpoint must match to be resumed)."""
     import hashlib
 
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
@@ -242,7 +247,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     from final.cartridges.manifest import sha256_file
 
-    identity = {"model": model, "data_sha256": sha256_file(data), "init": _digest(init)}
+    identity = {"model": model, "data_sha256": sha256_file(data), "init": digest(init)}
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity)
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)

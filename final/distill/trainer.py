@@ -46,7 +46,8 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             out.loss.backward()
             self.opt.step()
-            first = first or out
+            if first is None:
+                first = out
         rec = {"step": len(self.history) + 1, "loss": first.loss.item(), "forward_kl": first.forward_kl,
                "reverse_kl": first.reverse_kl, "targets": first.targets, "gradient_s": time.perf_counter() - t0,
                **extra}
