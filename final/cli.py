@@ -67,13 +67,19 @@ def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
     return engine
 
 
+def load_cartridges(engine: "InferenceEngine", names: list[str] | None) -> list[str] | None:
+    """A command's --cartridge values (ids, or files loaded here under their path as id), in order, for
+    generate(cartridge=...); None when there are none."""
+    for cid in names or []:
+        if os.path.isfile(cid):
+            engine.load_cartridge(path=cid)
+    return list(names) if names else None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"model_path": args.model} if args.model else {}
     with open_engine(args, **overrides) as engine:
-        for cid in args.cartridge or []:  # a cartridge file given by path is loaded under that path as its id
-            if os.path.isfile(cid):
-                engine.load_cartridge(path=cid)
-        out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=args.cartridge or None,
+        out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=load_cartridges(engine, args.cartridge),
                               progress=False, **sampling_from_args(args))
     if args.json:
         print(json.dumps({"completions": out.completions, "metadata": out.metadata}))

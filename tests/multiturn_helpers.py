@@ -192,3 +192,40 @@ def _objects(items: list) -> np.ndarray:
     arr = np.empty(len(items), dtype=object)
     arr[:] = items
     return arr
+
+
+# ---- a tool-use cartridge on the tool model (final cartridge traces + train) ------------------------------------
+TOOL_PROBLEMS = [("Ann has 3 pens and buys 4 more. How many pens?", "3 + 4 = <<3+4=7>>7 pens.\n#### 7")]
+
+
+def write_gsm8k(path: Path, problems: list[tuple[str, str]] = TOOL_PROBLEMS) -> Path:
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in problems))
+    return path
+
+
+def tool_config(model: str, tools: Path, **rollout: Any) -> dict:
+    """An InferenceEngine config: the embedded engine on `model`, multi-turn with `tools`."""
+    return {"model_path": model, "progress": False,
+            "rollout": {"name": "local", "prompt_length": 512, "response_length": 128, "calculate_log_probs": False,
+                        "multi_turn": {"enable": True, "tool_config_path": str(tools), "max_assistant_turns": 3,
+                                       "tokenization_sanity_check_mode": "disable"}, **rollout}}
+
+
+def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path]:
+    """`final cartridge traces` + `train` on TOOL_PROBLEMS: a 32-token cartridge that makes the random tool model
+    write the reference turns (300 Adam steps at lr 0.2 reach every target greedily; the random model needs a
+    high rate). One torch thread: on two cores the tiny model's ops are faster without OpenMP regions."""
+    from final.config import load_config
+    from final.distill.traces import build_traces
+    from final.distill.train import TrainConfig, train_cartridge
+
+    data = write_gsm8k(tmp / "gsm8k.jsonl")
+    build_traces(load_config(tool_config(model, tools)), data, tmp / "traces.jsonl", progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_cartridge(model, tmp / "traces.jsonl", tmp / "tooluse.pt",
+                        TrainConfig(tokens=32, steps=300, batch=1, lr=0.2), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return tmp / "tooluse.pt", data

@@ -224,11 +224,27 @@ def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[i
     return ids[:tokens]
 
 
-def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str,
+def _init_ids(tok, convs: Sequence[Conversation], tokens: int, text: str | None,
+              init_text: str | None) -> tuple[list[int], str]:
+    """The KV's initial tokens and what they are (the manifest's `init` label)."""
+    if init_text is not None:
+        return initial_ids(tok, init_text, tokens, "init_text"), "text"
+    if text is not None:
+        return initial_ids(tok, text, tokens, "text"), "prefix"
+    ids = convs[0].ids
+    if len(ids) < tokens:
+        raise CartridgeError(f"the first conversation has {len(ids)} tokens, fewer than the {tokens} the cartridge "
+                             "needs: give --text or --init-text", field="tokens")
+    return ids[:tokens], "data"
+
+
+def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str | None = None,
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
                     source_document: str | None = None, progress: bool = True) -> dict:
-    """synth's conversations -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt."""
+    """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
+    The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
+    conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under)."""
     from transformers import AutoTokenizer
 
     from final.distill.convs import read_conversations
@@ -241,8 +257,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path, device, dtype)
     convs = read_conversations(data, student.vocab_size)
-    init = initial_ids(tok, init_text if init_text is not None else text, cfg.tokens,
-                       "init_text" if init_text is not None else "text")
+    init, init_kind = _init_ids(tok, convs, cfg.tokens, text, init_text)
     cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     from final.cartridges.manifest import sha256_file
@@ -251,8 +266,8 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity)
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
-    labels = {"format": "chat", "method": "self-study distillation",
-              "init": "text" if init_text is not None else "prefix", "steps": str(cfg.steps),
+    labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
+              "init": init_kind, "steps": str(cfg.steps),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
                                           source_document=source_document, labels=labels,

@@ -70,8 +70,10 @@ def register_training(sub: Any) -> None:
     s.set_defaults(cartridge_func=_synth)
 
     t = sub.add_parser("train", help="distil synthesized conversations into a trained cartridge (resumable)")
-    t.add_argument("--data", required=True, type=Path, help="JSONL from `final cartridge synth`")
-    t.add_argument("--text", required=True, type=Path, help="the document (its first P tokens initialise the KV)")
+    t.add_argument("--data", required=True, type=Path,
+                   help="JSONL from `final cartridge synth` (teacher top-k) or `traces` (hard targets)")
+    t.add_argument("--text", type=Path, help="the document (its first P tokens initialise the KV; default: the "
+                                             "first conversation's first P tokens)")
     t.add_argument("--init-text", type=Path, help="initialise from this (unrelated) text's first P tokens instead")
     t.add_argument("--tokens", required=True, type=int, help="P: the cartridge's length in tokens")
     t.add_argument("--out", required=True, type=Path, help="output .pt (cartridges-repo layout) or .safetensors")
@@ -88,6 +90,7 @@ def register_training(sub: Any) -> None:
     _model_args(t, "auto")
     t.set_defaults(cartridge_func=_train)
     _register_distill(sub)
+    _register_traces(sub)
 
     e = sub.add_parser("eval", help="KL of a trained cartridge to the full-document teacher on held-out questions")
     e.add_argument("path", type=Path)
@@ -135,6 +138,38 @@ def _register_distill(sub: Any) -> None:
     d.set_defaults(cartridge_func=_distill)
 
 
+def _register_traces(sub: Any) -> None:
+    r = sub.add_parser("traces", help="tool-use conversations: GSM8K problems played through the multi-turn path "
+                                      "with the real tools (hard targets for `train`)")
+    r.add_argument("--gsm8k", required=True, type=Path, help="GSM8K JSONL (question, answer ending '#### N')")
+    r.add_argument("--tools", required=True, type=Path, help="tools.yaml with the calc_gsm8k_reward tool")
+    r.add_argument("--out", required=True, type=Path, help="JSONL to write (must not exist)")
+    r.add_argument("--skip", type=int, default=0, help="leave out the first N problems (e.g. those you evaluate on)")
+    r.add_argument("--count", type=int, help="problems to use after --skip (default: all)")
+    r.add_argument("--config", help="InferenceEngine config whose rollout (chat template, multi_turn) the traces "
+                                    "follow (default: the package's)")
+    r.add_argument("--model", default=None, help="override model_path")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(cartridge_func=_traces)
+
+
+def _traces(args: argparse.Namespace) -> int:
+    from final.config import load_config
+    from final.distill.traces import build_traces
+    from final.errors import ConfigError
+
+    if not args.tools.is_file():
+        raise ConfigError("tools file does not exist", key="--tools", path=str(args.tools))
+    overrides: dict[str, Any] = {"rollout": {"multi_turn": {"enable": True, "tool_config_path": str(args.tools)}}}
+    if args.model:
+        overrides["model_path"] = args.model
+    config = load_config(args.config, overrides)
+    summary = build_traces(config, args.gsm8k, args.out, skip=args.skip, count=args.count, progress=not args.quiet)
+    print(f"wrote {summary['rows']} rows ({summary['problems']} problems, {summary['targets']} target tokens of "
+          f"{summary['tokens']}) to {summary['out']}")
+    return 0
+
+
 def _synth_config(args: argparse.Namespace, **kw: Any):
     from final.distill.synth import SynthConfig
 
@@ -178,10 +213,11 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr,
                       frozen_tokens=args.frozen_tokens, seed=args.seed, checkpoint_every=args.checkpoint_every)
     save = resolve_dtype(args.save_dtype, torch.device("cpu")) if args.save_dtype else None
-    summary = train_cartridge(args.model, args.data, args.out, cfg, text=read_text(args.text),
+    summary = train_cartridge(args.model, args.data, args.out, cfg,
+                              text=read_text(args.text) if args.text else None,
                               init_text=read_text(args.init_text) if args.init_text else None,
                               device=args.device, dtype=args.dtype, save_dtype=save, cartridge_id=args.id,
-                              source_document=str(args.text), progress=not args.quiet)
+                              source_document=str(args.text) if args.text else None, progress=not args.quiet)
     print(f"wrote {summary['out']} ({summary['tokens']} tokens, {summary['bytes']} bytes): loss "
           f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, KL {summary['first_kl']:.4f} -> "
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} conversations")

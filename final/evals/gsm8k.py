@@ -1,10 +1,8 @@
 """`final eval gsm8k`: GSM8K accuracy with veRL's scorer, with or without the calc_gsm8k_reward tool.
 
-Prompts follow veRL's own preprocessing (examples/data_preprocess/gsm8k.py, gsm8k_multiturn_w_tool.py): the
-question plus "Let's think step by step and output the final answer after "####"."; with tools, veRL's system
-prompt asking the model to check its answer with `calc_gsm8k_reward`, and per-problem tools_kwargs carrying the
-ground truth to the tool's `create`. A chat template that ignores `tools` (SmolLM2's) would hide the tool from the
-model, so then the tool description is written into the system message in the hermes format.
+Problems and prompts are final/tools/gsm8k_task.py's (veRL's own preprocessing); with tools, per-problem
+tools_kwargs carry the ground truth to the tool's `create`. `--cartridge FILE` (repeatable) serves every problem
+behind the cartridge(s), e.g. a tool-use cartridge from `final cartridge traces` + `train`.
 
 Scoring is veRL's: `default_compute_score("openai/gsm8k", response, ground_truth)` (strict "#### <number>") on the
 decoded response exactly as NaiveRewardManager decodes it (all response tokens, tool results included, special
@@ -15,87 +13,19 @@ and model tokens per second (tokens the model wrote / wall time of generation).
 from __future__ import annotations
 
 import json
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from final.errors import ConfigError, PromptError
+from final.errors import ConfigError
+from final.tools.gsm8k_task import (DATA_SOURCE, TOOL_NAME, Problem, build_messages, load_problems,  # noqa: F401
+                                    template_renders_tools)
 if TYPE_CHECKING:  # the CLI imports this module; veRL and torch load only when an eval runs
     from final.outputs import GenerationOutput
-
-DATA_SOURCE = "openai/gsm8k"
-TOOL_NAME = "calc_gsm8k_reward"
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
-TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
-               "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after step "
-               "by step solving the question, before generate final answer at least once and refine your answer if "
-               "necessary. Put your final answer in the format of `#### <answer>`.")
-HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
-                "function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-                "<args-json-object>}}\n</tool_call>")
 
 # generate(messages per problem, tools_kwargs per problem or None) -> one row per problem
 # (InferenceEngine.generate, or a pool of replicas with the same API)
 Generate = Callable[[list[list[dict]], "list[dict] | None"], "GenerationOutput"]
-
-
-@dataclass
-class Problem:
-    index: int
-    question: str
-    answer: str
-    ground_truth: str
-
-
-def load_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
-    """GSM8K JSONL ({"question", "answer"} per line); the ground truth is the number after '####' (veRL's
-    extract_solution in examples/data_preprocess/gsm8k.py)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("GSM8K data file not found", key="--data", path=str(path))
-    if limit is not None and limit < 1:
-        raise ConfigError(f"must be >= 1, got {limit}", key="--limit")
-    problems = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh):
-            if limit is not None and len(problems) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, answer = row["question"], row["answer"]
-                match = re.search(r"#### (\-?[0-9\.\,]+)", answer)
-                if not isinstance(question, str) or match is None:
-                    raise ValueError("needs a string 'question' and an 'answer' ending in '#### <number>'")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise PromptError(f"{path} line {lineno + 1}: {exc}", index=lineno) from exc
-            problems.append(Problem(lineno, question, answer, match.group(1).replace(",", "")))
-    if not problems:
-        raise ConfigError("no problems in the data file", key="--data", path=str(path))
-    return problems
-
-
-def build_messages(problem: Problem, tool_schemas: Sequence[dict] | None, template_renders_tools: bool) -> list[dict]:
-    if not tool_schemas:
-        return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
-    system = TOOL_SYSTEM
-    if not template_renders_tools:
-        system += HERMES_TOOLS.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in tool_schemas))
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"{problem.question} {TOOL_INSTRUCTION}"}]
-
-
-def template_renders_tools(tokenizer: Any, tool_schemas: Sequence[dict]) -> bool:
-    probe = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    return plain != tokenizer.apply_chat_template(probe, tools=list(tool_schemas), tokenize=False,
-                                                  add_generation_prompt=True)
 
 
 def score_row(problem: Problem, messages: list[dict], completion: str, meta: dict) -> dict:
@@ -186,6 +116,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tools", nargs="?", const="", default=None, metavar="TOOLS_YAML",
                    help="enable tool calling with this tools.yaml (default: ./tools.yaml, else the package's)")
     p.add_argument("--model", default=None, help="override model_path")
+    p.add_argument("--cartridge", action="append",
+                   help="serve every problem behind this cartridge id or .pt/.safetensors file (repeat to compose)")
     add_replica_args(p)
     p.add_argument("--prompt-length", type=int, default=None, help="override rollout.prompt_length")
     p.add_argument("--response-length", type=int, default=None, help="override rollout.response_length")
@@ -219,7 +151,7 @@ def overrides_from_args(args: Any) -> dict:
 
 
 def run_cli(args: Any) -> int:
-    from final.cli import open_engine
+    from final.cli import load_cartridges, open_engine
 
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
@@ -230,9 +162,11 @@ def run_cli(args: Any) -> int:
             raise ConfigError(f"the GSM8K eval needs the {TOOL_NAME} tool in the tools file", key="--tools")
         renders = bool(schemas) and template_renders_tools(engine.tokenizer, schemas)
         out = args.out or ("gsm8k_tools_results.jsonl" if schemas else "gsm8k_results.jsonl")
+        cartridge = load_cartridges(engine, args.cartridge)
 
         def generate(messages: list[list[dict]], tools_kwargs: list[dict] | None) -> "GenerationOutput":
-            return engine.generate(messages, tools_kwargs=tools_kwargs, temperature=args.temperature)
+            return engine.generate(messages, tools_kwargs=tools_kwargs, temperature=args.temperature,
+                                   cartridge=cartridge)
 
         summary = evaluate(generate, problems, schemas, renders, args.batch_size, out)
     print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}")

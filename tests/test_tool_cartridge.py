@@ -1,0 +1,133 @@
+"""Issue 28: tool-use traces (`final cartridge traces`) follow the multi-turn path's own tokens, and a cartridge
+trained on them (`final cartridge train`, hard targets through the distillation code) makes a model that never
+calls a tool decide to call it: the real multi-turn path parses its call, runs the real tool, and the model answers
+after the tool's response (embedded engine here; SGLang 0.5.2 in tests/test_sglang_inference.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from final.config import load_config
+from final.distill.convs import read_conversations
+from final.distill.traces import build_traces, reference_turns, trace_rows
+from final.errors import ConfigError
+from final.models import resolve_model_path
+from final.tools.gsm8k_task import load_problems
+from multiturn_helpers import TOOL_PROBLEMS, make_tool_model, tool_config, train_tool_cartridge, write_gsm8k
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools.yaml"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    import verl.workers.rollout.schemas as schemas
+
+    logging.getLogger(schemas.__file__).setLevel(logging.ERROR)
+    return make_tool_model(resolve_model_path("builtin:tiny-random-llama"), tmp_path_factory.mktemp("tm") / "m")
+
+
+def test_reference_turns_are_the_solution_a_call_and_the_answer(tmp_path):
+    [problem] = load_problems(write_gsm8k(tmp_path / "g.jsonl"))
+    first, last = reference_turns(problem)
+    assert first.startswith("3 + 4 = 7 pens.\n<tool_call>\n") and "<<" not in first
+    call = json.loads(first.split("<tool_call>\n")[1].split("\n</tool_call>")[0])
+    assert call == {"name": "calc_gsm8k_reward", "arguments": {"answer": "7"}}
+    assert last == "#### 7"
+
+
+def test_trace_rows_merge_a_continued_stream_and_split_a_rerendered_one():
+    rows = trace_rows([([1, 2], [3, 4]), ([1, 2, 3, 4, 5, 6], [7, 8])])
+    assert [(r.prompt_ids, r.answer_ids, r.mask) for r in rows] == [([1, 2], [3, 4, 5, 6, 7, 8], [1, 1, 0, 0, 1, 1])]
+    rows = trace_rows([([1, 2], [3, 4]), ([1, 2, 9, 5], [7])])  # turn 1 re-rendered: a row of its own
+    assert [(r.prompt_ids, r.answer_ids, r.mask) for r in rows] == [([1, 2], [3, 4], [1, 1]), ([1, 2, 9, 5], [7], [1])]
+
+
+def test_traces_on_a_template_that_renders_calls_are_one_masked_row(tool_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    data = write_gsm8k(tmp_path / "g.jsonl")
+    out = tmp_path / "t.jsonl"
+    summary = build_traces(load_config(tool_config(tool_model, TOOLS)), data, out, progress=False)
+    assert summary["problems"] == 1 and summary["rows"] == 1
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    [row] = read_conversations(out, len(tok))
+    assert row.first_target == len(row.prompt_ids) and row.top_logprobs[0] == [0.0]  # hard targets
+    targets = [t for t, m in zip(row.answer_ids, row.mask) if m]
+    masked = tok.decode([t for t, m in zip(row.answer_ids, row.mask) if not m])
+    assert "<tool_response>" in masked and "reward=1.0" in masked  # the real tool's response, not a target
+    assert '"arguments": {"answer": "7"}' in tok.decode(targets) and tok.decode(targets).endswith("#### 7<|im_end|>")
+    # the rollout's own prompt ids (this tokenizer's BOS is <|im_start|>, so the stream opens with it twice)
+    assert tok.decode(row.prompt_ids).endswith("`####`.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_traces_on_smollm2_split_where_veRL_rerenders_the_call(tmp_path):
+    """SmolLM2's template drops tool_calls: veRL re-renders the calling turn without its call, so the answer turn
+    reads another stream, and is a row of its own (what the model reads there, not what it wrote)."""
+    from transformers import AutoTokenizer
+
+    model = "builtin:smollm2-135m-instruct"
+    data = write_gsm8k(tmp_path / "g.jsonl")
+    summary = build_traces(load_config(tool_config(model, TOOLS)), data, tmp_path / "t.jsonl", progress=False)
+    assert summary["rows"] == 2
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    first, second = read_conversations(tmp_path / "t.jsonl", len(tok))
+    assert "<tool_call>" in tok.decode(first.answer_ids) and first.mask is None
+    read = tok.decode(second.prompt_ids)
+    assert '{"answer": "7"}' not in read and read.endswith("7 pens.<|im_end|>\n<|im_start|>tool\nCurrent parsed "
+                                                          "answer='7' reward=1.0<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(second.answer_ids) == "#### 7<|im_end|>"
+
+
+def test_traces_refuse_bad_input_by_name(tool_model, tmp_path):
+    data = write_gsm8k(tmp_path / "g.jsonl")
+    cfg = load_config(tool_config(tool_model, TOOLS))
+    (tmp_path / "old.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="--out"):
+        build_traces(cfg, data, tmp_path / "old.jsonl")
+    with pytest.raises(ConfigError, match="--skip"):
+        build_traces(cfg, data, tmp_path / "t.jsonl", skip=5)
+    no_tool = tmp_path / "tools.yaml"
+    no_tool.write_text(TOOLS.read_text().replace("name: calc_gsm8k_reward", "name: other_tool"))
+    with pytest.raises(ConfigError, match="--tools"):
+        build_traces(load_config(tool_config(tool_model, no_tool)), data, tmp_path / "t.jsonl")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_a_trained_tool_cartridge_makes_the_model_call_the_tool(tool_model, tmp_path, capsys):
+    """The random model never calls; behind the trained cartridge it writes a call the parser accepts, the tool
+    runs, its response is in the conversation with mask 0, and the model answers after it. `final eval gsm8k
+    --cartridge` drives the same path."""
+    from final import cli
+    from final.inf import InferenceEngine
+    from final.tools.gsm8k_task import build_messages
+
+    cartridge, data = train_tool_cartridge(tool_model, TOOLS, tmp_path)
+    [problem] = load_problems(data)
+    kwargs = [{"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "7"}}}]
+    with InferenceEngine(tool_config(tool_model, TOOLS)) as engine:
+        messages = [build_messages(problem, engine.tool_schemas(), True)]
+        plain = engine.generate(messages, tools_kwargs=kwargs, temperature=0)
+        assert plain.metadata[0]["tool_calls"] == []
+        engine.load_cartridge(path=str(cartridge))
+        out = engine.generate(messages, tools_kwargs=kwargs, temperature=0, cartridge=str(cartridge))
+    meta = out.metadata[0]
+    [call] = meta["tool_calls"]
+    assert (call["name"], call["arguments"], call["error"]) == ("calc_gsm8k_reward", {"answer": "7"}, None)
+    assert call["response"] == "Current parsed answer='7' reward=1.0" and meta["num_turns"] >= 2
+    tool_part = engine.tokenizer.decode([t for t, m in zip(meta["response_ids"], meta["response_mask"]) if not m])
+    assert "Current parsed answer='7' reward=1.0" in tool_part
+    assert out.completions[0] == "#### 7"
+
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(tool_config(tool_model, TOOLS)))
+    results = tmp_path / "r.jsonl"
+    assert cli.main(["eval", "gsm8k", "--config", str(config), "--data", str(data), "--tools", str(TOOLS),
+                     "--cartridge", str(cartridge), "--out", str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert "tool-call rate                 1.000" in printed and "accuracy (veRL gsm8k, strict)  1.000" in printed
+    assert len(TOOL_PROBLEMS) == len(results.read_text().splitlines())
