@@ -79,3 +79,26 @@ def test_eval_runs_the_sglang_backend_through_inference_engine(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "backend: sglang" in printed and "tools                          yes" in printed
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
+
+
+def test_eval_with_a_tool_cartridge_calls_the_tool_on_sglang(tmp_path, capsys):
+    """Issue 28: a tool-use cartridge trained through `final cartridge traces` + `train` (on the embedded path's
+    tokens) makes the random tool model call calc_gsm8k_reward under veRL's own SGLangRollout loop too, and
+    `final eval gsm8k --cartridge` completes there."""
+    use_sglang_cpu()
+    from final import cli
+    from final.models import resolve_model_path
+    from multiturn_helpers import make_tool_model, train_tool_cartridge
+
+    model = make_tool_model(resolve_model_path(TINY), tmp_path / "m")
+    cartridge, data = train_tool_cartridge(model, ROOT / "tools.yaml", tmp_path)
+    config = tmp_path / "sglang.yaml"
+    config.write_text(yaml.safe_dump(sglang_config(model, prompt_length=512, response_length=128)))
+    out = tmp_path / "r.jsonl"
+    assert cli.main(["eval", "gsm8k", "--config", str(config), "--data", str(data), "--tools", str(ROOT / "tools.yaml"),
+                     "--cartridge", str(cartridge), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "backend: sglang" in printed and "tool-call rate                 1.000" in printed
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(c["name"], c["arguments"]) for c in record["tool_calls"]] == [("calc_gsm8k_reward", {"answer": "7"})]
+    assert record["score"] == 1.0

@@ -122,7 +122,8 @@ class SGLangRollout(Backend):
     """veRL 0.6.0's SGLangRollout with an in-process SGLang 0.5.2 engine, usable from any thread or event loop."""
 
     name = "sglang"
-    # SGLang 0.5.2 has no per-request seed; veRL's calls report no per-row progress or tool events
+    # SGLang 0.5.2 has no per-request seed; veRL's calls report no per-row progress or live tool events (the calls
+    # a row made are in its metadata: sglang_engine records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),))
 

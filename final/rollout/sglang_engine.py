@@ -31,7 +31,7 @@ with keep_event_loop_policy():
     import verl.workers.rollout.sglang_rollout.sglang_rollout as verl_sglang
 
 from final.errors import EngineError, PromptError
-from final.outputs import ROW_INFO, row_infos
+from final.outputs import ROW_INFO, TRACE_KEY, row_infos
 from final.prompts import object_array
 from final.rollout import sglang_scheduler
 from final.rollout.batch import logprob_request, row_cartridges
@@ -44,6 +44,9 @@ REQUEST_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_reque
 # final.outputs.ROW_INFO: the engine's result dicts of this call (batch path) / of this request (multi-turn)
 BATCH_OUTPUTS: contextvars.ContextVar = contextvars.ContextVar("final_batch_outputs", default=None)
 REQUEST_RECORD: contextvars.ContextVar = contextvars.ContextVar("final_request_record", default=None)
+# final.outputs.TRACE_KEY: the tool calls of this request (name, arguments, response, reward), as final's own loop
+# records them; veRL keeps none (with skip_tokenizer_init it even erases the message's tool_calls)
+REQUEST_TOOL_CALLS: contextvars.ContextVar = contextvars.ContextVar("final_request_tool_calls", default=None)
 # Scoring / top-k: the engine arguments beyond veRL's (final.rollout.batch.logprob_request) for this call's batch
 LOGPROB_ARGS: contextvars.ContextVar = contextvars.ContextVar("final_logprob_args", default=None)
 _START_LOCK = threading.Lock()  # the patches below are module globals: one engine start at a time
@@ -242,6 +245,9 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
                          head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                          vocab_size=text.vocab_size)
         self._engine.cartridges = SGLangCartridges(self._engine, dims, len(tokenizer), tokenizer.all_special_ids)
+        self._final_tool_calls: dict = {}
+        for name, tool in self._tool_map.items():
+            tool.execute = _recording(tool.execute, name)
 
     @property
     def engine(self) -> FinalSGLangEngine:
@@ -274,6 +280,9 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
             BATCH_CARTRIDGES.reset(token)
             for var, t in zip((BATCH_OUTPUTS, REQUEST_RECORD, LOGPROB_ARGS), tokens):
                 var.reset(t)
+        if prompts.meta_info.get(TRACE_KEY) and "messages" in out.non_tensor_batch:
+            out.non_tensor_batch["tool_calls"] = object_array(
+                [self._final_tool_calls.pop(rid, []) for rid in out.non_tensor_batch["request_id"]])
         if prompts.meta_info.get(ROW_INFO):
             out.non_tensor_batch[ROW_INFO] = object_array(
                 _conversation_infos(out, records) if "messages" in out.non_tensor_batch
@@ -285,10 +294,31 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
         rows = BATCH_CARTRIDGES.get()
         REQUEST_CARTRIDGES.set(rows[req.batch_data_id] if rows else None)  # this request's task context only
         turns: list = []
+        calls: list = []
         REQUEST_RECORD.set(turns)
+        REQUEST_TOOL_CALLS.set(calls)
         done = await super()._async_rollout_a_request(req, do_sample, is_validate, **kwargs)
         self._final_records[done.request_id] = turns
+        assistant = [i for i, m in enumerate(done.messages) if m.role == "assistant"]
+        for call in calls:  # the calling turn's message (turn k is the k-th assistant message)
+            call["message_index"] = assistant[call["turn"] - 1] if 0 < call["turn"] <= len(assistant) else None
+        self._final_tool_calls[done.request_id] = calls
         return done
+
+
+def _recording(execute: Any, name: str) -> Any:
+    """A tool's execute that also appends the call to its request's REQUEST_TOOL_CALLS (the turn is the number of
+    engine calls the request has made so far: the assistant turn that wrote the call)."""
+
+    async def execute_and_record(instance_id: str, parameters: dict, **kwargs: Any) -> Any:
+        response, reward, metrics = await execute(instance_id, parameters, **kwargs)
+        calls = REQUEST_TOOL_CALLS.get()
+        if calls is not None:
+            calls.append({"turn": len(REQUEST_RECORD.get() or []), "name": name, "arguments": parameters,
+                          "response": response.text, "reward": reward, "error": None})
+        return response, reward, metrics
+
+    return execute_and_record
 
 
 def _conversation_infos(out: Any, records: dict) -> list[dict]:
