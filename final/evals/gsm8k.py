@@ -81,6 +81,8 @@ def summarize(records: list[dict], seconds: float, tools: bool) -> dict:
         "accuracy": sum(r["score"] for r in records) / n,
         "flexible_accuracy": sum(r["flexible_score"] for r in records) / n,
         "tool_call_rate": sum(1 for r in records if r["tool_calls"]) / n,
+        # a call the parser read and the tool ran (a malformed call is in tool_calls with its error)
+        "well_formed_call_rate": sum(1 for r in records if any(not c.get("error") for c in r["tool_calls"])) / n,
         "mean_tool_calls": sum(len(r["tool_calls"]) for r in records) / n,
         "mean_turns": sum(r["num_turns"] for r in records) / n,
         "mean_tool_reward": sum(rewards) / len(rewards) if rewards else None,
@@ -93,6 +95,7 @@ def format_table(summary: dict) -> str:
             ("accuracy (veRL gsm8k, strict)", f"{summary['accuracy']:.3f}"),
             ("accuracy (flexible)", f"{summary['flexible_accuracy']:.3f}"),
             ("tool-call rate", f"{summary['tool_call_rate']:.3f}"),
+            ("well-formed call rate", f"{summary['well_formed_call_rate']:.3f}"),
             ("mean tool calls", f"{summary['mean_tool_calls']:.2f}"),
             ("mean assistant turns", f"{summary['mean_turns']:.2f}"),
             ("mean tool reward", "-" if summary["mean_tool_reward"] is None else f"{summary['mean_tool_reward']:.3f}"),
@@ -169,7 +172,8 @@ def run_cli(args: Any) -> int:
                                    cartridge=cartridge)
 
         summary = evaluate(generate, problems, schemas, renders, args.batch_size, out)
-    print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}")
+    print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}"
+          + (f", cartridge: {' + '.join(cartridge)}" if cartridge else ""))
     print(format_table(summary))
     print(f"per-problem results: {out}")
     return 0
