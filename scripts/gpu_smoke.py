@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from final.config import load_config
     from final.errors import FinalError
     from final.inf import InferenceEngine
-    from final.rollout.sglang import preflight
+    from final.rollout.sglang.config import preflight
 
     try:
         preflight(load_config(args.config, {"rollout": {"name": "sglang"}}))

@@ -1,4 +1,4 @@
-"""The verl09 lane's SGLang backend (final/rollout/sglang_direct.py) on the real SGLang 0.5.12 engine, veRL
+"""The verl09 lane's SGLang backend (final/rollout/sglang/rollout_0512.py) on the real SGLang 0.5.12 engine, veRL
 0.9.1's pin, on CPU: its tokenizer manager, scheduler and detokenizer processes, radix cache, KV pool and Llama
 code. Only the compiled kernels (tests/sglang_cpu) and torchvision and pinned memory (tests/sglang_cpu/verl09) are
 stood in for. Differential: the DataProto must be LocalRollout's, key for key (the verl06 lane's differential tests,
@@ -49,7 +49,7 @@ def test_it_is_the_real_sglang_0_5_12_engine(pair):
     import torchvision
     from sglang.srt.entrypoints.engine import Engine
 
-    from final.rollout.sglang_direct import DirectSGLangRollout
+    from final.rollout.sglang.rollout_0512 import DirectSGLangRollout
 
     rollout = pair[0]
     assert isinstance(rollout, DirectSGLangRollout)
@@ -200,7 +200,7 @@ def test_what_it_cannot_serve_is_refused_before_any_work(engine):
 def test_engine_kwargs_are_checked_against_sglang_0_5_12_before_it_starts():
     use_sglang_cpu()  # before transformers is imported (see rollout_pair)
     from final.errors import ConfigError
-    from final.rollout.sglang_direct import DirectSGLangRollout
+    from final.rollout.sglang.rollout_0512 import DirectSGLangRollout
     from sglang_helpers import configs
 
     sg_cfg, _, model_cfg = configs(sglang_args={"max_total_tokns": 64})

@@ -7,16 +7,16 @@ uses none of it. So this backend drives `sglang.Engine` directly, speaking final
 EngineRollout. It gets the same batch path, multi-turn tool calling and DataProto as the local and tokasaurus
 backends (final/rollout/engine_rollout.py).
 
-What it keeps from the verl06 lane's backend (final/rollout/sglang*.py):
-- the ServerArgs translation and checks (sglang_config.translate_config);
-- the process handling (sglang_procs): the engine's own children only, and SIGQUIT survival;
+What it shares with the verl06 lane's backend (rollout_052.py, in this folder):
+- the requirements, the ServerArgs translation and checks (config.py);
+- the process handling (procs.py): the engine's own children only, and SIGQUIT survival;
 - the event-loop policy SGLang swaps for uvloop's is restored.
 
 What differs:
 - SGLang 0.5.12 has per-request seeds (`sampling_seed`), so `seed` works per row.
 - SGLang loads its tokenizer (skip_tokenizer_init false in its ServerArgs). Stop strings are then SGLang's own;
   prompts and outputs are still token ids.
-- Cartridges are not served on this lane: the 0.5.2 scheduler injection (sglang_scheduler.py) is not ported to
+- Cartridges are not served on this lane: the 0.5.2 scheduler injection (scheduler.py) is not ported to
   0.5.12's scheduler. A request naming one gets an UnsupportedError; use the local backend for cartridges.
 - No token streams: astream yields each row when it finishes.
 
@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import concurrent.futures.thread  # noqa: F401 - its exit hook, before SGLang disables threading._register_atexit
 import importlib.util
-import inspect
 import logging
 import threading
 import uuid
@@ -44,30 +42,19 @@ from final.engine.messages import Submission
 from final.errors import BackendUnavailableError, EngineError, PromptError, SamplingError, UnsupportedError
 from final.rollout.base import Capabilities
 from final.rollout.engine_rollout import EngineRollout
-from final.rollout.sglang import missing_requirements
-from final.rollout.sglang_config import sglang_device, translate_config
-from final.rollout.sglang_procs import (ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
+from final.rollout.sglang.config import check_sampling_key, preflight, require_sglang, sglang_device, \
+    translate_config
+from final.rollout.sglang.procs import (POLL_S, ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
                                         new_children, survive_sigquit)
 from final.rollout.thread import gather_or_cancel
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5  # how often the watch looks at the engine's processes
 GRPC_PORT_LIMIT = 65535 - 10000  # ServerArgs refuses a port whose port + 10000 (its gRPC port) exceeds 65535
-SGLANG = "sglang==0.5.12"  # veRL 0.9.1's [sglang] extra
 NO_CARTRIDGES = ("the verl09 lane's SGLang backend does not inject cartridges (SGLang 0.5.12's scheduler has no "
                  "port of final's 0.5.2 injection): use rollout.name local, or the verl06 lane's sglang backend")
 NO_SEED = ("SGLang 0.5.12 honours a per-request seed only with deterministic inference: set "
            "rollout.engine_kwargs.sglang.enable_deterministic_inference: true (batch-invariant kernels, slower)")
-
-
-def require_sglang(device: str) -> None:
-    missing = missing_requirements(torch.cuda.is_available(), importlib.util.find_spec("sglang") is not None, device,
-                                   SGLANG)
-    if missing:
-        raise BackendUnavailableError(
-            f"rollout.name: sglang needs {' and '.join(missing)}. On a CUDA machine of the verl09 lane: pip install "
-            f"'{SGLANG}' (veRL 0.9.1's pin). Without a GPU use rollout.name: local or auto.")
 
 
 def server_args(config: Any, device: str) -> dict:
@@ -90,23 +77,13 @@ def server_args(config: Any, device: str) -> dict:
     return args
 
 
-@functools.cache
-def _sampling_keys() -> frozenset[str]:
-    """SamplingParams' keyword names (read once: this check runs for every row)."""
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    return frozenset(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
-
-
 def check_sampling_params(params: dict, vocab_size: int) -> None:
     """SGLang's own SamplingParams checks, run here so a bad value is a SamplingError naming the key before any
     request reaches the engine (SGLang raises TypeError / ValueError from its tokenizer manager)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    allowed = _sampling_keys()
     for key in params:
-        if key not in allowed:
-            raise SamplingError(f"is not an SGLang 0.5.12 sampling parameter ({', '.join(sorted(allowed))})", key)
+        check_sampling_key(key)
     try:
         SamplingParams(**params).verify(vocab_size)
     except ValueError as exc:
@@ -276,8 +253,7 @@ class DirectSGLangRollout(EngineRollout):
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
-        require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
-        survive_sigquit()
+        preflight(engine_config)
 
     def __init__(self, config: Any, model_config: Any):
         device = sglang_device(config.engine_kwargs)

@@ -1,7 +1,7 @@
 """Cartridges on SGLang: reserved token ids per cartridge, KV injected into the scheduler's radix cache.
 
 A cartridge of T tokens gets one reserved token id r, and its prefix is R = [r] * T. The scheduler (see
-sglang_scheduler.py) writes the cartridge's KV into T pool slots and caches them under R, locked. A request for
+scheduler.py) writes the cartridge's KV into T pool slots and caches them under R, locked. A request for
 cartridges (a, b) is sent as R_a + R_b + prompt: the radix cache serves R_a + R_b, the prompt is prefilled at
 positions p.. exactly as the embedded engine's prefix does. The engine wrapper prepends R, checks the cache hit
 (`cached_tokens` >= len(R), else the output would be garbage) and strips R from what it returns.
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from final.errors import CartridgeError, EngineError, PromptError
-from final.rollout.sglang_procs import alive
+from final.rollout.sglang.procs import alive
 
 RPC_POLL_MS = 500
 

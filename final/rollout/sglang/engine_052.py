@@ -1,8 +1,8 @@
 """veRL 0.6.0's SGLangRollout and AsyncEngine, subclassed for in-process use.
 
-Imports sglang, so it is loaded only after final.rollout.sglang has checked that SGLang can run here.
+Imports sglang, so it is loaded only after rollout_052.py has checked that SGLang can run here.
 - InProcessSGLangRollout: veRL's class as is, except that its engine is a FinalSGLangEngine and SGLang's
-  scheduler child runs final.rollout.sglang_scheduler.run_scheduler_process (cartridge RPCs); the per-row
+  scheduler child runs final.rollout.sglang.scheduler.run_scheduler_process (cartridge RPCs); the per-row
   cartridge choice (non_tensor_batch["cartridges"]) is handed to the engine call through context variables,
   because veRL's multi-turn path re-tokenizes prompts and never sees our prefix.
 - FinalSGLangEngine: veRL's AsyncEngine with our ServerArgs (veRL 0.6.0 passes only attention_backend from
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-from final.rollout.sglang_procs import keep_event_loop_policy
+from final.rollout.sglang.procs import keep_event_loop_policy
 
 with keep_event_loop_policy():
     import sglang.srt.entrypoints.engine as sgl_engine
@@ -33,10 +33,10 @@ with keep_event_loop_policy():
 from final.errors import EngineError, PromptError
 from final.outputs import ROW_INFO, row_infos
 from final.prompts import object_array
-from final.rollout import sglang_scheduler
+from final.rollout.sglang import scheduler as sglang_scheduler
 from final.rollout.batch import logprob_request, row_cartridges
-from final.rollout.sglang_cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang_procs import kill_processes, new_children
+from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
+from final.rollout.sglang.procs import kill_processes, new_children
 
 # Batch path: one tuple of cartridge ids per DataProto row. Multi-turn path: the tuple of the request's row.
 BATCH_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_batch_cartridges", default=None)
