@@ -160,6 +160,32 @@ def test_token_streams_with_and_without_a_cartridge(engines):
         assert updates[-1].output_ids == expected
 
 
+def test_final_serve_streams_tokens_with_a_cartridge(engines, tmp_path):
+    """`final serve`'s cartridge route with stream: true over HTTP, on this engine: more than one chunk, adding up to
+    the non-streamed answer."""
+    import json
+
+    import httpx
+
+    from final.server.app import ServerThread, create_app
+
+    sglang, _, _ = engines
+    server = ServerThread(create_app(sglang, cartridge_dir=str(tmp_path)))
+    body = {"model": "m", "prompt": QUESTION, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "cartridges": [{"id": "doc"}]}  # a loaded id needs no source
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            whole = http.post("/custom/cartridge/completions", json=body).json()["choices"][0]["text"]
+            chunks = []
+            with http.stream("POST", "/custom/cartridge/completions", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += [c["text"] for c in json.loads(line[6:])["choices"] if c.get("text")]
+    finally:
+        server.stop()
+    assert len(chunks) > 1 and "".join(chunks) == whole
+
+
 @pytest.mark.parametrize("layout,positions", [("june", "after_prefix"), ("later", "from_zero")])
 def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, positions):
     """Both cartridges-repo conventions served exactly: a from_zero cartridge's keys are rotated at load."""
