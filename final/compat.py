@@ -78,9 +78,9 @@ ROLLOUT_MODES: tuple[str, ...] = ("sync", "async") if LANE == "verl06" else ("as
 
 # The class behind `rollout.name: sglang` on this lane (final.rollout's registry). verl06: veRL 0.6.0's in-process
 # SGLangRollout, subclassed, on SGLang 0.5.2. verl09: veRL 0.7 removed that class (0.9's SGLang path is a Ray actor
-# serving HTTP), so SGLang 0.5.12's Engine is driven directly (final/rollout/sglang_direct.py says why).
-SGLANG_ROLLOUT = ("final.rollout.sglang:SGLangRollout" if LANE == "verl06"
-                  else "final.rollout.sglang_direct:DirectSGLangRollout")
+# serving HTTP), so SGLang 0.5.12's Engine is driven directly (final/rollout/sglang/rollout_0512.py says why).
+SGLANG_ROLLOUT = ("final.rollout.sglang.rollout_052:SGLangRollout" if LANE == "verl06"
+                  else "final.rollout.sglang.rollout_0512:DirectSGLangRollout")
 SGLANG_PIN = "sglang==0.5.2" if LANE == "verl06" else "sglang==0.5.12"  # the SGLang this lane's veRL pins
 
 # rollout.multi_turn fields of this lane's MultiTurnConfig that final's multi-turn loop does not serve: set to

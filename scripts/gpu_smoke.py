@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""Check a CUDA install of the SGLang backend: start veRL's SGLangRollout, generate, print timings.
+"""Check a CUDA install of the SGLang backend: start the lane's SGLang engine, generate, print timings.
 
-    pip install -e '.[sglang]'
+    pip install -e '.[sglang]'                                   # verl06 lane: veRL 0.6.0's SGLangRollout, SGLang 0.5.2
+    pip install 'sglang==0.5.12'                                 # verl09 lane: SGLang 0.5.12's Engine, driven directly
     python scripts/gpu_smoke.py                                  # configs/sglang_qwen3.yaml
     python scripts/gpu_smoke.py --config my.yaml --prompts 256 --max-tokens 256
 
 Besides generating with the real kernels (fa3 or flashinfer, CUDA graphs, NCCL's group), it checks what the CPU
-test suite cannot: a stop string and an out-of-vocabulary id on CUDA (the latter a device-side assert in SGLang
-0.5.2's scheduler) leave the engine serving, and a cartridge takes no GPU memory outside SGLang's KV pool.
-Exit code 0 when all passed. Without CUDA or the [sglang] extra it exits 2 and says which is missing; 1 when a
-check failed.
+test suite cannot: a stop string and an out-of-vocabulary id on CUDA (the latter a device-side assert in SGLang's
+scheduler) leave the engine serving; a cartridge is served from SGLang's radix cache (on either lane: 0.5.2 via
+veRL's class, 0.5.12 via final's own engine wrapper), takes no GPU memory outside SGLang's KV pool, and streams;
+where the backend honours seeds (verl09 with enable_deterministic_inference), one seed gives one answer.
+Exit code 0 when all passed. Without CUDA or SGLang it exits 2 and says which is missing; 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ def device_bytes_in_use() -> int | None:
 
 
 def check_fixes(engine: Any) -> list[str]:
-    """What broke SGLang 0.5.2 under veRL 0.6.0 before final handled it; returns the failures."""
-    import torch
-
+    """What broke SGLang 0.5.2 under veRL 0.6.0 before final handled it, then the cartridge and seed checks;
+    returns the failures."""
     from final.errors import PromptError
 
     failures = []
@@ -57,19 +58,61 @@ def check_fixes(engine: Any) -> list[str]:
         print(f"out-of-vocabulary id refused: {exc}")
     if not engine.generate("Say hi.", temperature=0, max_tokens=4).completions[0]:
         failures.append("no answer after the refused request")
-    rollout, hf = engine.rollout, engine.model_config.hf_config
+    return failures + check_cartridge(engine) + check_seeds(engine)
+
+
+def check_cartridge(engine: Any) -> list[str]:
+    """A random 512-token cartridge, loaded as a user would (a file), served from the radix cache and streamed."""
+    import asyncio
+    import tempfile
+
+    import torch
+
+    from final.cartridges.format import CartridgeKV, save_cartridge
+
+    hf = engine.model_config.hf_config
     heads = hf.num_key_value_heads
     dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv = [torch.randn(1, heads, 512, dim, dtype=torch.bfloat16) for _ in range(hf.num_hidden_layers)]
+    kv = [torch.randn(1, heads, 512, dim, dtype=torch.bfloat16) * 0.1 for _ in range(hf.num_hidden_layers)]
     size = 2 * sum(t.numel() * t.element_size() for t in kv)
-    before = device_bytes_in_use()
-    rollout.load_cartridge("gpu-smoke", kv, kv)
+    failures = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = save_cartridge(CartridgeKV(kv, kv, num_frozen_tokens=1), Path(folder) / "gpu-smoke.safetensors")
+        before = device_bytes_in_use()
+        engine.load_cartridge(id="gpu-smoke", path=str(path))
     grew = (device_bytes_in_use() or 0) - (before or 0)
-    memory = rollout.cartridge_memory()
+    memory = engine.rollout.cartridge_memory()
     print(f"cartridge of {size / 2**20:.0f} MiB: GPU use grew {grew / 2**20:.0f} MiB; scheduler copy {memory}")
     if memory["device_bytes"] or (before is not None and (grew > size // 2 or not memory["pinned"])):
         failures.append("cartridge KV is kept on the GPU outside SGLang's KV pool")
-    rollout.unload_cartridge("gpu-smoke")
+    out = engine.generate("Say hi.", cartridge="gpu-smoke", temperature=0, max_tokens=4)
+    print(f"with the cartridge: {out.completions[0]!r}, {out.metadata[0]['cached_tokens']} tokens from the cache")
+    if out.metadata[0]["cached_tokens"] < 512:
+        failures.append("the cartridge was not served from SGLang's radix cache")
+
+    async def stream() -> list:
+        request = engine.prepare("Say hi.", cartridge="gpu-smoke", temperature=0, max_tokens=4)
+        return [row async for row in engine.astream(request)]
+
+    rows = asyncio.run(stream())
+    print(f"stream with the cartridge: {len(rows)} update(s)")
+    if rows[-1].output_ids != out.token_ids[0]:
+        failures.append("the cartridge's stream differs from its generate()")
+    engine.unload_cartridge("gpu-smoke")
+    return failures
+
+
+def check_seeds(engine: Any) -> list[str]:
+    """verl09 with enable_deterministic_inference: the same seed, the same sample; other seeds differ (8 rows)."""
+    if not engine.rollout.capabilities.seed:
+        print("seeds: refused by this backend's config (see README: enable_deterministic_inference)")
+        return []
+    def draw(seed: int) -> list[list[int]]:
+        return engine.generate("Write a word.", temperature=1.0, max_tokens=8, n=8, seed=seed).token_ids
+
+    first, again = draw(7), draw(7)
+    print(f"seeds: {len({tuple(r) for r in first})} distinct rows of 8, repeatable: {first == again}")
+    return [] if first == again else ["the same seed gave different samples"]
     return failures
 
 
@@ -83,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from final.config import load_config
     from final.errors import FinalError
     from final.inf import InferenceEngine
-    from final.rollout.sglang import preflight
+    from final.rollout.sglang.config import preflight
 
     try:
         preflight(load_config(args.config, {"rollout": {"name": "sglang"}}))

@@ -1,4 +1,4 @@
-"""The verl09 lane's SGLang backend (final/rollout/sglang_direct.py) on the real SGLang 0.5.12 engine, veRL
+"""The verl09 lane's SGLang backend (final/rollout/sglang/rollout_0512.py) on the real SGLang 0.5.12 engine, veRL
 0.9.1's pin, on CPU: its tokenizer manager, scheduler and detokenizer processes, radix cache, KV pool and Llama
 code. Only the compiled kernels (tests/sglang_cpu) and torchvision and pinned memory (tests/sglang_cpu/verl09) are
 stood in for. Differential: the DataProto must be LocalRollout's, key for key (the verl06 lane's differential tests,
@@ -49,7 +49,7 @@ def test_it_is_the_real_sglang_0_5_12_engine(pair):
     import torchvision
     from sglang.srt.entrypoints.engine import Engine
 
-    from final.rollout.sglang_direct import DirectSGLangRollout
+    from final.rollout.sglang.rollout_0512 import DirectSGLangRollout
 
     rollout = pair[0]
     assert isinstance(rollout, DirectSGLangRollout)
@@ -77,7 +77,7 @@ def test_bad_requests_raise_typed_errors_and_serving_goes_on(pair):
     vocab = model_cfg.hf_config.vocab_size
     with pytest.raises(PromptError, match=r"prompt 1: .*outside the vocabulary"):
         sglang.engine.submit_generate([[1, 17], [1, vocab + 5]], {"max_new_tokens": 2}).result()
-    with pytest.raises(UnsupportedError, match="cartridge"):
+    with pytest.raises(PromptError, match=r"cartridge\(s\) \['doc'\] are not loaded"):
         sglang.engine.submit_generate([[1, 17]], {"max_new_tokens": 2}, cartridges=[("doc",)]).result()
     a, b = both(pair, PROMPTS, {"do_sample": False})
     assert_same_output(a, b)
@@ -177,15 +177,14 @@ def test_scores_equal_the_embedded_engine(engine):
 
 
 def test_what_it_cannot_serve_is_refused_before_any_work(engine):
-    from final.errors import UnsupportedError
+    from final.errors import CartridgeError, UnsupportedError
 
     eng, _ = engine
     with pytest.raises(UnsupportedError, match="enable_deterministic_inference") as err:
         eng.generate("hi", seed=1)
     assert err.value.backend == "sglang" and err.value.field == "seed"
-    with pytest.raises(UnsupportedError, match="rollout.name local") as err:
+    with pytest.raises(CartridgeError, match="unknown cartridge"):  # served (sglang_direct_cartridge_cases.py)
         eng.generate("hi", cartridge="doc")
-    assert err.value.field == "cartridge"
     rows = []
 
     async def stream():
@@ -193,14 +192,15 @@ def test_what_it_cannot_serve_is_refused_before_any_work(engine):
             rows.append(row)
 
     asyncio.run(stream())
-    assert len(rows) == 1 and rows[0].finish_reason in ("stop", "length")  # whole rows (no token streams)
+    # multi-turn on: each row arrives whole, as on every backend (token streams: sglang_direct_cartridge_cases.py)
+    assert len(rows) == 1 and rows[0].finish_reason in ("stop", "length")
     assert eng.generate("hi", temperature=0, max_tokens=2).completions  # still serving
 
 
 def test_engine_kwargs_are_checked_against_sglang_0_5_12_before_it_starts():
     use_sglang_cpu()  # before transformers is imported (see rollout_pair)
     from final.errors import ConfigError
-    from final.rollout.sglang_direct import DirectSGLangRollout
+    from final.rollout.sglang.rollout_0512 import DirectSGLangRollout
     from sglang_helpers import configs
 
     sg_cfg, _, model_cfg = configs(sglang_args={"max_total_tokns": 64})

@@ -38,8 +38,8 @@ def test_sglang_backend_is_the_lanes():
 
     assert load_config(cfg(name="sglang")).backend == "sglang"
     cls = backend_class("sglang")
-    assert (cls.__module__, cls.name) == (("final.rollout.sglang" if compat.LANE == "verl06"
-                                            else "final.rollout.sglang_direct"), "sglang")
+    assert (cls.__module__, cls.name) == (("final.rollout.sglang.rollout_052" if compat.LANE == "verl06"
+                                            else "final.rollout.sglang.rollout_0512"), "sglang")
     # `auto` never resolves to a backend the lane lacks (no CUDA here: local on both)
     assert load_config(cfg(name="auto")).backend == "local"
 

@@ -173,7 +173,7 @@ def test_real_sglang_engine_matches_local_end_to_end(env):
     the plumbing; the scripted tests above check the tool-calling state machine."""
     from verl.workers.config import HFModelConfig
 
-    from final.rollout.sglang import SGLangRollout
+    from final.rollout.sglang.rollout_052 import SGLangRollout
 
     _, tok, _, path = env
     settings = dict(multi_turn={"tool_config_path": str(ROOT / "tools.yaml"), "max_assistant_turns": 2},

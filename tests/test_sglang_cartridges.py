@@ -27,7 +27,7 @@ def sglang_config() -> dict:
 def engines(tmp_path_factory):
     use_sglang_cpu()
     from final.cartridges.build import build_from_text, document_ids
-    from final.rollout.sglang_procs import survive_sigquit
+    from final.rollout.sglang.procs import survive_sigquit
 
     survive_sigquit()  # InferenceEngine builds rollouts off the main thread, where this cannot be done
     from final.cartridges.format import save_cartridge
@@ -176,7 +176,7 @@ def test_the_multi_turn_path_carries_cartridges_to_the_engine_call(engines):
     logprob_start_len=0)."""
     from final.cartridges.format import load_cartridge
     from final.prompts import Prompt, build_dataproto, tokenize
-    from final.rollout.sglang import SGLangRollout
+    from final.rollout.sglang.rollout_052 import SGLangRollout
     from sglang_helpers import configs
 
     sglang, _, files = engines

@@ -24,7 +24,7 @@ def sglang_cpu():
 
 
 def test_missing_requirements_name_each_piece():
-    from final.rollout.sglang import missing_requirements
+    from final.rollout.sglang.config import missing_requirements
 
     assert missing_requirements(cuda=True, sglang=True) == []
     assert missing_requirements(cuda=False, sglang=True, device="cpu") == []
@@ -35,7 +35,7 @@ def test_missing_requirements_name_each_piece():
 
 def test_this_machine_gets_a_clear_error_with_the_install_command():
     from final.errors import BackendUnavailableError
-    from final.rollout.sglang import require_sglang
+    from final.rollout.sglang.config import require_sglang
 
     with pytest.raises(BackendUnavailableError, match=r"CUDA GPU.*pip install -e '\.\[sglang\]'"):
         require_sglang()
@@ -47,7 +47,7 @@ def test_preflight_checks_before_any_model_is_fetched():
 
     from final.config import load_config
     from final.errors import BackendUnavailableError
-    from final.rollout.sglang import preflight
+    from final.rollout.sglang.config import preflight
 
     with pytest.raises(BackendUnavailableError, match="CUDA GPU"):
         preflight(load_config(REPO / "configs" / "sglang_qwen3.yaml"))  # Qwen3 cannot be fetched here either
@@ -62,7 +62,7 @@ def test_a_users_program_gets_neither_the_kernel_stubs_nor_sglang_from_auto(tmp_
     engine without CUDA; `sglang` without CUDA is refused with the install command."""
     code = ("import importlib.util\n"
             "from final.config import load_config\n"
-            "from final.rollout.sglang import require_sglang\n"
+            "from final.rollout.sglang.config import require_sglang\n"
             "print(importlib.util.find_spec('sgl_kernel'), load_config({'model_path': 'x'}).backend)\n"
             "try:\n    require_sglang()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -73,7 +73,7 @@ def test_a_users_program_gets_neither_the_kernel_stubs_nor_sglang_from_auto(tmp_
 
 def test_without_the_package_the_error_names_it():
     from final.errors import BackendUnavailableError
-    from final.rollout.sglang import require_sglang
+    from final.rollout.sglang.config import require_sglang
 
     with mock.patch.dict(sys.modules, {"sglang": None}):  # find_spec("sglang") is None: as if not installed
         with pytest.raises(BackendUnavailableError, match=r"the sglang package.*\[sglang\]"):
@@ -82,14 +82,14 @@ def test_without_the_package_the_error_names_it():
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0)])
 def test_fa3_is_the_default_on_ampere_and_hopper(capability):
-    from final.rollout.sglang import choose_attention_backend
+    from final.rollout.sglang.config import choose_attention_backend
 
     assert choose_attention_backend(None, capability, have_flashinfer=True) == ("fa3", None)
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (10, 0), (12, 0)])
 def test_other_gpus_fall_back_with_a_warning(capability):
-    from final.rollout.sglang import choose_attention_backend
+    from final.rollout.sglang.config import choose_attention_backend
 
     backend, warning = choose_attention_backend(None, capability, have_flashinfer=True)
     assert backend == "flashinfer" and f"sm{capability[0]}{capability[1]}" in warning and "sm80-sm90" in warning
@@ -98,7 +98,7 @@ def test_other_gpus_fall_back_with_a_warning(capability):
 
 def test_an_explicit_backend_is_kept_and_fa3_on_a_wrong_gpu_is_refused():
     from final.errors import ConfigError
-    from final.rollout.sglang import choose_attention_backend
+    from final.rollout.sglang.config import choose_attention_backend
 
     assert choose_attention_backend("triton", (7, 5), True) == ("triton", None)
     assert choose_attention_backend("fa3", (9, 0), True) == ("fa3", None)
@@ -109,7 +109,7 @@ def test_an_explicit_backend_is_kept_and_fa3_on_a_wrong_gpu_is_refused():
 
 
 def test_translate_config_sets_what_verl_needs(caplog):
-    from final.rollout.sglang import translate_config
+    from final.rollout.sglang.config import translate_config
 
     sg_cfg, _, _ = configs(sglang_args={"random_seed": 3, "attention_backend": None})
     with caplog.at_level(logging.WARNING, logger="final.rollout.sglang"):
@@ -130,7 +130,7 @@ def test_translate_config_sets_what_verl_needs(caplog):
 ])
 def test_translate_config_refuses_what_cannot_work(rollout, args, key, match):
     from final.errors import ConfigError
-    from final.rollout.sglang import translate_config
+    from final.rollout.sglang.config import translate_config
 
     if "tensor_model_parallel_size" in rollout:  # our config refuses it first; veRL's own config does not
         from verl.utils.config import omega_conf_to_dataclass
@@ -148,7 +148,7 @@ def test_the_memory_saver_is_off_unless_asked_for_and_then_checked():
     """veRL 0.6.0 hard-codes enable_memory_saver: True, and SGLang then imports torch_memory_saver (not in
     sglang[srt]) at start. final's default is False; true is refused where it cannot work, by name."""
     from final.errors import BackendUnavailableError, ConfigError
-    from final.rollout.sglang import translate_config
+    from final.rollout.sglang.config import translate_config
 
     assert translate_config(configs()[0], None, True)[1]["enable_memory_saver"] is False
     with pytest.raises(ConfigError, match="CPU device") as err:
@@ -164,7 +164,7 @@ def test_the_memory_saver_is_off_unless_asked_for_and_then_checked():
 def test_the_gpu_comes_from_local_rank(env, gpus, expected):
     """veRL passes base_gpu_id 0: under torchrun (every GPU visible to every rank) each engine landed on GPU 0.
     Where the launcher shows each process one GPU (Ray, CUDA_VISIBLE_DEVICES), it is that one."""
-    from final.rollout.sglang import local_gpu, translate_config
+    from final.rollout.sglang.config import local_gpu, translate_config
 
     assert local_gpu("cuda", gpus, env) == expected
     assert local_gpu("cpu", gpus, env) == 0
@@ -177,7 +177,7 @@ def test_the_gpu_comes_from_local_rank(env, gpus, expected):
 
 def test_a_local_rank_past_the_visible_gpus_is_refused():
     from final.errors import ConfigError
-    from final.rollout.sglang import local_gpu
+    from final.rollout.sglang.config import local_gpu
 
     with pytest.raises(ConfigError, match="LOCAL_RANK=4 but this process sees 2 GPUs"):
         local_gpu("cuda", 2, {"LOCAL_RANK": "4"})
@@ -188,7 +188,7 @@ def test_more_than_one_gpu_per_engine_is_refused(key, value):
     """dp_size > 1 starts SGLang's data-parallel controller, which imports its own run_scheduler_process: the
     cartridge methods never reach its schedulers. Refused before the engine starts, naming the key."""
     from final.errors import ConfigError
-    from final.rollout.sglang import translate_config
+    from final.rollout.sglang.config import translate_config
 
     with pytest.raises(ConfigError, match="not supported by final's in-process engine") as err:
         translate_config(configs(sglang_args={key: value})[0], None, True)
@@ -213,7 +213,7 @@ def test_the_sglang_extra_pins_what_the_engine_needs_at_start():
 
 
 def test_dummy_weights_are_warned_about(caplog):
-    from final.rollout.sglang import translate_config
+    from final.rollout.sglang.config import translate_config
 
     sg_cfg = configs({"load_format": "dummy"})[0]
     with caplog.at_level(logging.WARNING, logger="final.rollout.sglang"):
@@ -223,7 +223,7 @@ def test_dummy_weights_are_warned_about(caplog):
 
 def test_sampling_overrides_are_checked_against_sglang():
     from final.errors import SamplingError
-    from final.rollout.sglang import check_sampling_kwargs
+    from final.rollout.sglang.config import check_sampling_kwargs
 
     check_sampling_kwargs({"temperature": 0.5, "top_k": 5, "stop_token_ids": [2], "max_new_tokens": 3, "stop": "x"})
     with pytest.raises(SamplingError, match="random_seed") as err:

@@ -15,12 +15,15 @@ import pytest
 from final import compat
 from sglang_helpers import STUBS, STUBS_09
 
-CASES = Path(__file__).with_name("sglang_direct_cases.py")
+HERE = Path(__file__).parent
+# the backend's differential, tools, scoring and lifecycle cases; cartridges and token streams (one engine each)
+CASES = ["sglang_direct_cases.py", "sglang_direct_cartridge_cases.py"]
 
 
+@pytest.mark.parametrize("cases", CASES)
 @pytest.mark.skipif(compat.LANE != "verl09", reason="the verl09 lane's backend (SGLang 0.5.12); the verl06 lane's "
                     "is tests/test_sglang_rollout.py")
-def test_sglang_0_5_12_cases_in_a_process_of_their_own():
+def test_sglang_0_5_12_cases_in_a_process_of_their_own(cases):
     import torch
 
     if torch.cuda.is_available():
@@ -28,7 +31,7 @@ def test_sglang_0_5_12_cases_in_a_process_of_their_own():
                     "scripts/gpu_smoke.py")
     path = os.pathsep.join(p for p in (STUBS, STUBS_09, os.environ.get("PYTHONPATH")) if p)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
-                           "-o", "faulthandler_timeout=600", str(CASES)], cwd=CASES.parents[1], capture_output=True,
+                           "-o", "faulthandler_timeout=600", str(HERE / cases)], cwd=HERE.parent, capture_output=True,
                           text=True, timeout=1500, env={**os.environ, "PYTHONPATH": path})
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     # every case ran (none skipped: the child has the stand-ins and SGLang 0.5.12), and passed

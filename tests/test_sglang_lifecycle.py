@@ -47,7 +47,7 @@ def test_two_engines_stop_independently_and_release_everything():
     too); the second keeps serving until its scheduler is killed; with the last engine the process group goes."""
     import torch.distributed as dist
     from final.errors import EngineError
-    from final.rollout.sglang import SGLangRollout
+    from final.rollout.sglang.rollout_052 import SGLangRollout
 
     sg_cfg, _, model_cfg = configs()
     with SGLangRollout(sg_cfg, model_cfg) as first, SGLangRollout(sg_cfg, model_cfg) as second:
@@ -79,7 +79,7 @@ def test_two_engines_stop_independently_and_release_everything():
 
 def test_a_fresh_engine_after_the_last_one_then_a_scheduler_killed_during_a_cartridge_rpc():
     from final.errors import EngineError
-    from final.rollout.sglang import SGLangRollout
+    from final.rollout.sglang.rollout_052 import SGLangRollout
 
     sg_cfg, _, model_cfg = configs()
     kv = [torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16)]
@@ -101,7 +101,7 @@ def test_a_scheduler_that_dies_unseen_during_start_still_ends_the_start():
     import multiprocessing as mp
     import threading
 
-    from final.rollout.sglang_procs import ProcessWatch, release_start
+    from final.rollout.sglang.procs import ProcessWatch, release_start
 
     ended, deaths = [], []
 
@@ -126,8 +126,8 @@ def test_a_scheduler_that_dies_unseen_during_start_still_ends_the_start():
 
 def test_a_scheduler_failing_at_start_becomes_an_engine_error_not_a_dead_process():
     from final.errors import EngineError
-    from final.rollout.sglang import SGLangRollout
-    from final.rollout.sglang_procs import new_children
+    from final.rollout.sglang.rollout_052 import SGLangRollout
+    from final.rollout.sglang.procs import new_children
 
     sg_cfg, _, model_cfg = configs(sglang_args={"max_total_tokens": -2})  # the scheduler cannot build its pool
     children = {p.pid for p in psutil.Process().children()}
@@ -143,7 +143,7 @@ sys.path.insert(0, {repo!r})
 from sglang_helpers import configs, dataproto
 
 def main():
-    from final.rollout.sglang import SGLangRollout
+    from final.rollout.sglang.rollout_052 import SGLangRollout
     sg_cfg, _, model_cfg = configs()
     rollout = SGLangRollout(sg_cfg, model_cfg)
     out = rollout.generate_sequences(dataproto(model_cfg, [[1, 17, 99]], {{"do_sample": False}}))

@@ -53,7 +53,7 @@ def test_importing_the_backend_keeps_the_threads_event_loops():
     code = ("import asyncio, threading\n"
             "loop = asyncio.new_event_loop(); asyncio.set_event_loop(loop)\n"
             "policy = asyncio.get_event_loop_policy()\n"
-            "import final.rollout.sglang_engine, sglang.srt.entrypoints.engine\n"
+            "import final.rollout.sglang.engine_052, sglang.srt.entrypoints.engine\n"
             "print(asyncio.get_event_loop_policy() is policy, asyncio.get_event_loop() is loop)\n")
     env = {**os.environ, "PYTHONPATH": pythonpath(str(REPO))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

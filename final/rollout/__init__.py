@@ -1,8 +1,8 @@
 """Rollout backends behind one interface (final/rollout/base.py), chosen by `rollout.name`.
 
 local       final/rollout/local.py       the embedded engine, in this process
-sglang      final/rollout/sglang.py      veRL 0.6.0's SGLangRollout on an in-process SGLang 0.5.2 (verl06 lane)
-            final/rollout/sglang_direct.py  SGLang 0.5.12's Engine, in-process (verl09 lane)
+sglang      final/rollout/sglang/        veRL 0.6.0's SGLangRollout on an in-process SGLang 0.5.2 (verl06 lane,
+                                         rollout_052.py), SGLang 0.5.12's Engine in-process (verl09, rollout_0512.py)
 tokasaurus  final/rollout/tokasaurus.py  a Tokasaurus server (or `final serve`) over HTTP
 """
 

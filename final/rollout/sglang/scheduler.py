@@ -1,10 +1,16 @@
-"""What runs inside SGLang 0.5.2's scheduler process (the child that owns the KV pool): cartridge injection, and
-stop strings for a scheduler started with skip_tokenizer_init (StopStringDecoder).
+"""What runs inside SGLang's scheduler process (the child that owns the KV pool), on both lanes (SGLang 0.5.2 and
+0.5.12): cartridge injection, and stop strings for a scheduler started with skip_tokenizer_init (StopStringDecoder).
 
-`Engine.collective_rpc(method, **params)` makes the scheduler call `getattr(self, method)(params)`. The parent
-replaces `sglang.srt.entrypoints.engine.run_scheduler_process` with `run_scheduler_process` below for the
-duration of engine start; being a module-level function, it is what the spawned child imports and runs, so the
-methods are added to the Scheduler class in the child, where they are needed.
+`Engine.collective_rpc(method, **params)` makes the scheduler call `getattr(self, method)(params)` on 0.5.2 and
+`getattr(self, method)(**params)` on 0.5.12 (`_rpc_method` takes both). `run_scheduler_process` below is what the
+spawned child runs: on 0.5.2 the parent replaces `sglang.srt.entrypoints.engine.run_scheduler_process` with it for
+the duration of engine start (engine_052.py), on 0.5.12 an Engine subclass names it in `run_scheduler_process_func`
+(engine_0512.py). Being a module-level function, the child imports and runs it, so the methods are added to the
+Scheduler class in the child, where they are needed.
+
+The radix cache's API is the other difference: 0.5.2 takes token lists and plain arguments, 0.5.12 one parameter
+object per call (MatchPrefixParams, InsertParams, EvictParams) around a RadixKey; `_match`, `_insert` and `_evict`
+speak whichever is installed.
 
 Injection of a cartridge (or of an ordered composition of cartridges), given reserved token ids R:
   slots = the KV slots of the longest cached prefix of R, plus fresh ones from the allocator (evicting if needed)
@@ -18,8 +24,9 @@ KV memory re-injects what is wanted, one host-to-device copy.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,7 +40,8 @@ def run_scheduler_process(server_args: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.managers import schedule_batch, scheduler
 
     install(scheduler.Scheduler)
-    install_stop_strings(schedule_batch.Req, StopStringDecoder(server_args))
+    if server_args.skip_tokenizer_init:  # 0.5.12's engine (rollout_0512.py) loads its tokenizer: nothing to lend
+        install_stop_strings(schedule_batch.Req, StopStringDecoder(server_args))
     scheduler.run_scheduler_process(server_args, *args, **kwargs)
 
 
@@ -85,8 +93,8 @@ def install(scheduler_cls: type) -> None:
         return
     flush, resume = scheduler_cls.flush_cache, scheduler_cls.resume_memory_occupation
 
-    def flush_cache(self) -> bool:
-        ok = flush(self)
+    def flush_cache(self, *args: Any, **kwargs: Any) -> bool:  # 0.5.12 adds empty_cache=True
+        ok = flush(self, *args, **kwargs)
         if ok:
             _state(self)["locked"].clear()  # the tree was reset: its nodes are gone
             if KV_CACHE_TAG not in self.offload_tags:
@@ -101,11 +109,46 @@ def install(scheduler_cls: type) -> None:
 
     scheduler_cls.flush_cache = flush_cache
     scheduler_cls.resume_memory_occupation = resume_memory_occupation
-    scheduler_cls.final_cartridge_load = _load
-    scheduler_cls.final_cartridge_compose = _compose
-    scheduler_cls.final_cartridge_unload = _unload
-    scheduler_cls.final_cartridge_memory = _memory
+    scheduler_cls.final_cartridge_load = _rpc_method(_load)
+    scheduler_cls.final_cartridge_compose = _rpc_method(_compose)
+    scheduler_cls.final_cartridge_unload = _rpc_method(_unload)
+    scheduler_cls.final_cartridge_memory = _rpc_method(_memory)
     scheduler_cls._final_cartridges_installed = True
+
+
+def _rpc_method(fn: Callable[[Any, dict], None]) -> Callable:
+    """An RPC method for either release: 0.5.2 passes the parameters as one dict, 0.5.12 as keyword arguments."""
+    def method(self, params: dict | None = None, **kwargs: Any) -> None:
+        return fn(self, params if params is not None else kwargs)
+
+    return method
+
+
+@functools.cache
+def _cache_params() -> tuple | None:
+    """0.5.12's parameter classes for radix-cache calls, or None on 0.5.2 (plain arguments)."""
+    try:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+    except ImportError:
+        return None
+    return MatchPrefixParams, InsertParams, EvictParams, RadixKey
+
+
+def _match(cache, ids: list[int]):
+    api = _cache_params()
+    # extra_key None: what a request without lora or cache_salt is matched under (Req.extra_key)
+    return cache.match_prefix(ids) if api is None else cache.match_prefix(api[0](key=api[3](ids)))
+
+
+def _insert(cache, ids: list[int], slots: torch.Tensor) -> None:
+    api = _cache_params()
+    cache.insert(ids, slots) if api is None else cache.insert(api[1](key=api[3](ids), value=slots))
+
+
+def _evict(cache, tokens: int) -> None:
+    api = _cache_params()
+    cache.evict(tokens) if api is None else cache.evict(api[2](num_tokens=tokens))
 
 
 def _state(sched) -> dict:
@@ -121,7 +164,8 @@ def _pool(sched):
     if type(cache).__name__ != "RadixCache" or getattr(cache, "disable", False):
         raise RuntimeError(f"cartridges need SGLang's plain radix cache; this engine uses {type(cache).__name__}"
                            f"{' (disabled)' if getattr(cache, 'disable', False) else ''}: do not set "
-                           f"disable_radix_cache, hierarchical cache or LoRA")
+                           f"disable_radix_cache, hierarchical cache or LoRA (on 0.5.12, deterministic inference disables the radix "
+                           f"cache unless the attention backend is fa3 or triton)")
     if cache.page_size != 1:
         raise RuntimeError(f"cartridges need page_size 1, the engine has page_size {cache.page_size}")
     pool = sched.token_to_kv_pool_allocator.get_kvcache()
@@ -167,7 +211,7 @@ def _memory(sched, params: dict) -> None:
     tensors = [t for _, ks, vs in state["store"].values() for t in ks + vs]
     slots: set[int] = set()
     for ids in state["locked"]:
-        slots.update(sched.tree_cache.match_prefix(_key(state, ids)).device_indices.tolist())
+        slots.update(_match(sched.tree_cache, _key(state, ids)).device_indices.tolist())
     report = {"host_bytes": sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu"),
               "device_bytes": sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu"),
               "pinned": all(t.is_pinned() for t in tensors) if tensors and on_cuda else None,
@@ -217,12 +261,12 @@ def _inject(sched, ids: tuple[str, ...]) -> None:
     cache, allocator = sched.tree_cache, sched.token_to_kv_pool_allocator
     parts = [state["store"][c] for c in ids]
     key = _key(state, ids)
-    have = cache.match_prefix(key).device_indices
+    have = _match(cache, key).device_indices
     need = len(key) - len(have)
     if need > 0:
         fresh = allocator.alloc(need)
         if fresh is None:
-            cache.evict(need)
+            _evict(cache, need)
             fresh = allocator.alloc(need)
         if fresh is None:
             raise RuntimeError(f"no room for {need} cartridge tokens in the KV pool "
@@ -233,8 +277,8 @@ def _inject(sched, ids: tuple[str, ...]) -> None:
             v = torch.cat([vs[layer] for _, _, vs in parts])[start:]
             pool.k_buffer[layer][fresh] = k.to(pool.device, non_blocking=True)
             pool.v_buffer[layer][fresh] = v.to(pool.device, non_blocking=True)
-        cache.insert(key, torch.cat([have.to(torch.int64), fresh.to(torch.int64)]))
-    node = cache.match_prefix(key).last_device_node
+        _insert(cache, key, torch.cat([have.to(torch.int64), fresh.to(torch.int64)]))
+    node = _match(cache, key).last_device_node
     cache.inc_lock_ref(node)
     state["locked"][ids] = node
     logger.info("cartridges %s injected: %d tokens (%d written)", ids, len(key), max(need, 0))

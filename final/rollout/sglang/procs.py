@@ -24,6 +24,8 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.5  # how often a ProcessWatch looks at an engine's processes
+
 
 @contextlib.contextmanager
 def keep_event_loop_policy() -> Iterator[None]:

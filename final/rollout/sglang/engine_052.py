@@ -1,8 +1,8 @@
 """veRL 0.6.0's SGLangRollout and AsyncEngine, subclassed for in-process use.
 
-Imports sglang, so it is loaded only after final.rollout.sglang has checked that SGLang can run here.
+Imports sglang, so it is loaded only after rollout_052.py has checked that SGLang can run here.
 - InProcessSGLangRollout: veRL's class as is, except that its engine is a FinalSGLangEngine and SGLang's
-  scheduler child runs final.rollout.sglang_scheduler.run_scheduler_process (cartridge RPCs); the per-row
+  scheduler child runs final.rollout.sglang.scheduler.run_scheduler_process (cartridge RPCs); the per-row
   cartridge choice (non_tensor_batch["cartridges"]) is handed to the engine call through context variables,
   because veRL's multi-turn path re-tokenizes prompts and never sees our prefix.
 - FinalSGLangEngine: veRL's AsyncEngine with our ServerArgs (veRL 0.6.0 passes only attention_backend from
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-from final.rollout.sglang_procs import keep_event_loop_policy
+from final.rollout.sglang.procs import keep_event_loop_policy
 
 with keep_event_loop_policy():
     import sglang.srt.entrypoints.engine as sgl_engine
@@ -33,10 +33,10 @@ with keep_event_loop_policy():
 from final.errors import EngineError, PromptError
 from final.outputs import ROW_INFO, TRACE_KEY, row_infos
 from final.prompts import object_array
-from final.rollout import sglang_scheduler
+from final.rollout.sglang import scheduler as sglang_scheduler
 from final.rollout.batch import logprob_request, row_cartridges
-from final.rollout.sglang_cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang_procs import kill_processes, new_children
+from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges, check_prefix_hit, shift_starts
+from final.rollout.sglang.procs import kill_processes, new_children
 
 # Batch path: one tuple of cartridge ids per DataProto row. Multi-turn path: the tuple of the request's row.
 BATCH_CARTRIDGES: contextvars.ContextVar = contextvars.ContextVar("final_batch_cartridges", default=None)
@@ -102,15 +102,13 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
             return await self._generate(call)
         single, rows, prefixes = plan
         ids = [p + list(r) for p, r in zip(prefixes, rows)]
-        # Input logprobs must start after R (else the scheduler recomputes R instead of hitting the cache).
-        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(rows)
-        starts = [-1 if s is None or s < 0 else s + len(p) for s, p in zip(starts, prefixes)]  # -1: SGLang's default
+        starts = shift_starts(logprob_start_len, prefixes)
         out = await self._generate({**call, "input_ids": ids[0] if single else ids,
                                     "logprob_start_len": starts[0] if single else starts})
         outs = out if isinstance(out, list) else [out]
         n = len(outs) // len(rows)  # parallel sampling returns n outputs per prompt, prompt-major
         for j, o in enumerate(outs):
-            _check_prefix_hit(o, len(prefixes[j // n]))
+            check_prefix_hit(o, len(prefixes[j // n]))
         return out
 
     async def _generate(self, call: dict) -> Any:
@@ -141,18 +139,7 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
             if len(wanted) != len(rows):
                 raise EngineError(f"{len(wanted)} cartridge choices for {len(rows)} prompts")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
-        prefixes = []
-        for i, (row, cartridges) in enumerate(zip(rows, wanted)):
-            if not cartridges:
-                self.cartridges.check_plain_prompt(row, i)
-                prefixes.append([])
-                continue
-            prefix = self.cartridges.prefix(tuple(cartridges), i)
-            total = len(prefix) + len(row) + (params[i].get("max_new_tokens") or 0)
-            if total >= self.tokenizer_manager.context_len:
-                raise PromptError(f"cartridges {list(cartridges)} ({len(prefix)} tokens) + prompt ({len(row)}) + "
-                                  f"max_new_tokens do not fit the context of {self.tokenizer_manager.context_len}", i)
-            prefixes.append(prefix)
+        prefixes = self.cartridges.prefixes(rows, wanted, params, self.tokenizer_manager.context_len)
         return (single, rows, prefixes) if any(prefixes) else None
 
     async def flush_cache(self):
@@ -221,29 +208,12 @@ def _rows(input_ids: Any) -> tuple[bool, list]:
     return single, [input_ids] if single else input_ids
 
 
-def _check_prefix_hit(out: dict, plen: int) -> None:
-    """Check that a cartridge's reserved ids were served from the radix cache. The counts stay as SGLang gives
-    them: prompt_tokens includes the cartridge's p tokens and cached_tokens at least p (final.outputs' usage)."""
-    if not plen:
-        return
-    meta = out["meta_info"]
-    reason = meta.get("finish_reason") or {}
-    if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
-        raise EngineError(f"a cartridge prefix of {plen} tokens was not served from SGLang's radix cache "
-                          f"(cached_tokens={meta.get('cached_tokens')}); its KV was evicted or flushed")
-
-
 class InProcessSGLangRollout(verl_sglang.SGLangRollout):
     def __init__(self, config: Any, model_config: Any, server_args: dict):
         self._final_server_args = server_args
         super().__init__(config, model_config, None)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        hf = model_config.hf_config
-        text = getattr(hf, "text_config", hf)
-        heads = text.num_attention_heads
-        dims = ModelDims(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                         vocab_size=text.vocab_size)
+        dims = ModelDims.of(model_config.hf_config)
         self._engine.cartridges = SGLangCartridges(self._engine, dims, len(tokenizer), tokenizer.all_special_ids)
         self._final_tool_calls: dict = {}
         for name, tool in self._tool_map.items():

@@ -1,7 +1,7 @@
 """Cartridges on SGLang: reserved token ids per cartridge, KV injected into the scheduler's radix cache.
 
 A cartridge of T tokens gets one reserved token id r, and its prefix is R = [r] * T. The scheduler (see
-sglang_scheduler.py) writes the cartridge's KV into T pool slots and caches them under R, locked. A request for
+scheduler.py) writes the cartridge's KV into T pool slots and caches them under R, locked. A request for
 cartridges (a, b) is sent as R_a + R_b + prompt: the radix cache serves R_a + R_b, the prompt is prefilled at
 positions p.. exactly as the embedded engine's prefix does. The engine wrapper prepends R, checks the cache hit
 (`cached_tokens` >= len(R), else the output would be garbage) and strips R from what it returns.
@@ -10,7 +10,10 @@ Reserved ids are never produced by the tokenizer (ids past it first, then the hi
 without cartridges that starts with one is refused. An unloaded cartridge's id is reused only after the next
 flush, which empties the radix cache of any entry still keyed by it.
 
-Same interface as EmbeddedEngine: load_cartridge(id, keys, values), unload_cartridge(id), cartridge_ids().
+Same interface as EmbeddedEngine: load_cartridge(id, keys, values), unload_cartridge(id), cartridge_ids(). Both
+lanes' engine wrappers (engine_052.py, engine_0512.py) plan a call's prefixes with `prefixes` and check each answer
+with `check_prefix_hit`. Calls may come from several threads on 0.5.12 (its engine has no owner thread for them):
+one lock serialises this object's state and the RPC socket (ZMQ sockets are not thread-safe).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from final.errors import CartridgeError, EngineError, PromptError
-from final.rollout.sglang_procs import alive
+from final.rollout.sglang.procs import alive
 
 RPC_POLL_MS = 500
 
@@ -36,6 +40,14 @@ class ModelDims:
     kv_heads: int
     head_dim: int
     vocab_size: int  # embedding rows: every id below this is accepted by SGLang
+
+    @classmethod
+    def of(cls, hf_config) -> "ModelDims":
+        """From a transformers config (a multimodal model's text_config)."""
+        text = getattr(hf_config, "text_config", hf_config)
+        heads = text.num_attention_heads
+        return cls(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab_size=text.vocab_size)
 
 
 class SGLangCartridges:
@@ -50,10 +62,15 @@ class SGLangCartridges:
         self._loaded: dict[str, tuple[int, int]] = {}  # id -> (reserved token, length)
         self._composed: set[tuple[str, ...]] = set()
         self._dir = tempfile.mkdtemp(prefix="final-sglang-cartridges-")  # mode 0700
+        self._lock = threading.RLock()
 
     # ---- EmbeddedEngine's interface --------------------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
         """Inject a cartridge (per-layer K/V [1,Hkv,T,D] or [Hkv,T,D], post-RoPE); returns its length T."""
+        with self._lock:
+            return self._load(cartridge_id, keys, values)
+
+    def _load(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
         if not isinstance(cartridge_id, str) or not cartridge_id:
             raise CartridgeError("cartridge id must be a non-empty string", field="id")
         ks, vs = self._check(cartridge_id, keys, "keys"), self._check(cartridge_id, values, "values")
@@ -84,13 +101,16 @@ class SGLangCartridges:
         return length
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
-        if cartridge_id not in self._loaded:
-            return False
-        self._rpc(cartridge_id, "final_cartridge_unload", cartridge_id=cartridge_id)
-        reserved, _ = self._loaded.pop(cartridge_id)
-        self._retired.append(reserved)
-        self._composed = {ids for ids in self._composed if cartridge_id not in ids}
-        return True
+        """Unlock its KV in the radix cache: the slots are evictable (freed when the pool needs room, or by a
+        flush), and its reserved id is retired until the next flush."""
+        with self._lock:
+            if cartridge_id not in self._loaded:
+                return False
+            self._rpc(cartridge_id, "final_cartridge_unload", cartridge_id=cartridge_id)
+            reserved, _ = self._loaded.pop(cartridge_id)
+            self._retired.append(reserved)
+            self._composed = {ids for ids in self._composed if cartridge_id not in ids}
+            return True
 
     def cartridge_ids(self) -> list[str]:
         return sorted(self._loaded)
@@ -101,7 +121,8 @@ class SGLangCartridges:
         import json
 
         path = os.path.join(self._dir, "memory.json")
-        self._rpc("(all)", "final_cartridge_memory", path=path)
+        with self._lock:
+            self._rpc("(all)", "final_cartridge_memory", path=path)
         try:
             with open(path) as f:
                 return json.load(f)
@@ -109,8 +130,29 @@ class SGLangCartridges:
             os.unlink(path)
 
     # ---- used by the engine wrapper ----------------------------------------------------------------------
+    def prefixes(self, rows: Sequence[Sequence[int]], wanted: Sequence[Sequence[str] | None], params: Sequence[dict],
+                 context_len: int) -> list[list[int]]:
+        """Per row, the reserved ids R to prepend (empty for a row without cartridges, whose first id must not be
+        reserved); a row whose cartridges + prompt + max_new_tokens exceed the context is refused."""
+        out = []
+        for i, (row, cartridges, p) in enumerate(zip(rows, wanted, params)):
+            if not cartridges:
+                self.check_plain_prompt(row, i)
+                out.append([])
+                continue
+            prefix = self.prefix(tuple(cartridges), i)
+            if len(prefix) + len(row) + (p.get("max_new_tokens") or 0) >= context_len:
+                raise PromptError(f"cartridges {list(cartridges)} ({len(prefix)} tokens) + prompt ({len(row)}) + "
+                                  f"max_new_tokens do not fit the context of {context_len}", i)
+            out.append(prefix)
+        return out
+
     def prefix(self, cartridge_ids: tuple[str, ...], index: int | None = None) -> list[int]:
         """The reserved ids R to prepend for these cartridges (injecting the composition on first use)."""
+        with self._lock:
+            return self._prefix(cartridge_ids, index)
+
+    def _prefix(self, cartridge_ids: tuple[str, ...], index: int | None) -> list[int]:
         unknown = [c for c in cartridge_ids if c not in self._loaded]
         if unknown:
             raise PromptError(f"cartridge(s) {unknown} are not loaded (loaded: {self.cartridge_ids()})", index)
@@ -134,8 +176,9 @@ class SGLangCartridges:
 
     def after_flush(self) -> None:
         """The radix cache is empty again: retired ids can be reserved anew."""
-        self._free.extend(self._retired)
-        self._retired.clear()
+        with self._lock:
+            self._free.extend(self._retired)
+            self._retired.clear()
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -180,3 +223,23 @@ class SGLangCartridges:
     def _check_alive(self, method: str, name: str) -> None:
         if not all(alive(p) for p in self._engine.processes):
             raise EngineError(f"SGLang's scheduler died while serving {method} for cartridge {name!r}")
+
+
+def shift_starts(starts: int | None | list, prefixes: list[list[int]]) -> list[int]:
+    """SGLang's logprob_start_len per row, moved past the row's reserved ids R: a start inside R would make the
+    scheduler recompute R instead of taking it from the radix cache (its prefix match stops at the start)."""
+    starts = starts if isinstance(starts, list) else [starts] * len(prefixes)
+    return [-1 if s is None or s < 0 else s + len(p) for s, p in zip(starts, prefixes)]  # -1: SGLang's default
+
+
+def check_prefix_hit(out: dict, plen: int) -> None:
+    """Check that a cartridge's reserved ids were served from the radix cache (else the answer attended to
+    whatever the reserved ids' embeddings compute: garbage). The counts stay as SGLang gives them: prompt_tokens
+    includes the cartridge's p tokens and cached_tokens at least p (final.outputs' usage)."""
+    if not plen:
+        return
+    meta = out["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
+        raise EngineError(f"a cartridge prefix of {plen} tokens was not served from SGLang's radix cache "
+                          f"(cached_tokens={meta.get('cached_tokens')}); its KV was evicted or flushed")

@@ -1,23 +1,26 @@
 """RolloutConfig -> what veRL's SGLangRollout and SGLang 0.5.2's ServerArgs get; checked before anything starts.
-(The verl09 lane's sglang_direct.py builds SGLang 0.5.12's ServerArgs with translate_config too.)
+(The verl09 lane's rollout_0512.py builds SGLang 0.5.12's ServerArgs with translate_config too.) Also what both
+lanes check before a model is fetched: the requirements (a GPU unless SGLang's CPU device is asked for, the
+package) and SamplingParams' keys.
 
 veRL 0.6.0 builds the engine's arguments itself (sglang_rollout.py `_init_inference_engine`) and hard-codes a few
 that are wrong for one in-process engine: `enable_memory_saver: True`, `base_gpu_id: 0`, `port: 30000 + rank`, and
 it drops every engine_kwargs.sglang key but attention_backend. FinalSGLangEngine overrides them with the
-ServerArgs computed here. Imports sglang only inside functions: final.rollout.sglang re-exports these.
+ServerArgs computed here. Imports sglang only inside functions (this runs before SGLang is known to be there).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import logging
 import os
 from typing import Any, Mapping
 
-from final import dist
+from final import compat, dist
 from final.errors import BackendUnavailableError, ConfigError, SamplingError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,42 @@ ONE_GPU_ARGS = {
     "nnodes": "an in-process engine runs on one node",
 }
 MEMORY_SAVER = "torch_memory_saver==0.0.8"  # the version sglang[torch_memory_saver] 0.5.2 pins
+
+
+# What each lane installs for rollout.name: sglang (veRL 0.6.0's [sglang] extra; veRL 0.9.1's pin)
+INSTALL = {"verl06": ("sglang[srt]==0.5.2", "On a CUDA 12 machine: pip install -e '.[sglang]' (SGLang 0.5.2 and torch "
+                                            "2.8, as veRL 0.6.0 pins them)"),
+           "verl09": ("sglang==0.5.12", "On a CUDA machine of the verl09 lane: pip install 'sglang==0.5.12' (veRL "
+                                        "0.9.1's pin)")}
+
+
+def missing_requirements(cuda: bool, sglang: bool, device: str = "cuda", pin: str | None = None) -> list[str]:
+    """What keeps SGLang from running: a CUDA GPU (unless SGLang's CPU device is chosen) and the package."""
+    missing = []
+    if device != "cpu" and not cuda:
+        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
+    if not sglang:
+        missing.append(f"the sglang package ({pin or INSTALL[compat.LANE][0]})")
+    return missing
+
+
+def require_sglang(device: str = "cuda") -> None:
+    """Raise BackendUnavailableError naming what is missing and how to install it (this lane's SGLang)."""
+    import torch
+
+    missing = missing_requirements(torch.cuda.is_available(), importlib.util.find_spec("sglang") is not None, device)
+    if missing:
+        raise BackendUnavailableError(f"rollout.name: sglang needs {' and '.join(missing)}. {INSTALL[compat.LANE][1]}. "
+                                      f"Without a GPU use rollout.name: local or auto.")
+
+
+def preflight(engine_config: Any) -> None:
+    """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
+    requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
+    from final.rollout.sglang.procs import survive_sigquit
+
+    require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
+    survive_sigquit()
 
 
 def choose_attention_backend(requested: str | None, capability: tuple[int, int] | None,
@@ -153,14 +192,24 @@ def _installed() -> str:
     return version("sglang")
 
 
-def check_sampling_kwargs(kwargs: dict) -> None:
-    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
+@functools.cache
+def sampling_keys() -> frozenset[str]:
+    """SamplingParams' keyword names in the installed SGLang (read once: checks run for every row)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    allowed = set(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
+    return frozenset(inspect.signature(SamplingParams.__init__).parameters) - {"self"}
+
+
+def check_sampling_key(key: str) -> None:
+    allowed = sampling_keys()
+    if key not in allowed:
+        raise SamplingError(f"is not an SGLang {_installed()} sampling parameter ({', '.join(sorted(allowed))})", key)
+
+
+def check_sampling_kwargs(kwargs: dict) -> None:
+    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
     for key in kwargs:
         if key == "seed":
             raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",
                                 key)
-        if key not in allowed:
-            raise SamplingError(f"is not an SGLang 0.5.2 sampling parameter ({', '.join(sorted(allowed))})", key)
+        check_sampling_key(key)

@@ -4,7 +4,7 @@ veRL's class expects to live in a Ray worker. What this module supplies at world
 - requirements: CUDA and the sglang package, else BackendUnavailableError with the install command;
 - the process: a process group (final.dist: gloo, or cpu:gloo,cuda:nccl), WORLD_SIZE/RANK/LOCAL_RANK/MASTER_*,
   the visible-devices variable veRL reads, torch.cuda.set_device; free SGLang/NCCL ports per engine;
-- config translation (sglang_config.py): tp=1, token in/token out, the attention backend (fa3 on sm80-sm90, else
+- config translation (config.py): tp=1, token in/token out, the attention backend (fa3 on sm80-sm90, else
   flashinfer or triton with a warning), the GPU from LOCAL_RANK, no memory saver by default, one GPU per engine,
   engine_kwargs.sglang handed to SGLang's ServerArgs (veRL 0.6.0 drops them);
 - one owner thread with its own event loop (final.rollout.thread): SGLang binds to the loop of its first request
@@ -13,7 +13,7 @@ veRL's class expects to live in a Ray worker. What this module supplies at world
 - lifecycle: shutdown() kills this engine's processes, closes its sockets, destroys the group with the last
   engine; context manager; atexit. A scheduler that dies (SGLang SIGQUITs the parent, which would kill it)
   turns into EngineError for the caller instead of a dead process or a hang.
-- cartridges (sglang_cartridges.py, sglang_scheduler.py).
+- cartridges (cartridges.py, scheduler.py).
 
 SGLang starts its scheduler with multiprocessing's `spawn`, which re-imports the main script in the child: a
 script must create the engine under `if __name__ == "__main__":` (the unguarded case is detected and named).
@@ -36,50 +36,21 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from final import dist
-from final.errors import BackendUnavailableError, EngineError
+from final.errors import EngineError
 from final.rollout.base import Backend, Capabilities, Observer
-from final.rollout.sglang_config import (  # noqa: F401 - re-exported: this module is the backend's public face
-    OWNED_SERVER_ARGS, check_sampling_kwargs, choose_attention_backend, local_gpu, sglang_device, translate_config)
-from final.rollout.sglang_procs import ProcessWatch, cancel_all, release_start, survive_sigquit
+from final.rollout.sglang.config import check_sampling_kwargs, preflight, require_sglang, sglang_device, \
+    translate_config
+from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.thread import RolloutThread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-INSTALL = "pip install -e '.[sglang]'"
 SPAWN_GUARD = ("SGLang starts its scheduler with multiprocessing 'spawn', which re-imports your main script; this "
                "process is that re-import. Create the engine under `if __name__ == \"__main__\":`.")
-POLL_S = 0.5  # how often the process watch looks at the engine's processes
 
 _group_users = 0  # live engines; the process group goes with the last one
 _group_lock = threading.Lock()
-
-
-# ---- requirements and config ----------------------------------------------------------------------------
-def missing_requirements(cuda: bool, sglang: bool, device: str = "cuda", pin: str = "sglang[srt]==0.5.2") -> list[str]:
-    """What keeps SGLang from running: a CUDA GPU (unless SGLang's CPU device is chosen) and the package."""
-    missing = []
-    if device != "cpu" and not cuda:
-        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
-    if not sglang:
-        missing.append(f"the sglang package ({pin})")
-    return missing
-
-
-def require_sglang(device: str = "cuda") -> None:
-    """Raise BackendUnavailableError naming what is missing and how to install it."""
-    missing = missing_requirements(torch.cuda.is_available(), importlib.util.find_spec("sglang") is not None, device)
-    if missing:
-        raise BackendUnavailableError(
-            f"rollout.name: sglang needs {' and '.join(missing)}. On a CUDA 12 machine: {INSTALL} (SGLang 0.5.2 "
-            f"and torch 2.8, as veRL 0.6.0 pins them). Without a GPU use rollout.name: local or auto.")
-
-
-def preflight(engine_config: Any) -> None:
-    """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
-    requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
-    require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
-    survive_sigquit()
 
 
 # ---- the process ---------------------------------------------------------------------------------------
@@ -156,7 +127,7 @@ class SGLangRollout(Backend):
         self._watch = ProcessWatch(self._on_death, POLL_S, self._thread_ident)
         atexit.register(self.shutdown)
         try:
-            from final.rollout.sglang_engine import InProcessSGLangRollout
+            from final.rollout.sglang.engine_052 import InProcessSGLangRollout
 
             self._rollout = self._call(lambda: InProcessSGLangRollout(self.config, model_config, server_args))
             self._watch.started(self._rollout.engine.processes)
