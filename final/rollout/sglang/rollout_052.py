@@ -94,7 +94,7 @@ class SGLangRollout(Backend):
 
     name = "sglang"
     # SGLang 0.5.2 has no per-request seed; veRL's calls report no per-row progress or live tool events (the calls
-    # a row made are in its metadata: sglang_engine records them around the tools' execute)
+    # a row made are in its metadata: engine_052 records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),))
 
