@@ -131,3 +131,39 @@ def test_a_trained_tool_cartridge_makes_the_model_call_the_tool(tool_model, tmp_
     printed = capsys.readouterr().out
     assert "tool-call rate                 1.000" in printed and "accuracy (veRL gsm8k, strict)  1.000" in printed
     assert len(TOOL_PROBLEMS) == len(results.read_text().splitlines())
+
+
+def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_model, tmp_path):
+    """Student.log_probs runs the rows' common leading tokens (the tool system prompt) once for the batch: the
+    log-probs and the cartridge's gradient equal those of every row run whole."""
+    import torch
+
+    import final.distill.train as train
+
+    build_traces(load_config(tool_config(tool_model, TOOLS)), write_gsm8k(tmp_path / "g.jsonl"),
+                 tmp_path / "t.jsonl", progress=False)
+    student = train.Student(tool_model)
+    [row] = read_conversations(tmp_path / "t.jsonl", student.vocab_size)
+    short = train.Conversation(1, row.prompt_ids, row.answer_ids[:-3], row.top_ids[:-3], row.top_logprobs[:-3],
+                               target_start=row.target_start, mask=row.mask[:-3])
+    batch = train.make_batch([row, short], 0, student.device)
+    assert train._shared_prefix(batch.ids, batch.where) == len(row.prompt_ids) - 1
+    cache = train.TrainableKV(*student.prefill(row.ids[:8]), 1)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for p in cache.trainable_keys:
+            p.grad = None
+        logq = student.log_probs(*cache.full(), batch.ids, batch.where)
+        logq.gather(1, batch.targets.token_ids[:, None]).sum().backward()
+        return logq.detach(), [p.grad.clone() for p in cache.trainable_keys]
+
+    shared, grads = run()
+    original = train._shared_prefix
+    train._shared_prefix = lambda ids, where: 0
+    try:
+        whole, whole_grads = run()
+    finally:
+        train._shared_prefix = original
+    assert torch.allclose(shared, whole, atol=1e-4)
+    for g, w in zip(grads, whole_grads):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))

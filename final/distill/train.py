@@ -19,7 +19,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -84,17 +84,44 @@ class Student:
     def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
                   where: torch.Tensor) -> torch.Tensor:
         """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
-        are returned. Right padding needs no mask: causal attention never lets a real token see a later pad."""
+        are returned. Right padding needs no mask: causal attention never lets a real token see a later pad.
+
+        The rows' common leading tokens before the first target (e.g. the system prompt every tool-use trace
+        shares) run once, as one row, and their KV is shared by the batch: exact, and a step costs the shared
+        part once instead of B times."""
         from transformers import DynamicCache
 
         B, T = ids.shape
         p = keys[0].shape[2]
-        cache = DynamicCache([(k.to(self.dtype).expand(B, -1, -1, -1), v.to(self.dtype).expand(B, -1, -1, -1))
-                              for k, v in zip(keys, values)])
-        positions = torch.arange(p, p + T, device=self.device)
-        hidden = self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions[None].expand(B, -1),
-                                  cache_position=positions, use_cache=True).last_hidden_state
-        return F.log_softmax(self.model.lm_head(hidden[where]).float(), dim=-1)
+        shared = _shared_prefix(ids, where) if B > 1 else 0
+        if shared:
+            cache = DynamicCache([(k.to(self.dtype), v.to(self.dtype)) for k, v in zip(keys, values)])
+            self._run(ids[:1, :shared], cache, p)
+            cache = DynamicCache([(layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1))
+                                  for layer in cache.layers])
+        else:
+            cache = DynamicCache([(k.to(self.dtype).expand(B, -1, -1, -1), v.to(self.dtype).expand(B, -1, -1, -1))
+                                  for k, v in zip(keys, values)])
+        hidden = self._run(ids[:, shared:], cache, p + shared)
+        return F.log_softmax(self.model.lm_head(hidden[where[:, shared:]]).float(), dim=-1)
+
+    def _run(self, ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+        """The decoder over ids [B, T] at positions start.. after `cache` (which it extends); hidden states."""
+        B, T = ids.shape
+        positions = torch.arange(start, start + T, device=self.device)
+        return self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions[None].expand(B, -1),
+                                cache_position=positions, use_cache=True).last_hidden_state
+
+
+def _shared_prefix(ids: torch.Tensor, where: torch.Tensor) -> int:
+    """How many leading tokens every row has in common and none of them predicts a target from (0 when fewer
+    than 16: not worth a second forward call)."""
+    same = (ids == ids[:1]).all(0)
+    limit = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else ids.shape[1] - 1
+    targets = where.any(0).nonzero()
+    if len(targets):
+        limit = min(limit, int(targets[0]))
+    return limit if limit >= 16 else 0
 
 
 class TrainableKV(nn.Module):
