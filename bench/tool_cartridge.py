@@ -1,0 +1,104 @@
+"""Issue 28: a tool-use cartridge for SmolLM2-135M, end to end, on GSM8K problems it never saw.
+
+    nice -n 5 .venv/bin/python bench/tool_cartridge.py [--tokens 32 64 128] [--steps 100] [--heldout 200]
+
+The recipe a user runs, each stage a command, timed:
+  final cartridge traces --gsm8k DATA --tools tools.yaml --skip H --out traces.jsonl   (problems H.. only)
+  final cartridge train --data traces.jsonl --tokens P --out tooluse-pP.pt           (its defaults but --steps)
+  final eval gsm8k --data DATA --limit H --tools tools.yaml --cartridge tooluse-pP.pt (the first H problems)
+and the baselines without a cartridge (with and without the tool). Finished stages are skipped on a rerun (delete
+--work to start over). Prints the table README and bench/RESULTS.md show, and writes summary.json in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+TOOLS = ROOT / "tools.yaml"
+
+
+def run(*args: str) -> float:
+    """Run `final ...` and return its wall time."""
+    t = time.time()
+    subprocess.run([sys.executable, "-m", "final.cli", *args], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return time.time() - t
+
+
+def summary(path: Path) -> dict:
+    """The eval's figures, recomputed from its per-problem records (final.evals.gsm8k.summarize)."""
+    from final.evals.gsm8k import summarize
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return summarize(records, 0.0, tools=any(r["tool_reward"] is not None for r in records))
+
+
+def evaluate(work: Path, name: str, args: argparse.Namespace, *extra: str) -> dict:
+    out = work / f"eval-{name}.jsonl"
+    done = work / f"eval-{name}.seconds"
+    if not done.exists():
+        seconds = run("eval", "gsm8k", "--data", str(args.data), "--limit", str(args.heldout), "--out", str(out),
+                      *extra)
+        done.write_text(f"{seconds:.1f}")
+    return {**summary(out), "eval_s": float(done.read_text())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "tool_cartridge")
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--heldout", type=int, default=200, help="the first N problems are evaluated, never trained on")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--steps", type=int, default=100, help="training steps (train's default: 100)")
+    ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    traces = work / "traces.jsonl"
+    times: dict[str, float] = {}
+    if not traces.exists():
+        times["traces"] = run("cartridge", "traces", "--gsm8k", str(args.data), "--tools", str(TOOLS), "--skip",
+                              str(args.heldout), "--out", str(traces), "--quiet")
+    rows: dict[str, dict] = {}
+    if args.baselines:
+        rows["no cartridge, no tool"] = evaluate(work, "plain", args)
+        rows["no cartridge, tool"] = evaluate(work, "tools", args, "--tools", str(TOOLS))
+    for p in args.tokens:
+        cart = work / f"tooluse-p{p}.pt"
+        if not cart.exists():
+            times[f"train_p{p}"] = run("cartridge", "train", "--data", str(traces), "--tokens", str(p), "--steps",
+                                       str(args.steps), "--out", str(cart), "--quiet")
+            (work / f"train-p{p}.seconds").write_text(f"{times[f'train_p{p}']:.1f}")
+        row = evaluate(work, f"p{p}", args, "--tools", str(TOOLS), "--cartridge", str(cart))
+        row["train_s"] = float((work / f"train-p{p}.seconds").read_text())
+        rows[f"cartridge p={p}, tool"] = row
+    print(table(rows, args))
+    info = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "load": os.getloadavg(), "steps": args.steps, "heldout": args.heldout, "rows": rows, "times": times}
+    (work / "summary.json").write_text(json.dumps(info, indent=2))
+    return 0
+
+
+def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
+    head = ("| SmolLM2-135M-Instruct, first {} GSM8K test problems | tool-call rate | well-formed call rate | mean "
+            "assistant turns | accuracy (strict) | accuracy (flexible) | train s ({} steps) | eval s |".format(
+                args.heldout, args.steps))
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        train = f"{r['train_s']:.0f}" if "train_s" in r else "-"
+        lines.append(f"| {name} | {r['tool_call_rate']:.3f} | {r['well_formed_call_rate']:.3f} | "
+                     f"{r['mean_turns']:.2f} | {r['accuracy']:.3f} | {r['flexible_accuracy']:.3f} | {train} | "
+                     f"{r['eval_s']:.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
