@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from final.errors import ConfigError, PromptError
 from final.evals import gsm8k
+from final.tools import gsm8k_task
 from final.models import resolve_model_path
 from final.outputs import GenerationOutput
 from final.prompts import build_dataproto, normalize_prompts, tokenize
@@ -62,10 +63,10 @@ def test_prompts_follow_verl_preprocessing():
         {"role": "user", "content": 'What is 2+2? Let\'s think step by step and output the final answer after "####".'}]
     assert not gsm8k.template_renders_tools(smol, schemas)  # SmolLM2's template drops `tools`...
     system, user = gsm8k.build_messages(problem, schemas, False)
-    assert system["content"].startswith(gsm8k.TOOL_SYSTEM) and '"name": "calc_gsm8k_reward"' in system["content"]
+    assert system["content"].startswith(gsm8k_task.TOOL_SYSTEM) and '"name": "calc_gsm8k_reward"' in system["content"]
     assert "<tool_call>" in system["content"]  # ...so the tool is described in the system message
     assert user["content"].endswith("after `####`.")
-    assert gsm8k.build_messages(problem, schemas, True)[0]["content"] == gsm8k.TOOL_SYSTEM
+    assert gsm8k.build_messages(problem, schemas, True)[0]["content"] == gsm8k_task.TOOL_SYSTEM
 
 
 def test_evaluate_scores_with_verl_and_writes_jsonl(data, tmp_path):
