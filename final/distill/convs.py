@@ -171,17 +171,18 @@ def _row(obj: object, n: int, name: str, vocab: int) -> Conversation:
                         tuple(obj.get("chunk", (0, 0))), obj.get("target_start"), mask)
 
 
-def _key(question: str) -> str:
+def question_key(question: str) -> str:
+    """A question as compared for duplicates: case and spacing aside."""
     return " ".join(question.lower().split())
 
 
 def dedupe(heldout: list[Conversation], seen: Iterable[str]) -> list[Conversation]:
     """Held-out rows whose question (case and spacing aside) is not among `seen` (the training questions), each
     question once: a held-out figure on questions the cartridge was trained on measures memory, not transfer."""
-    taken = {_key(q) for q in seen}
+    taken = {question_key(q) for q in seen}
     out = []
     for row in heldout:
-        key = _key(row.question)
+        key = question_key(row.question)
         if key not in taken:
             taken.add(key)
             out.append(row)

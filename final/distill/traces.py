@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from final.distill.convs import Conversation, append
+from final.distill.convs import Conversation, append, question_key
 from final.errors import ConfigError
 from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_problems,
                                     template_renders_tools)
@@ -163,7 +163,7 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     builder = TraceBuilder(config, tokenizer, eos_token_ids(local, tokenizer)[0])
     rows, seen = [], set()
     for problem in tqdm(problems, desc="traces", unit="problem", disable=not progress):
-        key = " ".join(problem.question.split()).lower()
+        key = question_key(problem.question)
         if key in seen:  # one row per question: a repeated one would weigh twice
             continue
         seen.add(key)
