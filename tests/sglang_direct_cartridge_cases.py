@@ -15,7 +15,7 @@ import torch
 
 from final import compat
 from sglang_helpers import assert_same_output, dataproto, use_sglang_cpu
-from test_sglang_cartridges import DOC, DOC2, QUESTION, ask, sglang_config
+from test_sglang_cartridges import DOC, QUESTION, ask, cartridge_engines
 
 pytestmark = pytest.mark.skipif(compat.LANE != "verl09", reason="the verl09 lane's backend (SGLang 0.5.12); the "
                                 "verl06 lane's is tests/test_sglang_cartridges.py")
@@ -24,26 +24,7 @@ ROWS = [[1, 504, 3456, 28, 253], [1, 17, 99], [1, 2035, 441, 873, 12, 9]]
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    use_sglang_cpu()
-    from conftest import tiny_config
-    from final.cartridges.build import build_from_text, document_ids
-    from final.cartridges.format import save_cartridge
-    from final.inf import InferenceEngine
-    from final.rollout.sglang.procs import survive_sigquit
-
-    survive_sigquit()  # InferenceEngine builds rollouts off the main thread, where this cannot be done
-    local = InferenceEngine(tiny_config(prompt_length=256, dtype="float32"))
-    files = {}
-    for name, text in (("doc", DOC), ("bakery", DOC2)):
-        files[name] = tmp_path_factory.mktemp("carts") / f"{name}.pt"
-        save_cartridge(build_from_text(local.engine, document_ids(local.tokenizer, text)), files[name])
-    sglang = InferenceEngine(sglang_config())
-    for eng in (local, sglang):
-        for name, path in files.items():
-            eng.load_cartridge(id=name, path=str(path))
-    yield sglang, local, files
-    sglang.shutdown()
-    local.shutdown()
+    yield from cartridge_engines(tmp_path_factory)
 
 
 def same_dataproto(sglang, local, cartridges) -> None:

@@ -23,8 +23,9 @@ def sglang_config() -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def cartridge_engines(tmp_path_factory):
+    """The embedded engine and SGLang (this lane's), each with the same two built cartridges loaded ("doc",
+    "bakery"): yields (sglang, local, files). tests/sglang_direct_cartridge_cases.py uses it on SGLang 0.5.12."""
     use_sglang_cpu()
     from final.cartridges.build import build_from_text, document_ids
     from final.rollout.sglang.procs import survive_sigquit
@@ -45,6 +46,11 @@ def engines(tmp_path_factory):
     yield sglang, local, files
     sglang.shutdown()
     local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    yield from cartridge_engines(tmp_path_factory)
 
 
 def ask(eng, prompts=QUESTION, **kw):
