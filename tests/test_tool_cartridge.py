@@ -13,7 +13,7 @@ import pytest
 
 from final.config import load_config
 from final.distill.convs import read_conversations
-from final.distill.traces import build_traces, reference_turns, trace_rows
+from final.distill.traces import TraceBuilder, build_traces, reference_turns, student_turns, trace_rows
 from final.errors import ConfigError
 from final.models import resolve_model_path
 from final.tools.gsm8k_task import load_problems
@@ -45,6 +45,54 @@ def test_trace_rows_merge_a_continued_stream_and_split_a_rerendered_one():
     assert [(r.prompt_ids, r.answer_ids, r.mask) for r in rows] == [([1, 2], [3, 4, 5, 6, 7, 8], [1, 1, 0, 0, 1, 1])]
     rows = trace_rows([([1, 2], [3, 4]), ([1, 2, 9, 5], [7])])  # turn 1 re-rendered: a row of its own
     assert [(r.prompt_ids, r.answer_ids, r.mask) for r in rows] == [([1, 2], [3, 4], [1, 1]), ([1, 2, 9, 5], [7], [1])]
+
+
+def test_student_turns_keep_its_reasoning_up_to_the_solution_length_and_call_with_its_last_number(tmp_path):
+    problem = load_problems(write_gsm8k(tmp_path / "g.jsonl", [("Q?", "a = <<1+1=2>>2\nb = 2 * 3 = 6\n#### 6")]))[0]
+    loop = "He has 2 pens.\nHe has 2,400 pens.\nHe has 2 pens.\nHe has 2 pe"  # a greedy loop cut by the limit
+    assert student_turns(problem, loop, finished=False) == [
+        ("He has 2 pens.\nHe has 2,400 pens.\n", '<tool_call>\n{"name": "calc_gsm8k_reward", "arguments": '
+                                                   '{"answer": "2400"}}\n</tool_call>'), ("", "#### 2400")]
+    called = student_turns(problem, "x = 5\n<tool_call>\n{bad json", finished=True)
+    assert called[0][0] == "x = 5\n" and '"answer": "5"' in called[0][1]
+    answered = student_turns(problem, "no numbers here\n#### 9", finished=True)  # answered instead of calling
+    assert answered[0][0] == "no numbers here\n" and answered[1] == ("", "#### 6")  # none reasoned: the truth
+    assert student_turns(problem, "cut mid-li", finished=False)[0][0] == ""
+
+
+def test_student_rows_read_its_own_reasoning_and_learn_only_the_call(tool_model, tmp_path):
+    """Played through the real rollout: the student's reasoning is in the row with mask 0; the call (run by the
+    real tool) and the closing answer are the targets."""
+    from transformers import AutoTokenizer
+
+    [problem] = load_problems(write_gsm8k(tmp_path / "g.jsonl"))
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    builder = TraceBuilder(load_config(tool_config(tool_model, TOOLS)), tok, tok.eos_token_id)
+    [row], [call] = builder.play(problem, student_turns(problem, "Ann has 3 + 4 = 8 pens.\nAnn", finished=False))
+    assert call["arguments"] == {"answer": "8"} and call["response"] == "Current parsed answer='8' reward=0.0"
+    context = tok.decode([t for t, m in zip(row.answer_ids, row.mask) if not m])
+    targets = tok.decode([t for t, m in zip(row.answer_ids, row.mask) if m])
+    assert context.startswith("Ann has 3 + 4 = 8 pens.") and "reward=0.0" in context
+    assert targets.lstrip().startswith("<tool_call>") and targets.endswith("#### 8<|im_end|>")
+    assert "pens" not in targets
+
+
+def test_traces_from_a_student_cartridge_end_to_end(tool_model, tmp_path):
+    """`traces --student`: the model behind a cartridge writes each first turn (InferenceEngine), and its rows
+    get ids of their own, so the file can be concatenated with the reference rows."""
+    from final.cartridges.build import build_from_text, document_ids
+    from final.cartridges.format import save_cartridge
+    from final.inf import InferenceEngine
+
+    data = write_gsm8k(tmp_path / "g.jsonl")
+    with InferenceEngine({"model_path": tool_model, "progress": False}) as engine:  # as the CLI opens it
+        save_cartridge(build_from_text(engine.engine, document_ids(engine.tokenizer, "Count the pens.")),
+                       tmp_path / "s.pt")
+        summary = build_traces(load_config(tool_config(tool_model, TOOLS)), data, tmp_path / "t.jsonl",
+                               progress=False, student=(engine, str(tmp_path / "s.pt")), student_tokens=16)
+        assert engine.cartridges.ids() == []  # the student's cartridge is unloaded again
+    [row] = read_conversations(tmp_path / "t.jsonl", 10**6)
+    assert summary["rows"] == 1 and row.id == 50 and row.mask[-1] == 1
 
 
 def test_traces_on_a_template_that_renders_calls_are_one_masked_row(tool_model, tmp_path):

@@ -11,6 +11,12 @@ turn; turns whose prompt continues the previous turn's stream are one row, with 
 
 The reference turns of a problem: its worked solution (calculator annotations <<...>> removed) followed by a
 well-formed `calc_gsm8k_reward` call with the `#### N` answer, then, after the tool's response, `#### N`.
+
+Student rows (`--student CART`, DAgger): a cartridge trained on reference turns alone still loops at greedy inside
+its own reasoning, in states the references never show it, and never reaches the call. So the model with that
+cartridge writes its own first turn; the row keeps its reasoning as context (mask 0: not a target), cut at the
+reference solution's line count (or where it called or answered), and supervises what a tool-using model writes
+from there: the call, with the last number it reasoned to, then the closing answer.
 """
 
 from __future__ import annotations
@@ -27,13 +33,47 @@ from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_pro
                                     template_renders_tools)
 
 ANNOTATION = re.compile(r"<<[^>]*>>")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+CALL_OPEN = "<tool_call>"
+
+# A reference turn: (the model's own text, read but not a target; the text it must write)
+Turn = tuple[str, str]
+
+
+def solution_lines(problem: Problem) -> list[str]:
+    return ANNOTATION.sub("", problem.answer.split("####")[0]).strip().split("\n")
+
+
+def call_turns(answer: str) -> tuple[str, str]:
+    """A well-formed call (hermes/qwen25 format) submitting `answer`, and the closing answer turn."""
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"answer": answer}})
+    return f"{CALL_OPEN}\n{call}\n</tool_call>", f"#### {answer}"
 
 
 def reference_turns(problem: Problem) -> list[str]:
-    """The assistant turns a tool-using model would write for `problem` (hermes/qwen25 call format)."""
-    reasoning = ANNOTATION.sub("", problem.answer.split("####")[0]).strip()
-    call = json.dumps({"name": TOOL_NAME, "arguments": {"answer": problem.ground_truth}})
-    return [f"{reasoning}\n<tool_call>\n{call}\n</tool_call>", f"#### {problem.ground_truth}"]
+    """The assistant turns a tool-using model would write for `problem`."""
+    call, closing = call_turns(problem.ground_truth)
+    return ["\n".join(solution_lines(problem)) + "\n" + call, closing]
+
+
+def student_turns(problem: Problem, text: str, finished: bool) -> list[Turn]:
+    """The student's own first turn `text` (finished: it ended by itself, not at the token limit) -> reference turns
+    that keep its reasoning as context: at most as many lines as the worked solution, none after a call or an
+    answer line, none cut by the limit; then the call with the last number in what is kept."""
+    head, called = text.split(CALL_OPEN)[0], CALL_OPEN in text
+    lines = head.split("\n")
+    if not finished and not called:
+        lines = lines[:-1]  # the token limit cut the last line
+    kept: list[str] = []
+    for line in lines:
+        if line.lstrip().startswith("####") or len([k for k in kept if k.strip()]) >= len(solution_lines(problem)):
+            break
+        kept.append(line)
+    reasoning = "\n".join(kept).strip()
+    numbers = NUMBER.findall(reasoning)
+    answer = numbers[-1].replace(",", "") if numbers else problem.ground_truth
+    call, closing = call_turns(answer)
+    return [(reasoning + "\n" if reasoning else "", call), ("", closing)]
 
 
 class ReplayEngine:
@@ -42,11 +82,12 @@ class ReplayEngine:
 
     def __init__(self, tokenizer: Any, eos_token_id: int):
         self.tokenizer, self.eos = tokenizer, eos_token_id
-        self.replies: list[str] = []
-        self.turns: list[tuple[list[int], list[int]]] = []
+        self.replies: list[Turn] = []
+        self.turns: list[tuple[list[int], list[int], int]] = []  # (input ids, output ids, leading non-targets)
 
-    def start(self, replies: Sequence[str]) -> None:
-        self.replies, self.turns = list(replies), []
+    def start(self, replies: Sequence[str | Turn]) -> None:
+        self.replies = [("", r) if isinstance(r, str) else r for r in replies]
+        self.turns = []
 
     async def async_generate(self, input_ids: list[int] | None = None, sampling_params: dict | None = None,
                              return_logprob: bool = False, image_data: Any = None, cartridges: Any = None,
@@ -54,12 +95,15 @@ class ReplayEngine:
         if len(self.turns) >= len(self.replies):  # the rollout asked for more turns than the reference has
             raise ConfigError(f"the multi-turn rollout asked for assistant turn {len(self.turns) + 1} of a "
                               f"{len(self.replies)}-turn reference", key="rollout.multi_turn")
-        ids = self.tokenizer.encode(self.replies[len(self.turns)], add_special_tokens=False) + [self.eos]
+        own, write = self.replies[len(self.turns)]
+        ids = self.tokenizer.encode(own + write, add_special_tokens=False) + [self.eos]
+        own_ids = self.tokenizer.encode(own, add_special_tokens=False) if own else []
+        context = next((i for i, (a, b) in enumerate(zip(own_ids, ids)) if a != b), len(own_ids))
         limit = (sampling_params or {}).get("max_new_tokens", len(ids))
         if len(ids) > limit:
             raise ConfigError(f"a reference turn of {len(ids)} tokens exceeds the {limit} new tokens the rollout "
                               "allows", key="rollout.response_length")
-        self.turns.append((list(input_ids), ids))
+        self.turns.append((list(input_ids), ids, context))
         meta = {"id": f"replay-{len(self.turns)}", "finish_reason": {"type": "stop", "matched": self.eos},
                 "prompt_tokens": len(input_ids), "completion_tokens": len(ids), "cached_tokens": 0}
         if return_logprob:
@@ -80,19 +124,22 @@ class TraceRow:
     mask: list[int]  # per answer token: 1 = the model wrote it (a target), 0 = the tool's message or a template
 
 
-def trace_rows(turns: Sequence[tuple[list[int], list[int]]]) -> list[TraceRow]:
-    """Turns -> training rows: a turn whose input is the previous row's whole stream continues that row (the
-    tokens between are not the model's: mask 0); otherwise (a re-rendered turn) it starts a row of its own."""
+def trace_rows(turns: Sequence[tuple]) -> list[TraceRow]:
+    """Turns (input ids, output ids[, how many leading output ids are context, not targets]) -> training rows: a
+    turn whose input is the previous row's whole stream continues that row (the tokens between are not the model's:
+    mask 0); otherwise (a re-rendered turn) it starts a row of its own."""
     rows: list[TraceRow] = []
-    for inp, out in turns:
+    for inp, out, *rest in turns:
+        context = rest[0] if rest else 0
+        mask = [0] * context + [1] * (len(out) - context)
         last = rows[-1] if rows else None
         stream = last.prompt_ids + last.answer_ids if last else None
         if last and inp[:len(stream)] == stream:
             between = inp[len(stream):]
             last.answer_ids += between + out
-            last.mask += [0] * len(between) + [1] * len(out)
+            last.mask += [0] * len(between) + mask
         else:
-            rows.append(TraceRow(list(inp), list(out), [1] * len(out)))
+            rows.append(TraceRow(list(inp), list(out), mask))
     return rows
 
 
@@ -115,19 +162,23 @@ class TraceBuilder:
         self.renders_tools = template_renders_tools(tokenizer, self.schemas)
         self.pad = self.rollout.pad_token_id
 
-    def play(self, problem: Problem) -> tuple[list[TraceRow], list[dict]]:
-        """One problem through the rollout: its rows and the tool calls it made (name, arguments, response)."""
-        from final.outputs import TRACE_KEY
-        from final.prompts import build_dataproto, normalize_prompts
+    def prompt_ids(self, problem: Problem) -> list[int]:
         from final.compat import chat_ids
 
+        return chat_ids(self.tokenizer, build_messages(problem, self.schemas, self.renders_tools),
+                        add_generation_prompt=True)
+
+    def play(self, problem: Problem, turns: Sequence[str | Turn] | None = None) -> tuple[list[TraceRow], list[dict]]:
+        """One problem through the rollout, answered with `turns` (default: its reference turns): its rows and the
+        tool calls it made (name, arguments, response)."""
+        from final.outputs import TRACE_KEY
+        from final.prompts import build_dataproto, normalize_prompts
         messages = build_messages(problem, self.schemas, self.renders_tools)
-        ids = chat_ids(self.tokenizer, messages, add_generation_prompt=True)
-        batch = build_dataproto([ids], normalize_prompts([messages]), self.pad, [self.engine.eos],
+        batch = build_dataproto([self.prompt_ids(problem)], normalize_prompts([messages]), self.pad, [self.engine.eos],
                                 meta_info={"do_sample": False, "validate": True, TRACE_KEY: True},
                                 non_tensor={"tools_kwargs": [
                                     {TOOL_NAME: {"create_kwargs": {"ground_truth": problem.ground_truth}}}]})
-        self.engine.start(reference_turns(problem))
+        self.engine.start(reference_turns(problem) if turns is None else turns)
         out = self.rollout.generate_sequences(batch)
         calls = [c for c in out.non_tensor_batch["tool_calls"][0] if "turn" in c]
         return trace_rows(self.engine.turns), calls
@@ -141,10 +192,28 @@ def conversation(row: TraceRow, row_id: int, problem: Problem) -> Conversation:
                         mask=None if all(row.mask) else row.mask)
 
 
+STUDENT_ROW_IDS = 50  # a student row's id is 100 * problem + 50 + k: files of both kinds can be concatenated
+
+
+def student_answers(student: tuple[Any, str], builder: "TraceBuilder", problems: Sequence[Problem],
+                    max_tokens: int) -> list[tuple[str, bool]]:
+    """Each problem's first turn written greedily by the model behind the cartridge file (InferenceEngine, any
+    backend that serves cartridges): (text, whether it ended by itself)."""
+    inference, path = student
+    cid = inference.load_cartridge(path=str(path))
+    try:
+        out = inference.generate([builder.prompt_ids(p) for p in problems], cartridge=cid, temperature=0.0,
+                                 max_tokens=max_tokens)
+    finally:
+        inference.unload_cartridge(cid)
+    return [(text, meta.get("finish_reason") == "stop") for text, meta in zip(out.completions, out.metadata)]
+
+
 def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 0, count: int | None = None,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, student: tuple[Any, str] | None = None, student_tokens: int = 256) -> dict:
     """GSM8K problems [skip, skip + count) -> tool-use rows appended to `out` (a file already there is refused:
-    its rows would be mixed with another run's). Every problem's call must have run and been rewarded 1.0."""
+    its rows would be mixed with another run's). Every problem's call must have run. student: (an InferenceEngine, a cartridge file): rows from its own first turns instead
+    (student_turns), each written in at most `student_tokens` tokens."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -153,25 +222,36 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     out = Path(out)
     if out.exists():
         raise ConfigError("exists; traces are written to a new file", key="--out", path=str(out))
-    if skip < 0 or (count is not None and count < 1):
-        raise ConfigError("--skip must be >= 0 and --count >= 1", key="--skip" if skip < 0 else "--count")
-    problems = load_problems(data, None if count is None else skip + count)[skip:]
+    if skip < 0 or (count is not None and count < 1) or student_tokens < 1:
+        key = "--skip" if skip < 0 else "--student-tokens" if student_tokens < 1 else "--count"
+        raise ConfigError("--skip must be >= 0, --count and --student-tokens >= 1", key=key)
+    problems = _unique(load_problems(data, None if count is None else skip + count)[skip:])
     if not problems:
         raise ConfigError(f"no problems after skipping {skip}", key="--skip", path=str(data))
     local = resolve_model_path(config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or local)
     builder = TraceBuilder(config, tokenizer, eos_token_ids(local, tokenizer)[0])
-    rows, seen = [], set()
-    for problem in tqdm(problems, desc="traces", unit="problem", disable=not progress):
-        key = question_key(problem.question)
-        if key in seen:  # one row per question: a repeated one would weigh twice
-            continue
-        seen.add(key)
-        trace, calls = builder.play(problem)
+    own = student_answers(student, builder, problems, student_tokens) if student else None
+    rows = []
+    for i, problem in enumerate(tqdm(problems, desc="traces", unit="problem", disable=not progress)):
+        trace, calls = builder.play(problem, student_turns(problem, *own[i]) if own else None)
         if not calls or calls[0].get("reward") is None or calls[0].get("error"):
             raise ConfigError(f"problem {problem.index}: the reference call did not run: {calls}", key="--tools")
-        rows += [conversation(r, 100 * problem.index + k, problem) for k, r in enumerate(trace)]
+        base = 100 * problem.index + (STUDENT_ROW_IDS if own else 0)
+        rows += [conversation(r, base + k, problem) for k, r in enumerate(trace)]
     append(out, rows)
     targets = sum(sum(r.mask) if r.mask else len(r.answer_ids) for r in rows)
-    return {"out": str(out), "problems": len(seen), "rows": len(rows), "targets": targets,
+    return {"out": str(out), "problems": len(problems), "rows": len(rows), "targets": targets,
             "tokens": sum(len(r.ids) for r in rows)}
+
+
+def _unique(problems: Sequence[Problem]) -> list[Problem]:
+    """One row set per question: a repeated one would weigh twice."""
+    seen: set[str] = set()
+    kept = []
+    for problem in problems:
+        key = question_key(problem.question)
+        if key not in seen:
+            seen.add(key)
+            kept.append(problem)
+    return kept

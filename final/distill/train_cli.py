@@ -149,6 +149,9 @@ def _register_traces(sub: Any) -> None:
     r.add_argument("--config", help="InferenceEngine config whose rollout (chat template, multi_turn) the traces "
                                     "follow (default: the package's)")
     r.add_argument("--model", default=None, help="override model_path")
+    r.add_argument("--student", type=Path, help="a tool-use cartridge: rows from what the model writes behind it "
+                                                "(its reasoning as context, the call and answer as targets)")
+    r.add_argument("--student-tokens", type=int, default=256, help="the student's first-turn limit (default 256)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(cartridge_func=_traces)
 
@@ -161,10 +164,21 @@ def _traces(args: argparse.Namespace) -> int:
     if not args.tools.is_file():
         raise ConfigError("tools file does not exist", key="--tools", path=str(args.tools))
     overrides: dict[str, Any] = {"rollout": {"multi_turn": {"enable": True, "tool_config_path": str(args.tools)}}}
-    if args.model:
-        overrides["model_path"] = args.model
-    config = load_config(args.config, overrides)
-    summary = build_traces(config, args.gsm8k, args.out, skip=args.skip, count=args.count, progress=not args.quiet)
+    model = {"model_path": args.model} if args.model else {}
+    config = load_config(args.config, {**overrides, **model})
+    student = None
+    if args.student:
+        from final.inf import InferenceEngine
+
+        if not args.student.is_file():
+            raise ConfigError("cartridge file does not exist", key="--student", path=str(args.student))
+        student = (InferenceEngine(args.config, **model), str(args.student))
+    try:
+        summary = build_traces(config, args.gsm8k, args.out, skip=args.skip, count=args.count,
+                               progress=not args.quiet, student=student, student_tokens=args.student_tokens)
+    finally:
+        if student:
+            student[0].shutdown()
     print(f"wrote {summary['rows']} rows ({summary['problems']} problems, {summary['targets']} target tokens of "
           f"{summary['tokens']}) to {summary['out']}")
     return 0
