@@ -212,9 +212,10 @@ def tool_config(model: str, tools: Path, **rollout: Any) -> dict:
 
 
 def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path]:
-    """`final cartridge traces` + `train` on TOOL_PROBLEMS: a 32-token cartridge that makes the random tool model
-    write the reference turns (300 Adam steps at lr 0.2 reach every target greedily; the random model needs a
-    high rate). One torch thread: on two cores the tiny model's ops are faster without OpenMP regions."""
+    """`final cartridge traces` + `train` on TOOL_PROBLEMS: a 64-token cartridge that makes the random tool model
+    write the reference turns. 400 Adam steps at lr 0.1 bring the loss to ~0.1, and greedy decoding to every target (the random model needs a high rate).
+    p=32 at lr 0.2 did on one EPYC and stalled at 0.6 on another: float differences move a run this close to its
+    limit. One torch thread: on two cores the tiny model's ops are faster without OpenMP regions."""
     from final.config import load_config
     from final.distill.traces import build_traces
     from final.distill.train import TrainConfig, train_cartridge
@@ -225,7 +226,7 @@ def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path
     torch.set_num_threads(1)
     try:
         train_cartridge(model, tmp / "traces.jsonl", tmp / "tooluse.pt",
-                        TrainConfig(tokens=32, steps=300, batch=1, lr=0.2), progress=False)
+                        TrainConfig(tokens=64, steps=400, batch=1, lr=0.1), progress=False)
     finally:
         torch.set_num_threads(threads)
     return tmp / "tooluse.pt", data
