@@ -1,12 +1,15 @@
 """Issue 28: a tool-use cartridge for SmolLM2-135M, end to end, on GSM8K problems it never saw.
 
     nice -n 5 .venv/bin/python bench/tool_cartridge.py [--tokens 32 64 128] [--steps 100] [--heldout 200]
+        [--student 64 --student-count 400]
 
 The recipe a user runs, each stage a command, timed:
   final cartridge traces --gsm8k DATA --tools tools.yaml --skip H --out traces.jsonl   (problems H.. only)
   final cartridge train --data traces.jsonl --tokens P --out tooluse-pP.pt           (its defaults but --steps)
   final eval gsm8k --data DATA --limit H --tools tools.yaml --cartridge tooluse-pP.pt (the first H problems)
-and the baselines without a cartridge (with and without the tool). Finished stages are skipped on a rerun (delete
+and the baselines without a cartridge (with and without the tool). With --student P, one DAgger round on top:
+  final cartridge traces ... --count C --student tooluse-pP.pt --out student-pP.jsonl (the model's own first turns)
+  cat traces.jsonl student-pP.jsonl > mixed-pP.jsonl; final cartridge train --data mixed-pP.jsonl ... (from scratch) Finished stages are skipped on a rerun (delete
 --work to start over). Prints the table README and bench/RESULTS.md show, and writes summary.json in --work.
 """
 
@@ -59,6 +62,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--steps", type=int, default=100, help="training steps (train's default: 100)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--student", type=int, help="p of the cartridge whose own turns make student rows (DAgger)")
+    ap.add_argument("--student-count", type=int, default=400, help="problems after --heldout for student rows")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -72,19 +77,38 @@ def main() -> int:
         rows["no cartridge, no tool"] = evaluate(work, "plain", args)
         rows["no cartridge, tool"] = evaluate(work, "tools", args, "--tools", str(TOOLS))
     for p in args.tokens:
-        cart = work / f"tooluse-p{p}.pt"
-        if not cart.exists():
-            times[f"train_p{p}"] = run("cartridge", "train", "--data", str(traces), "--tokens", str(p), "--steps",
-                                       str(args.steps), "--out", str(cart), "--quiet")
-            (work / f"train-p{p}.seconds").write_text(f"{times[f'train_p{p}']:.1f}")
-        row = evaluate(work, f"p{p}", args, "--tools", str(TOOLS), "--cartridge", str(cart))
-        row["train_s"] = float((work / f"train-p{p}.seconds").read_text())
-        rows[f"cartridge p={p}, tool"] = row
+        rows[f"cartridge p={p}, tool"] = trained(work, f"p{p}", p, traces, args)
+    if args.student:
+        p = args.student
+        student, mixed = work / f"student-p{p}.jsonl", work / f"mixed-p{p}.jsonl"
+        if not student.exists():
+            times["student_traces"] = run("cartridge", "traces", "--gsm8k", str(args.data), "--tools", str(TOOLS),
+                                          "--skip", str(args.heldout), "--count", str(args.student_count),
+                                          "--student", str(work / f"tooluse-p{p}.pt"), "--out", str(student),
+                                          "--quiet")
+            (work / "student.seconds").write_text(f"{times['student_traces']:.1f}")
+        if not mixed.exists():
+            mixed.write_text(traces.read_text() + student.read_text())
+        row = trained(work, f"p{p}-student", p, mixed, args)
+        row["train_s"] += float((work / "student.seconds").read_text())  # the round's own cost, not the first's
+        rows[f"cartridge p={p} + student rows of {args.student_count} problems, tool"] = row
     print(table(rows, args))
     info = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load": os.getloadavg(), "steps": args.steps, "heldout": args.heldout, "rows": rows, "times": times}
     (work / "summary.json").write_text(json.dumps(info, indent=2))
     return 0
+
+
+def trained(work: Path, name: str, p: int, data: Path, args: argparse.Namespace) -> dict:
+    """Train (unless done) a p-token cartridge on `data` at train's defaults but --steps, and evaluate it."""
+    cart = work / f"tooluse-{name}.pt"
+    if not cart.exists():
+        seconds = run("cartridge", "train", "--data", str(data), "--tokens", str(p), "--steps", str(args.steps),
+                      "--out", str(cart), "--quiet")
+        (work / f"train-{name}.seconds").write_text(f"{seconds:.1f}")
+    row = evaluate(work, name, args, "--tools", str(TOOLS), "--cartridge", str(cart))
+    row["train_s"] = float((work / f"train-{name}.seconds").read_text())
+    return row
 
 
 def table(rows: dict[str, dict], args: argparse.Namespace) -> str:

@@ -196,14 +196,14 @@ STUDENT_ROW_IDS = 50  # a student row's id is 100 * problem + 50 + k: files of b
 
 
 def student_answers(student: tuple[Any, str], builder: "TraceBuilder", problems: Sequence[Problem],
-                    max_tokens: int) -> list[tuple[str, bool]]:
+                    max_tokens: int, progress: bool = True) -> list[tuple[str, bool]]:
     """Each problem's first turn written greedily by the model behind the cartridge file (InferenceEngine, any
     backend that serves cartridges): (text, whether it ended by itself)."""
     inference, path = student
     cid = inference.load_cartridge(path=str(path))
     try:
         out = inference.generate([builder.prompt_ids(p) for p in problems], cartridge=cid, temperature=0.0,
-                                 max_tokens=max_tokens)
+                                 max_tokens=max_tokens, progress=progress)
     finally:
         inference.unload_cartridge(cid)
     return [(text, meta.get("finish_reason") == "stop") for text, meta in zip(out.completions, out.metadata)]
@@ -231,7 +231,7 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     local = resolve_model_path(config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or local)
     builder = TraceBuilder(config, tokenizer, eos_token_ids(local, tokenizer)[0])
-    own = student_answers(student, builder, problems, student_tokens) if student else None
+    own = student_answers(student, builder, problems, student_tokens, progress) if student else None
     rows = []
     for i, problem in enumerate(tqdm(problems, desc="traces", unit="problem", disable=not progress)):
         trace, calls = builder.play(problem, student_turns(problem, *own[i]) if own else None)
