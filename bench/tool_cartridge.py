@@ -1,15 +1,16 @@
 """Issue 28: a tool-use cartridge for SmolLM2-135M, end to end, on GSM8K problems it never saw.
 
     nice -n 5 .venv/bin/python bench/tool_cartridge.py [--tokens 32 64 128] [--steps 100] [--heldout 200]
-        [--student 64 --student-count 400]
+        [--student 64 --student-count 400 --rounds 2]
 
 The recipe a user runs, each stage a command, timed:
   final cartridge traces --gsm8k DATA --tools tools.yaml --skip H --out traces.jsonl   (problems H.. only)
   final cartridge train --data traces.jsonl --tokens P --out tooluse-pP.pt           (its defaults but --steps)
   final eval gsm8k --data DATA --limit H --tools tools.yaml --cartridge tooluse-pP.pt (the first H problems)
-and the baselines without a cartridge (with and without the tool). With --student P, one DAgger round on top:
+and the baselines without a cartridge (with and without the tool). With --student P, DAgger rounds on top:
   final cartridge traces ... --count C --student tooluse-pP.pt --out student-pP.jsonl (the model's own first turns)
-  cat traces.jsonl student-pP.jsonl > mixed-pP.jsonl; final cartridge train --data mixed-pP.jsonl ... (from scratch) Finished stages are skipped on a rerun (delete
+  cat traces.jsonl student-pP.jsonl > mixed-pP.jsonl; final cartridge train --data mixed-pP.jsonl ... (from scratch)
+and each further round the same with the last round's cartridge as the student, on the next C problems. Finished stages are skipped on a rerun (delete
 --work to start over). Prints the table README and bench/RESULTS.md show, and writes summary.json in --work.
 """
 
@@ -63,7 +64,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100, help="training steps (train's default: 100)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--student", type=int, help="p of the cartridge whose own turns make student rows (DAgger)")
-    ap.add_argument("--student-count", type=int, default=400, help="problems after --heldout for student rows")
+    ap.add_argument("--student-count", type=int, default=400, help="new problems for each round's student rows")
+    ap.add_argument("--rounds", type=int, default=1, help="DAgger rounds (default 1)")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -79,24 +81,36 @@ def main() -> int:
     for p in args.tokens:
         rows[f"cartridge p={p}, tool"] = trained(work, f"p{p}", p, traces, args)
     if args.student:
-        p = args.student
-        student, mixed = work / f"student-p{p}.jsonl", work / f"mixed-p{p}.jsonl"
-        if not student.exists():
-            times["student_traces"] = run("cartridge", "traces", "--gsm8k", str(args.data), "--tools", str(TOOLS),
-                                          "--skip", str(args.heldout), "--count", str(args.student_count),
-                                          "--student", str(work / f"tooluse-p{p}.pt"), "--out", str(student),
-                                          "--quiet")
-            (work / "student.seconds").write_text(f"{times['student_traces']:.1f}")
-        if not mixed.exists():
-            mixed.write_text(traces.read_text() + student.read_text())
-        row = trained(work, f"p{p}-student", p, mixed, args)
-        row["train_s"] += float((work / "student.seconds").read_text())  # the round's own cost, not the first's
-        rows[f"cartridge p={p} + student rows of {args.student_count} problems, tool"] = row
+        dagger(work, traces, args, rows, times)
     print(table(rows, args))
     info = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load": os.getloadavg(), "steps": args.steps, "heldout": args.heldout, "rows": rows, "times": times}
     (work / "summary.json").write_text(json.dumps(info, indent=2))
     return 0
+
+
+def dagger(work: Path, traces: Path, args: argparse.Namespace, rows: dict, times: dict) -> None:
+    """--rounds DAgger rounds from the p=--student cartridge: round r's student (the previous round's cartridge)
+    writes the first turns of the next --student-count problems after the held-out ones, and a cartridge is
+    trained from scratch on the reference rows plus every round's student rows so far."""
+    p, cart, seen = args.student, work / f"tooluse-p{args.student}.pt", [traces]
+    for r in range(1, args.rounds + 1):
+        tag = "" if r == 1 else str(r)  # round 1 keeps the names of the runs measured before --rounds
+        student, mixed = work / f"student{tag}-p{p}.jsonl", work / f"mixed{tag}-p{p}.jsonl"
+        seconds = work / f"student{tag}.seconds"
+        if not student.exists():
+            skip = args.heldout + (r - 1) * args.student_count
+            times[f"student_traces_{r}"] = run("cartridge", "traces", "--gsm8k", str(args.data), "--tools",
+                                               str(TOOLS), "--skip", str(skip), "--count", str(args.student_count),
+                                               "--student", str(cart), "--out", str(student), "--quiet")
+            seconds.write_text(f"{times[f'student_traces_{r}']:.1f}")
+        seen.append(student)
+        if not mixed.exists():
+            mixed.write_text("".join(f.read_text() for f in seen))
+        row = trained(work, f"p{p}-student{tag}", p, mixed, args)
+        row["train_s"] += float(seconds.read_text())  # the round's own cost, not the earlier rounds'
+        rows[f"cartridge p={p}, DAgger round {r} (+ student rows of {r * args.student_count} problems), tool"] = row
+        cart = work / f"tooluse-p{p}-student{tag}.pt"
 
 
 def trained(work: Path, name: str, p: int, data: Path, args: argparse.Namespace) -> dict:
