@@ -18,10 +18,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 from final.errors import CartridgeError
 
+T = TypeVar("T")
 REQUIRED = ("id", "prompt_ids", "answer_ids", "top_ids", "top_logprobs")
 
 
@@ -176,14 +177,19 @@ def question_key(question: str) -> str:
     return " ".join(question.lower().split())
 
 
-def dedupe(heldout: list[Conversation], seen: Iterable[str]) -> list[Conversation]:
-    """Held-out rows whose question (case and spacing aside) is not among `seen` (the training questions), each
-    question once: a held-out figure on questions the cartridge was trained on measures memory, not transfer."""
+def first_of_each_question(items: Iterable[T], question: Callable[[T], str], seen: Iterable[str] = ()) -> list[T]:
+    """`items` whose question (case and spacing aside) is not among `seen`, each question once."""
     taken = {question_key(q) for q in seen}
     out = []
-    for row in heldout:
-        key = question_key(row.question)
+    for item in items:
+        key = question_key(question(item))
         if key not in taken:
             taken.add(key)
-            out.append(row)
+            out.append(item)
     return out
+
+
+def dedupe(heldout: list[Conversation], seen: Iterable[str]) -> list[Conversation]:
+    """Held-out rows whose question is not among `seen` (the training questions), each question once: a held-out
+    figure on questions the cartridge was trained on measures memory, not transfer."""
+    return first_of_each_question(heldout, lambda row: row.question, seen)

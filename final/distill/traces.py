@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from final.distill.convs import Conversation, append, question_key
+from final.distill.convs import Conversation, append, first_of_each_question
 from final.errors import ConfigError
 from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_problems,
                                     template_renders_tools)
@@ -65,10 +65,12 @@ def student_turns(problem: Problem, text: str, finished: bool) -> list[Turn]:
     if not finished and not called:
         lines = lines[:-1]  # the token limit cut the last line
     kept: list[str] = []
+    budget = len(solution_lines(problem))  # non-empty lines the student may keep
     for line in lines:
-        if line.lstrip().startswith("####") or len([k for k in kept if k.strip()]) >= len(solution_lines(problem)):
+        if line.lstrip().startswith("####") or budget == 0:
             break
         kept.append(line)
+        budget -= bool(line.strip())
     reasoning = "\n".join(kept).strip()
     numbers = NUMBER.findall(reasoning)
     answer = numbers[-1].replace(",", "") if numbers else problem.ground_truth
@@ -212,8 +214,8 @@ def student_answers(student: tuple[Any, str], builder: "TraceBuilder", problems:
 def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 0, count: int | None = None,
                  progress: bool = True, student: tuple[Any, str] | None = None, student_tokens: int = 256) -> dict:
     """GSM8K problems [skip, skip + count) -> tool-use rows appended to `out` (a file already there is refused:
-    its rows would be mixed with another run's). Every problem's call must have run. student: (an InferenceEngine, a cartridge file): rows from its own first turns instead
-    (student_turns), each written in at most `student_tokens` tokens."""
+    its rows would be mixed with another run's). Every problem's call must have run. student: (an InferenceEngine,
+    a cartridge file): rows from its own first turns instead (student_turns), each at most `student_tokens`."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -225,7 +227,8 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     if skip < 0 or (count is not None and count < 1) or student_tokens < 1:
         key = "--skip" if skip < 0 else "--student-tokens" if student_tokens < 1 else "--count"
         raise ConfigError("--skip must be >= 0, --count and --student-tokens >= 1", key=key)
-    problems = _unique(load_problems(data, None if count is None else skip + count)[skip:])
+    problems = first_of_each_question(load_problems(data, None if count is None else skip + count)[skip:],
+                                      lambda problem: problem.question)  # a repeat would weigh twice
     if not problems:
         raise ConfigError(f"no problems after skipping {skip}", key="--skip", path=str(data))
     local = resolve_model_path(config.model_path)
@@ -244,14 +247,3 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     return {"out": str(out), "problems": len(problems), "rows": len(rows), "targets": targets,
             "tokens": sum(len(r.ids) for r in rows)}
 
-
-def _unique(problems: Sequence[Problem]) -> list[Problem]:
-    """One row set per question: a repeated one would weigh twice."""
-    seen: set[str] = set()
-    kept = []
-    for problem in problems:
-        key = question_key(problem.question)
-        if key not in seen:
-            seen.add(key)
-            kept.append(problem)
-    return kept
