@@ -224,9 +224,12 @@ def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path
     build_traces(load_config(tool_config(model, tools)), data, tmp / "traces.jsonl", progress=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        train_cartridge(model, tmp / "traces.jsonl", tmp / "tooluse.pt",
-                        TrainConfig(tokens=64, steps=400, batch=1, lr=0.1), progress=False)
+    try:  # at these rates the loss is not monotone: a run that ends on a bump goes on (it resumes) to 800 steps
+        for steps in range(400, 801, 100):
+            done = train_cartridge(model, tmp / "traces.jsonl", tmp / "tooluse.pt",
+                                   TrainConfig(tokens=64, steps=steps, batch=1, lr=0.1), progress=False)
+            if done["last_loss"] < 0.2:
+                break
     finally:
         torch.set_num_threads(threads)
     return tmp / "tooluse.pt", data

@@ -91,9 +91,12 @@ def test_a_cancelled_call_aborts_its_rows_and_others_go_on(pair):
 
     async def in_a_loop():
         calls = [sglang.agenerate_sequences(dataproto(model_cfg, PROMPTS, {"do_sample": False})) for _ in range(3)]
-        slow = asyncio.ensure_future(sglang.agenerate_sequences(
-            dataproto(model_cfg, PROMPTS, {"do_sample": False}), max_new_tokens=12, ignore_eos=True))
+        # the batch path's own wait (agenerate_sequences awaits it), on rows too long to finish before the cancel on
+        # any machine (the rollout's response_length caps agenerate_sequences at 12 tokens: 50 ms on a fast CPU)
+        slow = asyncio.ensure_future(sglang.engine.submit_generate(
+            [[1, 17, 99]] * 2, {"max_new_tokens": 500, "ignore_eos": True}).wait())
         await asyncio.sleep(0.05)
+        assert not slow.done()
         slow.cancel()
         outs = await asyncio.gather(*calls)
         with pytest.raises(asyncio.CancelledError):

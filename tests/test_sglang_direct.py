@@ -37,3 +37,19 @@ def test_sglang_0_5_12_cases_in_a_process_of_their_own(cases):
     # every case ran (none skipped: the child has the stand-ins and SGLang 0.5.12), and passed
     assert done.returncode == 0 and " passed" in summary and not re.search(r"failed|skipped|error", summary), \
         done.stdout[-8000:] + done.stderr[-4000:]
+
+
+def test_a_stream_update_carrying_several_tokens_becomes_one_per_token():
+    """SGLang 0.5.12 hands a reader that fell behind only its latest cumulative state: per_token splits it back into
+    one update per token, each with its own prefix of the per-token lists, the finish reason on the last only."""
+    from final.rollout.sglang.engine_0512 import per_token
+
+    pairs = [(-1.0, 5, None), (-2.0, 6, None), (-3.0, 7, None)]
+    item = {"output_ids": [5, 6, 7], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 4,
+                                                   "completion_tokens": 3, "output_token_logprobs": pairs}}
+    first, last = per_token(item, 1)
+    assert first["output_ids"] == [5, 6] and first["meta_info"]["output_token_logprobs"] == pairs[:2]
+    assert first["meta_info"]["finish_reason"] is None and first["meta_info"]["completion_tokens"] == 2
+    assert first["meta_info"]["prompt_tokens"] == 4 and last is item
+    assert per_token(item, 2) == [item] and len(per_token(item, 0)) == 3
+    assert item["output_ids"] == [5, 6, 7] and len(item["meta_info"]["output_token_logprobs"]) == 3  # not altered

@@ -9,7 +9,8 @@ there. What the dialect adds to SGLang's Engine:
   `FinalEngine` is SGLang's Engine with the scheduler child running final's `run_scheduler_process` (0.5.12 lets a
   subclass name it; 0.5.2 needed a patch of the engine module);
 - token streams: `async_generate(..., stream=True)` returns an async iterator on the caller's loop, fed from
-  SGLang's stream on the engine loop (cumulative output ids, SGLang's default without incremental_streaming_output);
+  SGLang's stream on the engine loop (cumulative output ids, SGLang's default without incremental_streaming_output),
+  one update per token: SGLang hands a slow reader only its latest state, so several tokens arrive as one update;
 - the engine's own processes only: SGLang's Engine.shutdown kills every child of the process.
 """
 
@@ -244,14 +245,16 @@ class DirectSGLangEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody is reading
                 caller.call_soon_threadsafe(queue.put_nowait, item)
 
-        future = asyncio.run_coroutine_threadsafe(self._pump(request, hand), self.loop)
+        future, handed = asyncio.run_coroutine_threadsafe(self._pump(request, hand), self.loop), 0
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 if (item["meta_info"].get("finish_reason") or {}).get("type"):
                     check_prefix_hit(item, plen)
-                yield item
+                for update in per_token(item, handed):
+                    yield update
+                handed = len(item["output_ids"])
         finally:
             if not future.done():
                 self._abort(future, [request["rid"]])
@@ -284,3 +287,17 @@ class DirectSGLangEngine:
         if not self._closed:
             for rid in rids:
                 self.loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, rid)
+
+
+def per_token(item: dict, handed: int) -> list[dict]:
+    """One cumulative stream update -> one update per token it adds past `handed` (SGLang's tokenizer manager gives a
+    reader that fell behind only the latest state, so a slow consumer would see 2+ tokens at once). Each keeps the
+    per-token meta lists (logprobs, top logprobs) cut to its length; only the last keeps the finish reason."""
+    ids, meta = item["output_ids"], item["meta_info"]
+    if len(ids) <= handed + 1:
+        return [item]
+    cut = [k for k, v in meta.items() if isinstance(v, list) and len(v) == len(ids)]
+    updates = [{**item, "output_ids": ids[:n],
+                "meta_info": {**meta, **{k: meta[k][:n] for k in cut}, "finish_reason": None, "completion_tokens": n}}
+               for n in range(handed + 1, len(ids))]
+    return updates + [item]
