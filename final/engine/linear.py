@@ -1,10 +1,13 @@
-"""Weight matrices of the embedded engine, prepacked for the CPU's GEMM where that pays.
+"""Weight matrices of the embedded engine, and which CPU kernel multiplies by them at each row count.
 
 On CPU, PyTorch's `F.linear` hands a decode step's small-M products (M = running rows) to MKL's sgemm on a
-plain row-major weight, which reaches about 10 GB/s here; oneDNN on a weight reordered once into its blocked
-layout reaches 17-19 GB/s (fp32 and bf16 with AMX), measured in bench/RESULTS.md. So on CPU each weight is
-reordered at load time and the dense copy is dropped (no second copy of the model). Anything unusual (no
-oneDNN, another device, a packed product that disagrees with F.linear) falls back to the dense weight.
+plain row-major weight, which reaches 10-16 GB/s on the machines measured; oneDNN on a weight reordered once
+into its blocked layout 17-42 GB/s (bench/gemv.py, bench/RESULTS.md). Three ways, chosen at load time:
+- fp32 with the engine's own kernel (final/engine/kernels, `gemv`): the weight stays dense and row-major; up to
+  GEMV_ROWS rows go through the kernel (which also fuses the RMSNorm or SwiGLU before, and the residual add
+  after, a product), more rows (prefill, big batches) through oneDNN on that same dense tensor. One copy.
+- `pack`: the weight reordered once into oneDNN's layout, the dense copy dropped (bf16; fp32 without the kernel).
+- neither: F.linear on the dense weight (another device, no oneDNN, or a packed product that disagreed).
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, GemvKernel, gemv_kernel
+
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
+GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
 
 
 def padded_rows(m: int) -> int:
@@ -43,6 +49,14 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
             and (dtype != torch.bfloat16 or _cpu_has_bf16()))
 
 
+def gemv_enabled(device: torch.device, dtype: torch.dtype) -> GemvKernel | None:
+    """The gemv kernel for a model of this device and dtype (fp32 on CPU, beside oneDNN for the larger products),
+    or None: the kernel cannot run here (logged once), FINAL_GEMV=0, or oneDNN is missing."""
+    if device.type != "cpu" or dtype != torch.float32 or not packing_enabled(device, dtype):
+        return None
+    return gemv_kernel()
+
+
 def _cpu_has_bf16() -> bool:
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # torch's own probe of the CPU
     return bool(check()) if check is not None else False
@@ -51,14 +65,17 @@ def _cpu_has_bf16() -> bool:
 class Linear:
     """y = x @ W.T (+ b), W [out, in]. `dense()` gives W back; `set_rows()` updates part of it in place."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 gemv: GemvKernel | None = None):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         self.weight: torch.Tensor | None = weight  # dense, or None when packed
         self.packed: torch.Tensor | None = None
-        self._want_pack = pack
-        if pack:
+        # the gemv kernel (small M) and oneDNN on the same dense weight (the rest): fp32 on CPU only
+        self.gemv = gemv if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        self._want_pack = pack and self.gemv is None
+        if self._want_pack:
             self._pack(weight)
 
     def _pack(self, weight: torch.Tensor) -> None:
@@ -77,12 +94,28 @@ class Linear:
             return
         self.packed, self.weight = packed, None
 
+    def fuses(self, m: int) -> bool:
+        """Whether a product of m rows runs on the gemv kernel (so normed/glu_add_to may be used)."""
+        return self.gemv is not None and m <= GEMV_ROWS
+
+    def _onednn(self) -> torch.Tensor | None:
+        """The tensor oneDNN multiplies by: the packed weight, or (beside the gemv kernel) the dense one."""
+        return self.packed if self.packed is not None else self.weight if self.gemv is not None else None
+
+    def _kernel(self, x: torch.Tensor, m: int, res: torch.Tensor | None = None, prep: int = PREP_NONE,
+                norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        y = self.gemv(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias,
+                      res.reshape(m, self.out_features).contiguous() if res is not None else None, prep, norm, eps)
+        return y.view(*x.shape[:-1], self.out_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            m = x.numel() // x.shape[-1]
+        m = x.numel() // x.shape[-1]
+        if self.fuses(m):
+            return self._kernel(x, m)
+        if (w := self._onednn()) is not None:
             if padded_rows(m) == m:  # the common case (decode of <= 32 rows): no copy
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-            out = torch.ops.mkldnn._linear_pointwise(_padded(x, m), self.packed, self.bias, "none", [None], "")
+                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [None], "")
+            out = torch.ops.mkldnn._linear_pointwise(_padded(x, m), w, self.bias, "none", [None], "")
             return out[:m].reshape(*x.shape[:-1], self.out_features)
         if self._want_pack:  # updated since the last use: reorder once, not once per streamed slice
             self._pack(self.weight)
@@ -90,16 +123,30 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x). In fp32 oneDNN adds in the GEMM's epilogue (one op, bitwise the same result);
-        in bf16 the separate add keeps HF's rounding (product rounded to bf16, then added)."""
-        if self.packed is not None and self.dtype == torch.float32:
-            m = x.numel() // x.shape[-1]
+        """residual + self(x). In fp32 the kernels add in the product's epilogue (one op; oneDNN's is bitwise the
+        same result, the gemv kernel's is res + dot as well); in bf16 the separate add keeps HF's rounding."""
+        m = x.numel() // x.shape[-1]
+        if self.fuses(m):
+            return self._kernel(x, m, res=residual)
+        if (w := self._onednn()) is not None and self.dtype == torch.float32:
             if padded_rows(m) == m:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-            out = torch.ops.mkldnn._linear_pointwise.binary(_padded(x, m), _padded(residual, m), self.packed,
-                                                            self.bias, "add")
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, self.bias, "add")
+            out = torch.ops.mkldnn._linear_pointwise.binary(_padded(x, m), _padded(residual, m), w, self.bias,
+                                                            "add")
             return out[:m].reshape(residual.shape)
         return residual + self(x)
+
+    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, norm, eps)) in one kernel call; only where fuses(rows of x)."""
+        return self._kernel(x, x.numel() // x.shape[-1], prep=PREP_NORM, norm=norm, eps=eps)
+
+    def glu_add_to(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """residual + self(silu(gate) * up), gate|up the halves of gate_up's last dim, in one kernel call; only where
+        fuses(rows)."""
+        m = gate_up.numel() // gate_up.shape[-1]
+        y = self.gemv(gate_up.reshape(m, gate_up.shape[-1]).contiguous(), self.weight, self.bias,
+                      residual.reshape(m, self.out_features).contiguous(), PREP_GLU)
+        return y.view(residual.shape)
 
     def dense(self) -> torch.Tensor:
         """The weight [out, in] in the ordinary layout (a fresh tensor when packed)."""

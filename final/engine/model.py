@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
-from final.engine.linear import Int8Linear, Linear, int8_available, packing_enabled
+from final.engine.linear import Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -159,17 +159,19 @@ class CausalLM:
             return x.detach().to(device).contiguous()
 
         pack = packing_enabled(device, dtype)
+        gemv = gemv_enabled(device, dtype) if not quantization else None
 
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear | Int8Linear:
             if quantization == "int8":
                 return Int8Linear(t(w), t(b) if b is not None else None)
-            return Linear(t(w), t(b) if b is not None else None, pack=pack)
+            return Linear(t(w), t(b) if b is not None else None, pack=pack, gemv=gemv)
 
         base = hf.model
         embed = t(base.embed_tokens.weight)
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
         # tied and int8: the lm_head is an int8 copy of the embedding, which stays fp32 for the lookup
-        lm_head = Linear(embed, pack=pack) if tied and not quantization else lin(embed if tied else hf.lm_head.weight)
+        lm_head = (Linear(embed, pack=pack, gemv=gemv) if tied and not quantization
+                   else lin(embed if tied else hf.lm_head.weight))
         layers = []
         for theirs in base.layers:
             att, mlp = theirs.self_attn, theirs.mlp
@@ -203,9 +205,13 @@ class CausalLM:
         x = F.embedding(ids, self.embed)
         cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
         sin = self.sin_signed[positions].unsqueeze(2)
+        # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
+        fused = self.layers[0].wqkv.fuses(B * T) if isinstance(self.layers[0].wqkv, Linear) else False
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.in_norm, spec.rms_norm_eps)
-            qkv = layer.wqkv(h)
+            if fused:
+                qkv = layer.wqkv.normed(x, layer.in_norm, spec.rms_norm_eps)
+            else:
+                qkv = layer.wqkv(rms_norm(x, layer.in_norm, spec.rms_norm_eps))
             v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
             if layer.q_norm is None:  # q and k are adjacent in qkv: rotate them as one tensor
                 qk = rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos, sin)
@@ -216,8 +222,10 @@ class CausalLM:
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
             o = plan.attend(i, q, k, v)
             x = layer.wo.add_to(x, o.reshape(B, T, -1))
-            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-            gate, up = layer.w_gate_up(h).chunk(2, dim=-1)
+            if fused:
+                x = layer.w_down.glu_add_to(x, layer.w_gate_up.normed(x, layer.post_norm, spec.rms_norm_eps))
+                continue
+            gate, up = layer.w_gate_up(rms_norm(x, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
             x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps)
 

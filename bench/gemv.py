@@ -1,0 +1,85 @@
+"""Decode's weight products on this CPU: GB/s of weights streamed per kernel, SmolLM2-135M's shapes, side by side.
+
+    python bench/gemv.py                      # M = 1 2 4 8 16, torch's thread count
+    python bench/gemv.py --threads 1 --m 1 8
+
+Candidates: the engine's own kernel (final/engine/kernels/gemv.c), torch's `F.linear` on the dense weight (MKL),
+oneDNN on a weight reordered into its blocked layout (`mkldnn._linear_pointwise`, the engine's path before the
+kernel), and numpy's bundled OpenBLAS (`x @ W.T`, fp32). One step's worth of products (every layer's qkv, o,
+gate|up, down and the lm_head) is timed as a whole, best of --repeats, each weight its own tensor (538 MB in
+all, so nothing is served from cache), alternating kernels within a repeat. Also the machine's memcpy of 64 MB,
+(read + write)/time, and its read-only rate (a sum), for the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 30 layers, 9 + 2x3 heads of 64, vocab 49152 (tied lm_head)
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def memory_rates(repeats: int) -> tuple[float, float]:
+    a = torch.ones(16 * 2**20)
+    b = torch.empty_like(a)
+    copy = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
+    big = torch.ones(128 * 2**20 // 4)
+    read = min(_timed(lambda: big.sum()) for _ in range(repeats))
+    return 2 * a.nbytes / copy / 1e9, big.nbytes / read / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def candidates(weights: list[torch.Tensor]) -> dict:
+    from final.engine.kernels import gemv_kernel
+
+    out = {}
+    kernel = gemv_kernel()
+    if kernel is not None:
+        out["final gemv.c"] = lambda xs: [kernel(xs[w.shape[1]], w) for w in weights]
+    out["F.linear (MKL, dense)"] = lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    out["oneDNN packed"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [None], "")
+                                       for w, p in zip(weights, packed)]
+    arrays = [w.numpy() for w in weights]
+    out["numpy OpenBLAS"] = lambda xs: [xs[a.shape[1]].numpy() @ a.T for a in arrays]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES]
+    nbytes = sum(w.nbytes for w in weights)
+    copy, read = memory_rates(args.repeats)
+    print(f"threads {args.threads}; weights {nbytes / 1e6:.0f} MB a step; memcpy {copy:.1f} GB/s (read+write), "
+          f"read (sum) {read:.1f} GB/s")
+    kernels = candidates(weights)
+    print("| M | " + " | ".join(kernels) + " |")
+    print("|---:|" + "---:|" * len(kernels))
+    for m in args.m:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(args.repeats):
+            for name, fn in kernels.items():
+                best[name] = min(best[name], _timed(lambda: fn(xs)))
+        cells = [f"{nbytes / t / 1e9:.1f} GB/s ({1 / t:.0f}/s)" for t in best.values()]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

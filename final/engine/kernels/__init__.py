@@ -1,0 +1,141 @@
+"""The engine's own CPU kernel (gemv.c: decode's small-M fp32 products at memory bandwidth), built and loaded here.
+
+Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels, named by
+a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh builds it
+ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through ctypes (no torch headers,
+no ninja: a 1 s build), checked against F.linear on random data before first use. Anything unusual (no gcc, a
+failed build, a CPU without AVX2/FMA, a wrong answer, FINAL_GEMV=0) leaves `gemv_kernel()` None with the reason
+logged once, and the engine uses torch's kernels (final/engine/linear.py) as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ABI = 2  # final_gemv_abi() of the source this wrapper speaks to
+PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class KernelError(RuntimeError):
+    """The kernel could not be built, loaded or trusted on this machine (the engine falls back, saying why)."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "gcc"
+    found = shutil.which(cc) or (shutil.which("cc") if "CC" not in os.environ else None)
+    if not found:
+        raise KernelError(f"no C compiler: {cc!r} is not on PATH" + (" (the CC variable)" if "CC" in os.environ else ""))
+    return found
+
+
+def library_path(cc: str) -> Path:
+    from final.models import cache_dir
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"gemv-{key}.so"
+
+
+def build() -> Path:
+    """The shared library for this source, flags and compiler, compiled if not cached yet."""
+    cc = _compiler()
+    out = library_path(cc)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+class GemvKernel:
+    """y = [res +] [bias +] prep(x) @ w.T for contiguous fp32 CPU tensors (see gemv.c for `prep`)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for the call
+        if lib.final_gemv_abi() != ABI:
+            raise KernelError(f"{path} speaks ABI {lib.final_gemv_abi()}, this wrapper {ABI}")
+        if not lib.final_gemv_cpu_ok():
+            raise KernelError("this CPU lacks AVX2/FMA")
+        self._fn = lib.final_gemv
+        self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
+        self._fn.restype = None
+        self.path = path
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 res: torch.Tensor | None = None, prep: int = PREP_NONE, norm: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] -> [M, N]; every tensor contiguous fp32 on CPU."""
+        m = x.shape[0]
+        n, k = w.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        scratch = torch.empty(m, k, dtype=torch.float32) if prep != PREP_NONE else None
+        self._fn(x.data_ptr(), m, k, w.data_ptr(), n, _ptr(bias), _ptr(res), prep, _ptr(norm), eps, _ptr(scratch),
+                 y.data_ptr())
+        return y
+
+    def self_check(self) -> None:
+        """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(13, 37, generator=g), torch.randn(3, 74, generator=g)
+        bias, res, norm = torch.randn(13, generator=g), torch.randn(3, 13, generator=g), torch.randn(37, generator=g)
+        h = F.rms_norm(x[:, :37], (37,), norm, 1e-6)
+        cases = [(self(x[:, :37].contiguous(), w), F.linear(x[:, :37], w)),
+                 (self(x[:, :37].contiguous(), w, bias, res), res + F.linear(x[:, :37], w, bias)),
+                 (self(x[:, :37].contiguous(), w, prep=PREP_NORM, norm=norm, eps=1e-6), F.linear(h, w)),
+                 (self(x, w, res=res, prep=PREP_GLU), res + F.linear(F.silu(x[:, :37]) * x[:, 37:], w))]
+        for i, (got, want) in enumerate(cases):
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                raise KernelError(f"case {i} differs from torch by {(got - want).abs().max().item():.3g}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+_lock = threading.Lock()
+_loaded: list[GemvKernel | None] = []  # [] until the first call, then [kernel or None]
+
+
+def gemv_kernel() -> GemvKernel | None:
+    """The checked kernel, or None (FINAL_GEMV=0, or it cannot run here: logged once with the reason)."""
+    if os.environ.get("FINAL_GEMV", "1") == "0":
+        return None
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def _load() -> GemvKernel | None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.info("the engine's GEMV kernel needs AVX2/FMA (torch reports %s); using torch's kernels",
+                    torch.backends.cpu.get_cpu_capability())
+        return None
+    try:
+        kernel = GemvKernel(build())
+        kernel.self_check()
+        return kernel
+    except (KernelError, OSError) as exc:
+        logger.warning("the engine's GEMV kernel is unavailable (%s); using torch's kernels", exc)
+        return None

@@ -1,0 +1,81 @@
+"""The engine's own small-M fp32 kernel (final/engine/kernels/gemv.c) against torch, and its fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from final.engine import kernels
+from final.engine.kernels import PREP_GLU, PREP_NORM, KernelError
+from final.engine.linear import GEMV_ROWS, Linear, gemv_enabled
+
+KERNEL = gemv_enabled(torch.device("cpu"), torch.float32)
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the gemv kernel does not run here (no gcc, AVX2 or oneDNN)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])  # every activation-row pass width, and a second pass
+@pytest.mark.parametrize("n,k", [(37, 40), (64, 576), (5, 3)])  # K tails (40 = 32 + 8; 3 < one vector)
+def test_every_prep_and_epilogue_matches_torch(threads, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, gu = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, 2 * k, generator=g)
+    bias, res, norm = torch.randn(n, generator=g), torch.randn(m, n, generator=g), torch.randn(k, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # rows split across this many threads (more threads than rows too)
+    try:
+        got = [KERNEL(x, w), KERNEL(x, w, bias, res), KERNEL(x, w, prep=PREP_NORM, norm=norm, eps=1e-5),
+               KERNEL(gu, w, None, res, PREP_GLU)]
+    finally:
+        torch.set_num_threads(before)
+    want = [F.linear(x, w), res + F.linear(x, w, bias), F.linear(F.rms_norm(x, (k,), norm, 1e-5), w),
+            res + F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, GEMV_ROWS, GEMV_ROWS + 1, 40])  # the kernel, and oneDNN on the same dense weight
+def test_linear_routes_by_rows_and_keeps_one_dense_copy(m):
+    w, b = torch.randn(96, 40), torch.randn(96)
+    lin = Linear(w.clone(), b, pack=True, gemv=KERNEL)
+    assert lin.weight is not None and lin.packed is None  # no oneDNN reorder beside it
+    assert lin.fuses(m) == (m <= GEMV_ROWS)
+    x, r = torch.randn(m, 1, 40), torch.randn(m, 1, 96)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lin.add_to(r, x), r + F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    new = torch.randn(16, 40)
+    lin.set_rows(8, 24, new)  # a streamed weight update lands in the one dense tensor
+    w[8:24] = new
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_fused_norm_and_swiglu_through_linear():
+    norm, eps = torch.randn(40), 1e-6
+    up, down = Linear(torch.randn(64, 40), gemv=KERNEL), Linear(torch.randn(40, 32), gemv=KERNEL)
+    x = torch.randn(3, 1, 40)
+    gate_up = up.normed(x, norm, eps)
+    torch.testing.assert_close(gate_up, F.linear(F.rms_norm(x, (40,), norm, eps), up.weight), rtol=1e-4, atol=1e-4)
+    gate, u = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(down.glu_add_to(x, gate_up), x + F.linear(F.silu(gate) * u, down.weight),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_torch_kernels(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("FINAL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
+    with pytest.raises(KernelError, match="could not build gemv.c|no-such-gcc"):
+        kernels.build()
+    with caplog.at_level(logging.WARNING, logger="final.engine.kernels"):
+        assert kernels._load() is None
+    assert "using torch's kernels" in caplog.text and not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_final_gemv_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("FINAL_GEMV", "0")
+    assert kernels.gemv_kernel() is None and gemv_enabled(torch.device("cpu"), torch.float32) is None
+    assert gemv_enabled(torch.device("cpu"), torch.bfloat16) is None  # fp32 only, whatever the flag
