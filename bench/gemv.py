@@ -2,6 +2,7 @@
 
     python bench/gemv.py                      # M = 1 2 4 8 16, torch's thread count
     python bench/gemv.py --threads 1 --m 1 8
+    python bench/gemv.py --int8              # + int8 weights: our kernel (weight-only) and fbgemm (dynamic)
 
 Candidates: the engine's own kernel (final/engine/kernels/gemv.c), torch's `F.linear` on the dense weight (MKL),
 oneDNN on a weight reordered into its blocked layout (`mkldnn._linear_pointwise`, the engine's path before the
@@ -39,19 +40,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def candidates(weights: list[torch.Tensor]) -> dict:
+def candidates(weights: list[torch.Tensor], int8: bool) -> dict:
+    """name -> (one step's products, bytes of weights they read)."""
     from final.engine.kernels import gemv_kernel
 
     out = {}
+    fp32 = sum(w.nbytes for w in weights)
     kernel = gemv_kernel()
     if kernel is not None:
-        out["final gemv.c"] = lambda xs: [kernel(xs[w.shape[1]], w) for w in weights]
-    out["F.linear (MKL, dense)"] = lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights]
+        out["final gemv.c"] = (lambda xs: [kernel(xs[w.shape[1]], w) for w in weights], fp32)
+    out["F.linear (MKL, dense)"] = (lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights], fp32)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
-    out["oneDNN packed"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [None], "")
-                                       for w, p in zip(weights, packed)]
+    out["oneDNN packed"] = (lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [None], "")
+                                        for w, p in zip(weights, packed)], fp32)
     arrays = [w.numpy() for w in weights]
-    out["numpy OpenBLAS"] = lambda xs: [xs[a.shape[1]].numpy() @ a.T for a in arrays]
+    out["numpy OpenBLAS"] = (lambda xs: [xs[a.shape[1]].numpy() @ a.T for a in arrays], fp32)
+    if int8:  # weight-only int8 (one scale per row) on our kernel, and fbgemm's dynamic int8 (the old int8 mode)
+        scales = [(w.abs().amax(dim=1) / 127).clamp_min(1e-12) for w in weights]
+        qs = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+        if kernel is not None:
+            out["final gemv.c int8"] = (lambda xs: [kernel(xs[q.shape[1]], q, scale=s) for q, s in zip(qs, scales)],
+                                        fp32 // 4)
+        from final.engine.linear import Int8Linear
+
+        fb = [Int8Linear(w) for w in weights]
+        out["fbgemm int8 (dynamic)"] = (lambda xs: [lin(xs[lin.in_features]) for lin in fb], fp32 // 4)
     return out
 
 
@@ -60,6 +73,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--int8", action="store_true", help="also int8 weights: our kernel and fbgemm's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -68,18 +82,18 @@ def main() -> None:
     copy, read = memory_rates(args.repeats)
     print(f"threads {args.threads}; weights {nbytes / 1e6:.0f} MB a step; memcpy {copy:.1f} GB/s (read+write), "
           f"read (sum) {read:.1f} GB/s")
-    kernels = candidates(weights)
+    kernels = candidates(weights, args.int8)
+    print("GB/s of the weights each kernel reads (fp32, or int8 where named); steps a second in brackets")
     print("| M | " + " | ".join(kernels) + " |")
     print("|---:|" + "---:|" * len(kernels))
     for m in args.m:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
         best = dict.fromkeys(kernels, float("inf"))
         for _ in range(args.repeats):
-            for name, fn in kernels.items():
+            for name, (fn, _) in kernels.items():
                 best[name] = min(best[name], _timed(lambda: fn(xs)))
-        cells = [f"{nbytes / t / 1e9:.1f} GB/s ({1 / t:.0f}/s)" for t in best.values()]
+        cells = [f"{kernels[name][1] / t / 1e9:.1f} ({1 / t:.0f}/s)" for name, t in best.items()]
         print(f"| {m} | " + " | ".join(cells) + " |")
-
 
 if __name__ == "__main__":
     main()

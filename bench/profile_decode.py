@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table grouped by input shape")
     ap.add_argument("--no-gemm", action="store_true", help="replace weight matmuls by preallocated outputs")
+    ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
     args = ap.parse_args()
 
     from final.engine import EmbeddedEngine
@@ -85,6 +86,9 @@ def main() -> None:
             wall.append(time.perf_counter() - w0)
         return statistics.median(cpu), statistics.median(wall), table
 
+    weight_bytes = engine.model.nbytes - engine.model.embed.nbytes  # the lookup reads one row, not the table
+    if engine.model.tied:
+        weight_bytes += engine.model.lm_head.nbytes  # ... but a tied lm_head reads all of it
     try:
         cpu, wall, table = engine.call(body)
     finally:
@@ -93,6 +97,15 @@ def main() -> None:
         print(table)
     print(f"{args.dtype} batch {args.batch}, {args.threads} thread(s){', no GEMM' if args.no_gemm else ''}: "
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
+    if args.roofline:  # every weight byte is read once a step: the step's streaming rate vs the machine's
+        from gemv import memory_rates  # bench/gemv.py, beside this file
+
+        torch.set_num_threads(args.threads)
+        copy, read = memory_rates(7)
+        rate = weight_bytes / wall / 1e9
+        print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {rate:.1f} GB/s streamed by the whole step; "
+              f"this machine reads {read:.1f} GB/s (a 128 MB sum; memcpy {copy:.1f} GB/s read+write): "
+              f"{rate / read:.0%} of it")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from final.engine import kernels
 from final.engine.kernels import PREP_GLU, PREP_NORM, KernelError
-from final.engine.linear import GEMV_ROWS, Linear, gemv_enabled
+from final.engine.linear import GEMV_ROWS, INT8_GEMV_ROWS, Int8Linear, Linear, gemv_enabled, int8_available
 
 KERNEL = gemv_enabled(torch.device("cpu"), torch.float32)
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the gemv kernel does not run here (no gcc, AVX2 or oneDNN)")
@@ -79,3 +79,25 @@ def test_final_gemv_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("FINAL_GEMV", "0")
     assert kernels.gemv_kernel() is None and gemv_enabled(torch.device("cpu"), torch.float32) is None
     assert gemv_enabled(torch.device("cpu"), torch.bfloat16) is None  # fp32 only, whatever the flag
+
+
+@needs_kernel
+@pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
+def test_int8_decode_rows_are_weight_only_on_the_kernel_and_take_updates():
+    """Up to INT8_GEMV_ROWS rows: fp32 activations against the int8 weights (no activation quantization, so exact
+    to the dequantized weight); more rows: fbgemm's dynamic int8 on the same int8 values."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    lin = Int8Linear(w.clone(), b.clone(), gemv=KERNEL)
+    deq = lin.dense()
+    assert torch.equal(lin.q.float() * lin.scale[:, None], deq.float())  # both paths read the same int8 values
+    small, large = torch.randn(INT8_GEMV_ROWS, 1, 64, generator=g), torch.randn(INT8_GEMV_ROWS + 3, 1, 64, generator=g)
+    assert lin.fuses(INT8_GEMV_ROWS) and not lin.fuses(INT8_GEMV_ROWS + 1)
+    torch.testing.assert_close(lin(small), F.linear(small, deq, b), rtol=1e-4, atol=1e-4)
+    want = F.linear(large, deq, b)
+    assert (lin(large) - want).abs().max() < 0.05 * want.abs().max()  # activations quantized too
+    r = torch.randn(INT8_GEMV_ROWS, 1, 48, generator=g)
+    torch.testing.assert_close(lin.add_to(r, small), r + F.linear(small, deq, b), rtol=1e-4, atol=1e-4)
+    lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update reaches the kernel's copy too
+    assert lin.q[:8].abs().max() == 0
+    torch.testing.assert_close(lin(small)[..., :8], b[:8].expand(INT8_GEMV_ROWS, 1, 8), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""`engine_kwargs.local.quantization: int8`: int8 weight matrices with fbgemm's dynamic int8 GEMM (opt-in speed
-mode on CPU; its agreement with fp32 on SmolLM2 is measured in bench/RESULTS.md, not claimed here)."""
+"""`engine_kwargs.local.quantization: int8`: int8 weight matrices (the gemv kernel for decode, fbgemm for prefill;
+opt-in speed mode on CPU; its agreement with fp32 on SmolLM2 is measured in bench/RESULTS.md, not claimed here)."""
 
 from __future__ import annotations
 

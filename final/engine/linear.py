@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
 GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
+INT8_GEMV_ROWS = 4  # int8: above, fbgemm is ahead (bench/gemv.py --int8: the kernel converts every weight per pass)
 
 
 def padded_rows(m: int) -> int:
@@ -62,7 +63,41 @@ def _cpu_has_bf16() -> bool:
     return bool(check()) if check is not None else False
 
 
-class Linear:
+class _Gemv:
+    """The gemv kernel's calls, shared by Linear (fp32 weight) and Int8Linear (int8 + row scales): `gemv_rows`
+    rows at most, on the weight each class's `_gemv_weight()` names (and `_gemv_scale()`)."""
+
+    gemv: GemvKernel | None
+    gemv_rows: int
+    bias: torch.Tensor | None
+    out_features: int
+
+    def fuses(self, m: int) -> bool:
+        """Whether a product of m rows runs on the gemv kernel (so normed/glu_add_to may be used)."""
+        return self.gemv is not None and m <= self.gemv_rows
+
+    def _kernel(self, x: torch.Tensor, res: torch.Tensor | None = None, prep: int = PREP_NONE,
+                norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        m, n = x.numel() // x.shape[-1], self.out_features
+        y = self.gemv(x.reshape(m, x.shape[-1]).contiguous(), self._gemv_weight(), self.bias,
+                      res.reshape(m, n).contiguous() if res is not None else None, prep, norm, eps,
+                      scale=self._gemv_scale())
+        return y.view(*x.shape[:-1], n)
+
+    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, norm, eps)) in one kernel call; only where fuses(rows of x)."""
+        return self._kernel(x, prep=PREP_NORM, norm=norm, eps=eps)
+
+    def glu_add_to(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """residual + self(silu(gate) * up), gate|up the halves of gate_up's last dim, in one kernel call; only where
+        fuses(rows)."""
+        return self._kernel(gate_up, res=residual, prep=PREP_GLU).view(residual.shape)
+
+    def _gemv_scale(self) -> torch.Tensor | None:
+        return None
+
+
+class Linear(_Gemv):
     """y = x @ W.T (+ b), W [out, in]. `dense()` gives W back; `set_rows()` updates part of it in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
@@ -74,6 +109,7 @@ class Linear:
         self.packed: torch.Tensor | None = None
         # the gemv kernel (small M) and oneDNN on the same dense weight (the rest): fp32 on CPU only
         self.gemv = gemv if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        self.gemv_rows = GEMV_ROWS
         self._want_pack = pack and self.gemv is None
         if self._want_pack:
             self._pack(weight)
@@ -94,24 +130,17 @@ class Linear:
             return
         self.packed, self.weight = packed, None
 
-    def fuses(self, m: int) -> bool:
-        """Whether a product of m rows runs on the gemv kernel (so normed/glu_add_to may be used)."""
-        return self.gemv is not None and m <= GEMV_ROWS
+    def _gemv_weight(self) -> torch.Tensor:
+        return self.weight
 
     def _onednn(self) -> torch.Tensor | None:
         """The tensor oneDNN multiplies by: the packed weight, or (beside the gemv kernel) the dense one."""
         return self.packed if self.packed is not None else self.weight if self.gemv is not None else None
 
-    def _kernel(self, x: torch.Tensor, m: int, res: torch.Tensor | None = None, prep: int = PREP_NONE,
-                norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-        y = self.gemv(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias,
-                      res.reshape(m, self.out_features).contiguous() if res is not None else None, prep, norm, eps)
-        return y.view(*x.shape[:-1], self.out_features)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.numel() // x.shape[-1]
         if self.fuses(m):
-            return self._kernel(x, m)
+            return self._kernel(x)
         if (w := self._onednn()) is not None:
             if padded_rows(m) == m:  # the common case (decode of <= 32 rows): no copy
                 return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [None], "")
@@ -127,7 +156,7 @@ class Linear:
         same result, the gemv kernel's is res + dot as well); in bf16 the separate add keeps HF's rounding."""
         m = x.numel() // x.shape[-1]
         if self.fuses(m):
-            return self._kernel(x, m, res=residual)
+            return self._kernel(x, res=residual)
         if (w := self._onednn()) is not None and self.dtype == torch.float32:
             if padded_rows(m) == m:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, self.bias, "add")
@@ -135,18 +164,6 @@ class Linear:
                                                             "add")
             return out[:m].reshape(residual.shape)
         return residual + self(x)
-
-    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-        """self(rms_norm(x, norm, eps)) in one kernel call; only where fuses(rows of x)."""
-        return self._kernel(x, x.numel() // x.shape[-1], prep=PREP_NORM, norm=norm, eps=eps)
-
-    def glu_add_to(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """residual + self(silu(gate) * up), gate|up the halves of gate_up's last dim, in one kernel call; only where
-        fuses(rows)."""
-        m = gate_up.numel() // gate_up.shape[-1]
-        y = self.gemv(gate_up.reshape(m, gate_up.shape[-1]).contiguous(), self.weight, self.bias,
-                      residual.reshape(m, self.out_features).contiguous(), PREP_GLU)
-        return y.view(residual.shape)
 
     def dense(self) -> torch.Tensor:
         """The weight [out, in] in the ordinary layout (a fresh tensor when packed)."""
@@ -175,23 +192,26 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-class Int8Linear:
-    """y ~= x @ W.T (+ b) with W held as int8 (one scale per output row) and fbgemm's dynamic int8 GEMM.
+class Int8Linear(_Gemv):
+    """y ~= x @ W.T (+ b) with W held as int8 (one scale per output row).
 
-    The activations are quantized too, per call (one 7-bit scale over the step's rows, as fbgemm's dynamic
-    quantization does; llama.cpp's Q8_0 likewise quantizes activations, per block of 32). So results are not
-    fp32's, and a row's can depend on the other rows of its step: this is the opt-in speed mode, its greedy
-    agreement with fp32 is measured in bench/RESULTS.md. Measured here first (AVX2, one thread, SmolLM2's
-    matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time with fp32 activations (no
-    vectorized path for them) and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x at M=1 and M=8.
+    Up to INT8_GEMV_ROWS rows (decode) go through the gemv kernel where it runs: weight-only int8, the activations
+    stay fp32, a row's result does not depend on the other rows. More rows (prefill), or no kernel, go through
+    fbgemm's dynamic int8 GEMM, which quantizes the activations too, per call (one 7-bit scale over the step's rows,
+    as llama.cpp's Q8_0 quantizes them per block of 32): there a row's result can depend on the other rows of its
+    step. Both read the same int8 values (two copies, a quarter of fp32's bytes each). This is the opt-in speed
+    mode; its greedy agreement with fp32 is measured in bench/RESULTS.md. Measured here first (AVX2, one thread,
+    SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time with fp32
+    activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x at M=1 and M=8.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError("int8 weights need a float32 model on CPU")
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
-        self.weight = None  # only the packed int8 matrix is kept
+        self.weight = None  # only the int8 matrices are kept
+        self.gemv, self.gemv_rows = gemv, INT8_GEMV_ROWS
         self._quantize(weight, bias)
 
     def _quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -202,13 +222,26 @@ class Int8Linear:
             q = torch.quantize_per_channel(weight.float(), scale, zero, 0, torch.qint8)
         self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
         self.packed = torch.ops.quantized.linear_prepack(q, None)
+        # the kernel's copy: the same int8 values, row-major, and the scales in fp32
+        self.q = q.int_repr().contiguous() if self.gemv is not None else None
+        self.scale = scale.float() if self.gemv is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.numel() // x.shape[-1]
+        if self.fuses(m):
+            return self._kernel(x)
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual + self(x)
+        m = x.numel() // x.shape[-1]
+        return self._kernel(x, res=residual) if self.fuses(m) else residual + self(x)
+
+    def _gemv_weight(self) -> torch.Tensor:
+        return self.q
+
+    def _gemv_scale(self) -> torch.Tensor | None:
+        return self.scale
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out, in]."""
@@ -223,4 +256,6 @@ class Int8Linear:
     @property
     def nbytes(self) -> int:
         n = self.out_features * self.in_features + 8 * self.out_features  # int8 values + a double scale per row
+        if self.q is not None:
+            n += self.q.numel() + 4 * self.out_features
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)

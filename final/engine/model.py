@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
+from final.engine.arena import WeightArena
 from final.engine.linear import Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
 
@@ -70,8 +71,15 @@ class ModelSpec:
 class AttentionPlan(Protocol):
     """What a forward pass needs from the cache side: write this layer's K/V, return attention output."""
 
+    fuses_rope: bool  # attend_qkv may be called (the decode kernel: RoPE, cache write and attention at once)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,D], k/v [B,T,Hkv,D] (post-RoPE) -> [B,T,H,D]."""
+        ...
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                   heads: int) -> torch.Tensor:
+        """qkv [B,1,(H+2Hkv)D] before RoPE -> [B,1,H*D]; only where fuses_rope."""
         ...
 
 
@@ -86,6 +94,19 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
         raise ConfigError(f"int8 runs on CPU with dtype float32 (auto), not {device.type} {dtype}", key=key)
     if not int8_available():
         raise ConfigError("int8 needs torch's fbgemm quantized engine (an x86 CPU with AVX2)", key=key)
+
+
+def _arena_for(hf, tied: bool) -> WeightArena:
+    """An arena holding every matrix a model's products read (the tied embedding is its lm_head)."""
+    head = hf.model.embed_tokens.weight if tied else hf.lm_head.weight
+    sizes = [head.numel() * head.element_size()]
+    for layer in hf.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        parts = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        sizes += [sum(m.weight.numel() * m.weight.element_size() for m in parts[:3])]  # q|k|v fused
+        sizes += [sum(m.weight.numel() * m.weight.element_size() for m in parts[4:6])]  # gate|up fused
+        sizes += [m.weight.numel() * m.weight.element_size() for m in (parts[3], parts[6])]
+    return WeightArena(WeightArena.size(sizes))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,6 +153,7 @@ class CausalLM:
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.dtype = embed.dtype
         self.device = embed.device
+        self.kernel = lm_head.gemv  # the gemv kernel every product here uses (None: torch's kernels)
 
     @property
     def nbytes(self) -> int:
@@ -159,16 +181,21 @@ class CausalLM:
             return x.detach().to(device).contiguous()
 
         pack = packing_enabled(device, dtype)
-        gemv = gemv_enabled(device, dtype) if not quantization else None
+        gemv = gemv_enabled(device, dtype)  # fp32 on CPU (int8 needs that too): the kernel takes both
+        base = hf.model
+        tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
+        # the fp32 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
+        arena = _arena_for(hf, tied) if gemv is not None and not quantization else None
+
+        def dense(w: torch.Tensor) -> torch.Tensor:
+            return arena.take(w.detach()) if arena is not None else t(w)
 
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear | Int8Linear:
             if quantization == "int8":
-                return Int8Linear(t(w), t(b) if b is not None else None)
-            return Linear(t(w), t(b) if b is not None else None, pack=pack, gemv=gemv)
+                return Int8Linear(t(w), t(b) if b is not None else None, gemv=gemv)
+            return Linear(dense(w), t(b) if b is not None else None, pack=pack, gemv=gemv)
 
-        base = hf.model
-        embed = t(base.embed_tokens.weight)
-        tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
+        embed = dense(base.embed_tokens.weight) if tied else t(base.embed_tokens.weight)
         # tied and int8: the lm_head is an int8 copy of the embedding, which stays fp32 for the lookup
         lm_head = (Linear(embed, pack=pack, gemv=gemv) if tied and not quantization
                    else lin(embed if tied else hf.lm_head.weight))
@@ -206,12 +233,17 @@ class CausalLM:
         cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
         sin = self.sin_signed[positions].unsqueeze(2)
         # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
-        fused = self.layers[0].wqkv.fuses(B * T) if isinstance(self.layers[0].wqkv, Linear) else False
+        fused = self.layers[0].wqkv.fuses(B * T)
+        fused_attention = fused and plan.fuses_rope and spec.qk_norm is False  # qk-norm (Qwen3) comes before RoPE
         for i, layer in enumerate(self.layers):
             if fused:
                 qkv = layer.wqkv.normed(x, layer.in_norm, spec.rms_norm_eps)
             else:
                 qkv = layer.wqkv(rms_norm(x, layer.in_norm, spec.rms_norm_eps))
+            if fused_attention:
+                x = layer.wo.add_to(x, plan.attend_qkv(i, qkv, cos, sin, H))
+                x = layer.w_down.glu_add_to(x, layer.w_gate_up.normed(x, layer.post_norm, spec.rms_norm_eps))
+                continue
             v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
             if layer.q_norm is None:  # q and k are adjacent in qkv: rotate them as one tensor
                 qk = rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos, sin)

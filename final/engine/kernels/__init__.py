@@ -25,8 +25,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 2  # final_gemv_abi() of the source this wrapper speaks to
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ABI = 4  # final_gemv_abi() of the source this wrapper speaks to
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -78,21 +78,37 @@ class GemvKernel:
         if not lib.final_gemv_cpu_ok():
             raise KernelError("this CPU lacks AVX2/FMA")
         self._fn = lib.final_gemv
-        self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
+        self._fn.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
+        self._attend = lib.final_attend_decode
+        self._attend.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _P]
+        self._attend.restype = None
         self.path = path
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  res: torch.Tensor | None = None, prep: int = PREP_NONE, norm: torch.Tensor | None = None,
-                 eps: float = 0.0) -> torch.Tensor:
-        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] -> [M, N]; every tensor contiguous fp32 on CPU."""
+                 eps: float = 0.0, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] fp32, or int8 with scale [N] fp32 -> [M, N]; every tensor
+        contiguous on CPU, the others fp32."""
         m = x.shape[0]
         n, k = w.shape
         y = torch.empty(m, n, dtype=torch.float32)
         scratch = torch.empty(m, k, dtype=torch.float32) if prep != PREP_NONE else None
-        self._fn(x.data_ptr(), m, k, w.data_ptr(), n, _ptr(bias), _ptr(res), prep, _ptr(norm), eps, _ptr(scratch),
-                 y.data_ptr())
+        self._fn(x.data_ptr(), m, k, w.data_ptr(), _ptr(scale), n, _ptr(bias), _ptr(res), prep, _ptr(norm), eps,
+                 _ptr(scratch), y.data_ptr())
         return y
+
+    def attend_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, lengths: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+        """One new token per row: RoPE on its q and k, k and v written into slot b of the caches at lengths[b],
+        attention over the slot's lengths[b] + 1 tokens. qkv [B, (H + 2 Hkv) D] before RoPE, cos/sin_signed
+        [B, D], caches [rows, Hkv, T, D] (written in place), lengths [B] int64 -> [B, H D]. Contiguous fp32."""
+        b = qkv.shape[0]
+        _, kv_heads, tokens, dim = k_cache.shape
+        out = torch.empty(b, heads * dim, dtype=torch.float32)
+        self._attend(qkv.data_ptr(), b, heads, kv_heads, dim, cos.data_ptr(), sin_signed.data_ptr(),
+                     k_cache.data_ptr(), v_cache.data_ptr(), tokens, lengths.data_ptr(), scale, out.data_ptr())
+        return out
 
     def self_check(self) -> None:
         """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""
@@ -104,6 +120,10 @@ class GemvKernel:
                  (self(x[:, :37].contiguous(), w, bias, res), res + F.linear(x[:, :37], w, bias)),
                  (self(x[:, :37].contiguous(), w, prep=PREP_NORM, norm=norm, eps=1e-6), F.linear(h, w)),
                  (self(x, w, res=res, prep=PREP_GLU), res + F.linear(F.silu(x[:, :37]) * x[:, 37:], w))]
+        q = torch.randint(-127, 128, (13, 37), dtype=torch.int8, generator=g)
+        scale = torch.rand(13, generator=g) / 100
+        cases.append((self(x[:, :37].contiguous(), q, bias, res, scale=scale),
+                      res + F.linear(x[:, :37], q.float() * scale[:, None], bias)))
         for i, (got, want) in enumerate(cases):
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                 raise KernelError(f"case {i} differs from torch by {(got - want).abs().max().item():.3g}")

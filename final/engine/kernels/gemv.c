@@ -1,10 +1,11 @@
-/* The embedded engine's small-M fp32 matrix product for decode: y = [residual +] [bias +] prep(x) @ W.T
+/* The embedded engine's small-M matrix product for decode: y = [residual +] [bias +] prep(x) @ W.T, W fp32 or int8
+   (one scale per output row; activations stay fp32: weight-only quantization)
 
    Batch-1..8 decode streams every weight once per step, so its speed is memory bandwidth. torch's CPU kernels
    reach 11 (MKL, dense) to 20 GB/s (oneDNN, packed) at M=1 on a 2-core AVX2 EPYC; this loop streams W in its
    ordinary row-major layout [N, K] (so prefill's F.linear reads the same tensor: one copy of the model), each
-   thread a contiguous run of rows, 4 rows x 2 activation rows a pass (8 AVX2 accumulators; a 4-row block stays in
-   L1 while every activation row reads it). bench/gemv.py measures it beside torch's kernels.
+   thread a contiguous run of rows read front to back with a software prefetch ahead, each row once for up to 8
+   activation rows (the row stays in L1 for a second pass above 8). bench/gemv.py measures it beside torch's.
 
    prep, done once per call inside the same parallel region (so a decode layer is 4 calls, not ~12 torch ops):
      PREP_NONE  x as given, [M, K]
@@ -30,7 +31,7 @@ enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
 #define PREFETCH 4096 /* bytes ahead of the row being read */
 #endif
 
-int final_gemv_abi(void) { return 2; }
+int final_gemv_abi(void) { return 4; }
 
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
@@ -93,17 +94,30 @@ static void prep_glu(const float *gate, const float *up, int lo, int hi, float *
   for (; k < hi; k++) out[k] = gate[k] / (1.0f + expf(-gate[k])) * up[k];
 }
 
+/* 8 weights of row wr from element k as fp32: fp32 as stored, or int8 widened (its row scale is applied to the
+   finished dot product). q8 is a constant at every call, so each inlined copy has one load path. */
+static inline __m256 wload(const void *wr, int k, int q8) {
+  if (q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)wr + k))));
+  return _mm256_loadu_ps((const float *)wr + k);
+}
+
+static inline float wscalar(const void *wr, int k, int q8) {
+  return q8 ? (float)((const int8_t *)wr)[k] : ((const float *)wr)[k];
+}
+
 /* dots[p] = w_row . x[m0 + p] for p < P (P <= 4): one pass over the row, so a thread reads its rows as one
    sequential stream (4 rows side by side were 4 short streams, which the prefetcher served at half the rate) */
-static inline void row_dots(const float *xs, int K, const float *wr, int m0, int P, float *dots) {
+static inline void row_dots(const float *xs, int K, const void *wr, int q8, int m0, int P, float *dots) {
   __m256 a[4][2];
   for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = _mm256_setzero_ps();
   const float *x[4];
   for (int p = 0; p < 4; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+  const char *bytes = (const char *)wr;
+  const int es = q8 ? 1 : 4;
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
-    const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
+    if (!q8 || (k & 63) == 0) _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
+    const __m256 w0 = wload(wr, k, q8), w1 = wload(wr, k + 8, q8);
     for (int p = 0; p < P; p++) {
       a[p][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[p] + k), a[p][0]);
       a[p][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[p] + k + 8), a[p][1]);
@@ -111,50 +125,53 @@ static inline void row_dots(const float *xs, int K, const float *wr, int m0, int
   }
   for (int p = 0; p < P; p++) {
     float s = hsum(_mm256_add_ps(a[p][0], a[p][1]));
-    for (int kk = k; kk < K; kk++) s += wr[kk] * x[p][kk];
+    for (int kk = k; kk < K; kk++) s += wscalar(wr, kk, q8) * x[p][kk];
     dots[p] = s;
   }
 }
 
 /* the same for 5..8 activation rows, one accumulator each (8 + the weight: the registers AVX2 has) */
-static inline void row_dots8(const float *xs, int K, const float *wr, int m0, int P, float *dots) {
+static inline void row_dots8(const float *xs, int K, const void *wr, int q8, int m0, int P, float *dots) {
   __m256 a[8];
   for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();
   const float *x[8];
   for (int p = 0; p < 8; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+  const char *bytes = (const char *)wr;
+  const int es = q8 ? 1 : 4;
   int k = 0;
   for (; k + 8 <= K; k += 8) {
-    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
-    const __m256 wv = _mm256_loadu_ps(wr + k);
+    if (!q8 || (k & 63) == 0) _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
+    const __m256 wv = wload(wr, k, q8);
     for (int p = 0; p < P; p++) a[p] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[p] + k), a[p]);
   }
   for (int p = 0; p < P; p++) {
     float s = hsum(a[p]);
-    for (int kk = k; kk < K; kk++) s += wr[kk] * x[p][kk];
+    for (int kk = k; kk < K; kk++) s += wscalar(wr, kk, q8) * x[p][kk];
     dots[p] = s;
   }
 }
 
-static void rows(const float *xs, int M, int K, const float *w, int n0, int n1, int N, const float *bias,
-                 const float *res, float *y) {
+/* rows n0..n1 of y; w is fp32 [N, K], or int8 [N, K] with scale [N] (q8) */
+static inline void rows(const float *xs, int M, int K, const void *w, const float *scale, int q8, int n0, int n1,
+                        int N, const float *bias, const float *res, float *y) {
   float dots[8];
   for (int n = n0; n < n1; n++) {
-    const float *wr = w + (int64_t)n * K;
+    const void *wr = (const char *)w + (int64_t)n * K * (q8 ? 1 : 4);
     for (int m = 0; m < M; m += WIDE) {  /* the first pass streams the row, the others find it in L1 */
       const int P = M - m < WIDE ? M - m : WIDE;
       switch (P) {  /* a constant P per call: the compiler keeps the accumulators in registers */
-        case 1: row_dots(xs, K, wr, m, 1, dots); break;
-        case 2: row_dots(xs, K, wr, m, 2, dots); break;
-        case 3: row_dots(xs, K, wr, m, 3, dots); break;
-        case 4: row_dots(xs, K, wr, m, 4, dots); break;
-        case 5: row_dots8(xs, K, wr, m, 5, dots); break;
-        case 6: row_dots8(xs, K, wr, m, 6, dots); break;
-        case 7: row_dots8(xs, K, wr, m, 7, dots); break;
-        default: row_dots8(xs, K, wr, m, 8, dots); break;
+        case 1: row_dots(xs, K, wr, q8, m, 1, dots); break;
+        case 2: row_dots(xs, K, wr, q8, m, 2, dots); break;
+        case 3: row_dots(xs, K, wr, q8, m, 3, dots); break;
+        case 4: row_dots(xs, K, wr, q8, m, 4, dots); break;
+        case 5: row_dots8(xs, K, wr, q8, m, 5, dots); break;
+        case 6: row_dots8(xs, K, wr, q8, m, 6, dots); break;
+        case 7: row_dots8(xs, K, wr, q8, m, 7, dots); break;
+        default: row_dots8(xs, K, wr, q8, m, 8, dots); break;
       }
       for (int p = 0; p < P; p++) {
         const int64_t at = (int64_t)(m + p) * N + n;
-        float v = dots[p];
+        float v = q8 ? dots[p] * scale[n] : dots[p];
         if (bias) v += bias[n];
         if (res) v = res[at] + v;
         y[at] = v;
@@ -163,12 +180,11 @@ static void rows(const float *xs, int M, int K, const float *w, int n0, int n1, 
   }
 }
 
-/* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K], bias [N] or NULL, res [M, N] or NULL, g [K] (PREP_NORM), y [M, N];
-   scratch [M, K] when prep != PREP_NONE. All contiguous fp32. */
-void final_gemv(const float *x, int M, int K, const float *w, int N, const float *bias, const float *res,
-                int prep, const float *g, float eps, float *scratch, float *y) {
+/* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] fp32 (scale NULL) or int8 (scale [N] fp32), bias [N] or NULL,
+   res [M, N] or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
+void final_gemv(const float *x, int M, int K, const void *w, const float *scale, int N, const float *bias,
+                const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
   const float *xs = prep == PREP_NONE ? x : scratch;
-  const int blocks = N;
 #pragma omp parallel
   {
     if (prep == PREP_NORM) {
@@ -185,8 +201,82 @@ void final_gemv(const float *x, int M, int K, const float *w, int N, const float
     }
     /* the implicit barrier of the omp for above: every prepared row is written before any is read */
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int b0 = (int)((int64_t)blocks * t / T), b1 = (int)((int64_t)blocks * (t + 1) / T);
-    const int n0 = b0, n1 = b1;
-    if (n0 < n1) rows(xs, M, K, w, n0, n1, N, bias, res, y);
+    const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
+    if (n0 < n1) {
+      if (scale) rows(xs, M, K, w, scale, 1, n0, n1, N, bias, res, y);
+      else rows(xs, M, K, w, NULL, 0, n0, n1, N, bias, res, y);
+    }
+  }
+}
+
+/* ---- decode attention: RoPE, the K/V cache write and attention of one new token per row, in one call ----
+   qkv [B, (H + 2 Hkv) D] (the fused product, before RoPE), cos/sin_signed [B, D] (HF's tables at each row's
+   position, sin's first half negated: rope(x) = x cos + roll(x, D/2) sin_signed, as final/engine/model.py),
+   kc/vc one layer's cache [rows, Hkv, T, D], lengths [B] (tokens row b has cached; the new one goes there),
+   out [B, H D]. Replaces ~14 torch ops a layer (rope, two index_puts, matmul, scale, mask, softmax, matmul). */
+static void rope_head(const float *x, const float *cos, const float *sin, int D, float *out) {
+  const int half = D / 2;
+  for (int d = 0; d < D; d++) {
+    const float rolled = x[d < half ? d + half : d - half];
+    out[d] = x[d] * cos[d] + rolled * sin[d]; /* two products, then the sum: torch's order (no FMA contraction) */
+  }
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void final_attend_decode(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
+                         float *kc, float *vc, int64_t T, const int64_t *lengths, float scale, float *out) {
+  const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int task = 0; task < B * Hkv; task++) {
+      const int b = task / Hkv, g = task % Hkv;
+      const float *row = qkv + b * width;
+      const int64_t at = (((int64_t)b * Hkv + g) * T + lengths[b]) * D;
+      rope_head(row + (int64_t)(H + g) * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, kc + at);
+      for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
+    }
+    /* the barrier above: every new K/V is in the cache before any row attends */
+    float *q = malloc(sizeof(float) * D), *o = malloc(sizeof(float) * D), *s = NULL;
+    int64_t s_len = 0;
+#pragma omp for schedule(static)
+    for (int task = 0; task < B * H; task++) {
+      const int b = task / H, h = task % H, g = h / G;
+      const int64_t n = lengths[b] + 1;
+      if (n > s_len) {
+        free(s);
+        s = malloc(sizeof(float) * n);
+        s_len = n;
+      }
+      rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
+      const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
+      float m = -INFINITY, sum = 0.0f;
+      for (int64_t t = 0; t < n; t++) {
+        s[t] = dot(q, K + t * D, D) * scale;
+        m = s[t] > m ? s[t] : m;
+      }
+      for (int64_t t = 0; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+      }
+      for (int d = 0; d < D; d++) o[d] = 0.0f;
+      for (int64_t t = 0; t < n; t++) {
+        const float p = s[t] / sum;
+        const float *v = V + t * D;
+        for (int d = 0; d < D; d++) o[d] += p * v[d];
+      }
+      for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d];
+    }
+    free(q);
+    free(o);
+    free(s);
   }
 }
