@@ -19,6 +19,15 @@ import time
 import torch
 
 
+def streamed_bytes(model) -> int:
+    """The weight bytes a decode step reads: every matrix once (int8: the kernel's int8 copy and its scales, not
+    fbgemm's, which prefill reads), the tied embedding as the lm_head; norms are noise."""
+    linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up,
+                                                                           layer.w_down)]
+    return sum(lin._gemv_weight().nbytes + (4 * lin.out_features if lin._gemv_scale() is not None else 0)
+               if lin.gemv is not None else lin.nbytes for lin in linears)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -28,10 +37,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table grouped by input shape")
     ap.add_argument("--no-gemm", action="store_true", help="replace weight matmuls by preallocated outputs")
+    ap.add_argument("--quantization", default=None, help="int8: the engine's int8 mode")
     ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
     args = ap.parse_args()
 
     from final.engine import EmbeddedEngine
+    from gemv import memory_rates  # bench/gemv.py, beside this file
     from final.engine.sampler import sample
     from final.engine.sampling_params import SamplingParams
     from final.models import resolve_model_path
@@ -52,7 +63,7 @@ def main() -> None:
         linear.Linear.normed = lambda self, x, norm, eps: fake(self, x)  # the gemv kernel's fused calls
         linear.Linear.glu_add_to = lambda self, residual, gate_up: residual + fake(self, gate_up)
 
-    engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype)
+    engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})
 
     def body(runner) -> tuple[float, float, str]:
@@ -79,16 +90,18 @@ def main() -> None:
                     append(runner.decode(seqs))
             table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
         cpu, wall = [], []
-        for _ in range(args.steps):
+        for i in range(args.steps):
+            if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
+                reads.append(memory_rates(3)[1])
             c0, w0 = time.thread_time(), time.perf_counter()
             append(runner.decode(seqs))
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
         return statistics.median(cpu), statistics.median(wall), table
 
-    weight_bytes = engine.model.nbytes - engine.model.embed.nbytes  # the lookup reads one row, not the table
-    if engine.model.tied:
-        weight_bytes += engine.model.lm_head.nbytes  # ... but a tied lm_head reads all of it
+    reads: list[float] = []
+
+    weight_bytes = streamed_bytes(engine.model)
     try:
         cpu, wall, table = engine.call(body)
     finally:
@@ -98,15 +111,10 @@ def main() -> None:
     print(f"{args.dtype} batch {args.batch}, {args.threads} thread(s){', no GEMM' if args.no_gemm else ''}: "
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
     if args.roofline:  # every weight byte is read once a step: the step's streaming rate vs the machine's
-        from gemv import memory_rates  # bench/gemv.py, beside this file
-
-        torch.set_num_threads(args.threads)
-        copy, read = memory_rates(7)
-        rate = weight_bytes / wall / 1e9
+        rate, read = weight_bytes / wall / 1e9, statistics.median(reads)
         print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {rate:.1f} GB/s streamed by the whole step; "
-              f"this machine reads {read:.1f} GB/s (a 128 MB sum; memcpy {copy:.1f} GB/s read+write): "
+              f"this machine reads {read:.1f} GB/s (a 128 MB sum, median of {len(reads)} taken between the steps): "
               f"{rate / read:.0%} of it")
-
 
 if __name__ == "__main__":
     main()

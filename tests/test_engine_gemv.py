@@ -101,3 +101,48 @@ def test_int8_decode_rows_are_weight_only_on_the_kernel_and_take_updates():
     lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update reaches the kernel's copy too
     assert lin.q[:8].abs().max() == 0
     torch.testing.assert_close(lin(small)[..., :8], b[:8].expand(INT8_GEMV_ROWS, 1, 8), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_kernel_matches_rope_write_and_softmax_attention(threads):
+    """attend_decode against model.rope + the cache write + softmax(q k^T * scale) v, rows of different lengths
+    (0: only the new token), 3 query heads per K/V head."""
+    from final.engine.model import rope
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, T = 3, 6, 2, 16, 12
+    lengths = torch.tensor([3, 0, 11])
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+    kc, vc = torch.randn(B + 1, Hkv, T, D, generator=g), torch.randn(B + 1, Hkv, T, D, generator=g)
+    want_k, want_v = kc.clone(), vc.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = KERNEL.attend_decode(qkv, cos, sin, kc, vc, lengths, H, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    q = rope(qkv[:, : H * D].view(B, H, D), cos[:, None], sin[:, None])
+    k = rope(qkv[:, H * D : (H + Hkv) * D].view(B, Hkv, D), cos[:, None], sin[:, None])
+    v = qkv[:, (H + Hkv) * D :].view(B, Hkv, D)
+    for b in range(B):
+        want_k[b, :, lengths[b]], want_v[b, :, lengths[b]] = k[b], v[b]
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # RoPE bitwise torch's; other slots untouched
+    for b in range(B):
+        n = int(lengths[b]) + 1
+        keys, values = want_k[b, :, :n].repeat_interleave(H // Hkv, 0), want_v[b, :, :n].repeat_interleave(H // Hkv, 0)
+        att = torch.softmax(q[b, :, None] @ keys.transpose(-1, -2) * 0.25, dim=-1) @ values
+        torch.testing.assert_close(out[b].view(H, D), att[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_weight_arena_aligns_copies_and_refuses_overflow():
+    from final.engine.arena import HUGE, WeightArena
+
+    a, b = torch.randn(3, 5), torch.randint(-5, 5, (7,), dtype=torch.int8)
+    arena = WeightArena(WeightArena.size([a.nbytes, b.nbytes]))
+    ca, cb = arena.take(a), arena.take(b)
+    assert torch.equal(ca, a) and torch.equal(cb, b) and ca.dtype == a.dtype and cb.shape == b.shape
+    assert ca.data_ptr() % HUGE == 0 and cb.data_ptr() % 64 == 0  # a 2 MB boundary, then cache lines
+    with pytest.raises(ValueError, match="arena full"):
+        arena.take(torch.zeros(2))

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
 GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
-INT8_GEMV_ROWS = 4  # int8: above, fbgemm is ahead (bench/gemv.py --int8: the kernel converts every weight per pass)
+INT8_GEMV_ROWS = 2  # int8: above, fbgemm is ahead (bench/gemv.py --int8: 4 rows 0.8x; the kernel widens every weight)
 
 
 def padded_rows(m: int) -> int:

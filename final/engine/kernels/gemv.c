@@ -105,7 +105,7 @@ static inline float wscalar(const void *wr, int k, int q8) {
   return q8 ? (float)((const int8_t *)wr)[k] : ((const float *)wr)[k];
 }
 
-/* dots[p] = w_row . x[m0 + p] for p < P (P <= 4): one pass over the row, so a thread reads its rows as one
+/* dots[p] = w_row . x[m0 + p] for p < P (2 <= P <= 4): one pass over the row, so a thread reads its rows as one
    sequential stream (4 rows side by side were 4 short streams, which the prefetcher served at half the rate) */
 static inline void row_dots(const float *xs, int K, const void *wr, int q8, int m0, int P, float *dots) {
   __m256 a[4][2];
@@ -128,6 +128,27 @@ static inline void row_dots(const float *xs, int K, const void *wr, int q8, int 
     for (int kk = k; kk < K; kk++) s += wscalar(wr, kk, q8) * x[p][kk];
     dots[p] = s;
   }
+}
+
+/* one activation row: four accumulators. Each FMA waits ~4 cycles for its accumulator, so two chains capped int8
+   at 16 weights per 4 cycles (28 GB/s of int8 on 2 cores, bench/gemv.py --int8). */
+static inline float row_dot1(const float *x, int K, const void *wr, int q8) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const char *bytes = (const char *)wr;
+  const int es = q8 ? 1 : 4;
+  int k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
+    if (!q8) _mm_prefetch(bytes + (int64_t)k * es + 64 + PREFETCH, PFHINT);
+    a0 = _mm256_fmadd_ps(wload(wr, k, q8), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(wload(wr, k + 8, q8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(wload(wr, k + 16, q8), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(wload(wr, k + 24, q8), _mm256_loadu_ps(x + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(wload(wr, k, q8), _mm256_loadu_ps(x + k), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; k++) s += wscalar(wr, k, q8) * x[k];
+  return s;
 }
 
 /* the same for 5..8 activation rows, one accumulator each (8 + the weight: the registers AVX2 has) */
@@ -160,7 +181,7 @@ static inline void rows(const float *xs, int M, int K, const void *w, const floa
     for (int m = 0; m < M; m += WIDE) {  /* the first pass streams the row, the others find it in L1 */
       const int P = M - m < WIDE ? M - m : WIDE;
       switch (P) {  /* a constant P per call: the compiler keeps the accumulators in registers */
-        case 1: row_dots(xs, K, wr, q8, m, 1, dots); break;
+        case 1: dots[0] = row_dot1(xs + (int64_t)m * K, K, wr, q8); break;
         case 2: row_dots(xs, K, wr, q8, m, 2, dots); break;
         case 3: row_dots(xs, K, wr, q8, m, 3, dots); break;
         case 4: row_dots(xs, K, wr, q8, m, 4, dots); break;
