@@ -104,36 +104,31 @@ def test_int8_decode_rows_are_weight_only_on_the_kernel_and_take_updates():
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_kernel_matches_rope_write_and_softmax_attention(threads):
-    """attend_decode against model.rope + the cache write + softmax(q k^T * scale) v, rows of different lengths
-    (0: only the new token), 3 query heads per K/V head."""
-    from final.engine.model import rope
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: the qkv bias; qwen3: qk-norm, not fused
+def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, monkeypatch):
+    """The kernel's whole-layer decode (RMSNorm, q|k|v, RoPE, the cache write, attention, o, SwiGLU, down) against
+    the engine with torch's kernels on the same weights: log-probs of every generated token, rows of different
+    lengths decoding together. (int8's products are checked against the dequantized weight above; the same C
+    layer code runs them.)"""
+    from final.engine import EmbeddedEngine
+    from final.models import resolve_model_path
 
-    g = torch.Generator().manual_seed(3)
-    B, H, Hkv, D, T = 3, 6, 2, 16, 12
-    lengths = torch.tensor([3, 0, 11])
-    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
-    cos, sin = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
-    kc, vc = torch.randn(B + 1, Hkv, T, D, generator=g), torch.randn(B + 1, Hkv, T, D, generator=g)
-    want_k, want_v = kc.clone(), vc.clone()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = KERNEL.attend_decode(qkv, cos, sin, kc, vc, lengths, H, 0.25)
-    finally:
-        torch.set_num_threads(before)
-    q = rope(qkv[:, : H * D].view(B, H, D), cos[:, None], sin[:, None])
-    k = rope(qkv[:, H * D : (H + Hkv) * D].view(B, Hkv, D), cos[:, None], sin[:, None])
-    v = qkv[:, (H + Hkv) * D :].view(B, Hkv, D)
-    for b in range(B):
-        want_k[b, :, lengths[b]], want_v[b, :, lengths[b]] = k[b], v[b]
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # RoPE bitwise torch's; other slots untouched
-    for b in range(B):
-        n = int(lengths[b]) + 1
-        keys, values = want_k[b, :, :n].repeat_interleave(H // Hkv, 0), want_v[b, :, :n].repeat_interleave(H // Hkv, 0)
-        att = torch.softmax(q[b, :, None] @ keys.transpose(-1, -2) * 0.25, dim=-1) @ values
-        torch.testing.assert_close(out[b].view(H, D), att[:, 0], rtol=1e-5, atol=1e-5)
+    path = resolve_model_path(f"builtin:tiny-random-{arch}")
+    prompts = [[1, 5, 6, 7], [1] + list(range(30, 60))]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FINAL_GEMV", flag)
+        engine = EmbeddedEngine(path, max_model_len=64)
+        try:
+            assert (engine.model.kernel is not None) == (flag == "1")
+            outs = engine.generate(prompts, params, return_logprob=True)
+            got[flag] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+        finally:
+            engine.shutdown()
+    for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
+        assert ids == ids0
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
 
 
 def test_the_weight_arena_aligns_copies_and_refuses_overflow():
@@ -146,3 +141,23 @@ def test_the_weight_arena_aligns_copies_and_refuses_overflow():
     assert ca.data_ptr() % HUGE == 0 and cb.data_ptr() % 64 == 0  # a 2 MB boundary, then cache lines
     with pytest.raises(ValueError, match="arena full"):
         arena.take(torch.zeros(2))
+
+
+@needs_kernel
+@pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
+def test_a_weight_update_moves_the_kernels_int8_addresses(tiny_dir):
+    """load_hf_weight quantizes an int8 matrix anew (a new tensor): the whole-layer call must read the new one."""
+    from final.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir, quantization="int8", max_model_len=64)
+    try:
+        params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        engine.generate([1, 5, 6], params)
+        model = engine.model
+        down = model.layers[0].w_down
+        engine.call(lambda _r: model.load_hf_weight("model.layers.0.mlp.down_proj.weight",
+                                                   torch.zeros(down.out_features, down.in_features)))
+        assert int(model._layer_table()[0, 3]) == down.q.data_ptr() and down.q.abs().max() == 0
+        assert len(engine.generate([1, 5, 6], params)["output_ids"]) == 4  # and it serves on the new weights
+    finally:
+        engine.shutdown()

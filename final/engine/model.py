@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
+from final.engine.kv_cache import KVCache
 from final.engine.linear import Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
 
@@ -71,15 +72,17 @@ class ModelSpec:
 class AttentionPlan(Protocol):
     """What a forward pass needs from the cache side: write this layer's K/V, return attention output."""
 
-    fuses_rope: bool  # attend_qkv may be called (the decode kernel: RoPE, cache write and attention at once)
+    fuses_layers: bool  # the kernel may run whole decode layers on this plan's cache (cache_table)
+    cache: KVCache
+    lengths: torch.Tensor
+    scale: float
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,D], k/v [B,T,Hkv,D] (post-RoPE) -> [B,T,H,D]."""
         ...
 
-    def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                   heads: int) -> torch.Tensor:
-        """qkv [B,1,(H+2Hkv)D] before RoPE -> [B,1,H*D]; only where fuses_rope."""
+    def cache_table(self) -> torch.Tensor:
+        """[layers, 2] int64 K and V cache addresses; only where fuses_layers."""
         ...
 
 
@@ -154,6 +157,7 @@ class CausalLM:
         self.dtype = embed.dtype
         self.device = embed.device
         self.kernel = lm_head.gemv  # the gemv kernel every product here uses (None: torch's kernels)
+        self._weights_version, self._table = 0, None  # _layer_table's cache, keyed by load_hf_weight's count
 
     @property
     def nbytes(self) -> int:
@@ -234,16 +238,13 @@ class CausalLM:
         sin = self.sin_signed[positions].unsqueeze(2)
         # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
         fused = self.layers[0].wqkv.fuses(B * T)
-        fused_attention = fused and plan.fuses_rope and spec.qk_norm is False  # qk-norm (Qwen3) comes before RoPE
+        if fused and plan.fuses_layers and not spec.qk_norm:  # (Qwen3's qk-norm comes before RoPE: not fused)
+            return rms_norm(self._decode_layers(x, plan, cos, sin), self.norm, spec.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             if fused:
                 qkv = layer.wqkv.normed(x, layer.in_norm, spec.rms_norm_eps)
             else:
                 qkv = layer.wqkv(rms_norm(x, layer.in_norm, spec.rms_norm_eps))
-            if fused_attention:
-                x = layer.wo.add_to(x, plan.attend_qkv(i, qkv, cos, sin, H))
-                x = layer.w_down.glu_add_to(x, layer.w_gate_up.normed(x, layer.post_norm, spec.rms_norm_eps))
-                continue
             v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
             if layer.q_norm is None:  # q and k are adjacent in qkv: rotate them as one tensor
                 qk = rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos, sin)
@@ -261,6 +262,33 @@ class CausalLM:
             x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps)
 
+    def _decode_layers(self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> torch.Tensor:
+        """Every layer of a decode step in one kernel call (gemv.c's final_decode_layers): what the loop in
+        forward does, x [B,1,hidden] updated in place."""
+        B, spec = x.shape[0], self.spec
+        cache = plan.cache
+        self.kernel.decode_layers(x.view(B, -1), self._layer_table(), plan.cache_table(),
+                                  (spec.num_kv_heads, cache.k[0].shape[2], spec.head_dim), cos.reshape(B, -1),
+                                  sin.reshape(B, -1), plan.lengths, spec.num_heads,
+                                  self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps)
+        return x
+
+    def _layer_table(self) -> torch.Tensor:
+        """[layers, 11] int64 addresses of what each layer's kernel call reads (gemv.c's W_* order), rebuilt when a
+        weight update may have moved a tensor (an int8 matrix is quantized anew)."""
+        if self._table is None or self._table[0] != self._weights_version:
+            def addr(t: torch.Tensor | None) -> int:
+                return t.data_ptr() if t is not None else 0
+
+            rows = []
+            for layer in self.layers:
+                mats = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+                rows.append([addr(m._gemv_weight()) for m in mats] + [addr(m._gemv_scale()) for m in mats]
+                            + [addr(layer.wqkv.bias), addr(layer.in_norm), addr(layer.post_norm)])
+            self._table = (self._weights_version, torch.tensor(rows, dtype=torch.int64))
+        return self._table[1]
+
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Hidden states [N,hidden] -> logits [N,vocab], computed in the model dtype like HF, then fp32 (or left in
         the model dtype with upcast=False, for a caller that upcasts only when it needs to)."""
@@ -274,6 +302,7 @@ class CausalLM:
         """
         spec = self.spec
         tensor = tensor.detach().to(device=self.device, dtype=self.dtype)
+        self._weights_version += 1  # an int8 matrix is quantized anew: the kernel's address table is rebuilt
         parts = name.split(".")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name.startswith("model.") or self.tied:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 4  # final_gemv_abi() of the source this wrapper speaks to
+ABI = 5  # final_gemv_abi() of the source this wrapper speaks to
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -80,9 +80,9 @@ class GemvKernel:
         self._fn = lib.final_gemv
         self._fn.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
-        self._attend = lib.final_attend_decode
-        self._attend.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _P]
-        self._attend.restype = None
+        self._layers = lib.final_decode_layers
+        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _F, _P]
+        self._layers.restype = None
         self.path = path
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -98,17 +98,22 @@ class GemvKernel:
                  _ptr(scratch), y.data_ptr())
         return y
 
-    def attend_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, lengths: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-        """One new token per row: RoPE on its q and k, k and v written into slot b of the caches at lengths[b],
-        attention over the slot's lengths[b] + 1 tokens. qkv [B, (H + 2 Hkv) D] before RoPE, cos/sin_signed
-        [B, D], caches [rows, Hkv, T, D] (written in place), lengths [B] int64 -> [B, H D]. Contiguous fp32."""
-        b = qkv.shape[0]
-        _, kv_heads, tokens, dim = k_cache.shape
-        out = torch.empty(b, heads * dim, dtype=torch.float32)
-        self._attend(qkv.data_ptr(), b, heads, kv_heads, dim, cos.data_ptr(), sin_signed.data_ptr(),
-                     k_cache.data_ptr(), v_cache.data_ptr(), tokens, lengths.data_ptr(), scale, out.data_ptr())
-        return out
+    def decode_layers(self, x: torch.Tensor, weights: torch.Tensor, caches: torch.Tensor,
+                      cache_shape: tuple[int, int, int], cos: torch.Tensor, sin_signed: torch.Tensor,
+                      lengths: torch.Tensor, heads: int, inter: int, scale: float, eps: float) -> None:
+        """Every decoder layer of a decode step (one new token per row), x [M, hidden] updated in place: RMSNorm,
+        q|k|v, RoPE, the K/V cache write at lengths[b], attention over each row's lengths[b] + 1 tokens, o +
+        residual, RMSNorm, gate|up, SwiGLU, down + residual. weights [L, 11] int64 (gemv.c's W_* fields: the
+        matrices' addresses, their int8 scales or 0, the qkv bias or 0, the two norms), caches [L, 2] the K and V
+        cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; cos/sin_signed [M, D]; lengths [M]
+        int64. Contiguous fp32."""
+        m, hidden = x.shape
+        layers, _ = caches.shape
+        kv_heads, tokens, dim = cache_shape
+        work = torch.empty(m * ((heads + 2 * kv_heads) * dim + heads * dim + max(hidden, inter) + 2 * inter))
+        self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, weights.data_ptr(),
+                     caches.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), tokens, lengths.data_ptr(), scale, eps,
+                     work.data_ptr())
 
     def self_check(self) -> None:
         """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""

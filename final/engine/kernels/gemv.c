@@ -31,7 +31,7 @@ enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
 #define PREFETCH 4096 /* bytes ahead of the row being read */
 #endif
 
-int final_gemv_abi(void) { return 4; }
+int final_gemv_abi(void) { return 5; }
 
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
@@ -201,40 +201,51 @@ static inline void rows(const float *xs, int M, int K, const void *w, const floa
   }
 }
 
+/* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
+
+/* scratch = prep(x): RMSNorm of each row [M, K], or SwiGLU of gate|up [M, 2K] -> [M, K]; ends in a barrier */
+static void prep_team(const float *x, int M, int K, int prep, const float *g, float eps, float *scratch) {
+  if (prep == PREP_NORM) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, scratch + (int64_t)m * K);
+  } else if (prep == PREP_GLU) {
+    const int chunks = (K + 63) / 64;
+#pragma omp for schedule(static) collapse(2)
+    for (int m = 0; m < M; m++)
+      for (int c = 0; c < chunks; c++) {
+        const int lo = c * 64, hi = lo + 64 < K ? lo + 64 : K;
+        prep_glu(x + (int64_t)m * 2 * K, x + (int64_t)m * 2 * K + K, lo, hi, scratch + (int64_t)m * K);
+      }
+  }
+}
+
+/* y = [res +] [bias +] xs @ w.T, this thread's contiguous share of the N output rows; no barrier (res may be y:
+   each element is read, then written, by the thread that owns its row) */
+static void gemv_team(const float *xs, int M, int K, const void *w, const float *scale, int N, const float *bias,
+                      const float *res, float *y) {
+  const int t = omp_get_thread_num(), T = omp_get_num_threads();
+  const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
+  if (n0 >= n1) return;
+  if (scale) rows(xs, M, K, w, scale, 1, n0, n1, N, bias, res, y);
+  else rows(xs, M, K, w, NULL, 0, n0, n1, N, bias, res, y);
+}
+
 /* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] fp32 (scale NULL) or int8 (scale [N] fp32), bias [N] or NULL,
    res [M, N] or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
-  const float *xs = prep == PREP_NONE ? x : scratch;
 #pragma omp parallel
   {
-    if (prep == PREP_NORM) {
-#pragma omp for schedule(static)
-      for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, scratch + (int64_t)m * K);
-    } else if (prep == PREP_GLU) {
-      const int chunks = (K + 63) / 64;
-#pragma omp for schedule(static) collapse(2)
-      for (int m = 0; m < M; m++)
-        for (int c = 0; c < chunks; c++) {
-          const int lo = c * 64, hi = lo + 64 < K ? lo + 64 : K;
-          prep_glu(x + (int64_t)m * 2 * K, x + (int64_t)m * 2 * K + K, lo, hi, scratch + (int64_t)m * K);
-        }
-    }
-    /* the implicit barrier of the omp for above: every prepared row is written before any is read */
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
-    if (n0 < n1) {
-      if (scale) rows(xs, M, K, w, scale, 1, n0, n1, N, bias, res, y);
-      else rows(xs, M, K, w, NULL, 0, n0, n1, N, bias, res, y);
-    }
+    prep_team(x, M, K, prep, g, eps, scratch);  /* its barrier: every prepared row is written before any is read */
+    gemv_team(prep == PREP_NONE ? x : scratch, M, K, w, scale, N, bias, res, y);
   }
 }
 
-/* ---- decode attention: RoPE, the K/V cache write and attention of one new token per row, in one call ----
+/* ---- decode attention: RoPE, the K/V cache write and attention of one new token per row ----
    qkv [B, (H + 2 Hkv) D] (the fused product, before RoPE), cos/sin_signed [B, D] (HF's tables at each row's
    position, sin's first half negated: rope(x) = x cos + roll(x, D/2) sin_signed, as final/engine/model.py),
    kc/vc one layer's cache [rows, Hkv, T, D], lengths [B] (tokens row b has cached; the new one goes there),
-   out [B, H D]. Replaces ~14 torch ops a layer (rope, two index_puts, matmul, scale, mask, softmax, matmul). */
+   out [B, H D]. What ~14 torch ops a layer did (rope, two index_puts, matmul, scale, mask, softmax, matmul). */
 static void rope_head(const float *x, const float *cos, const float *sin, int D, float *out) {
   const int half = D / 2;
   for (int d = 0; d < D; d++) {
@@ -252,52 +263,82 @@ static inline float dot(const float *a, const float *b, int n) {
   return s;
 }
 
-void final_attend_decode(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
-                         float *kc, float *vc, int64_t T, const int64_t *lengths, float scale, float *out) {
+static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
+                        float *kc, float *vc, int64_t T, const int64_t *lengths, float scale, float *out) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
+#pragma omp for schedule(static)
+  for (int task = 0; task < B * Hkv; task++) {
+    const int b = task / Hkv, g = task % Hkv;
+    const float *row = qkv + b * width;
+    const int64_t at = (((int64_t)b * Hkv + g) * T + lengths[b]) * D;
+    rope_head(row + (int64_t)(H + g) * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, kc + at);
+    for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
+  }
+  /* the barrier above: every new K/V is in the cache before any row attends */
+  float *q = malloc(sizeof(float) * D), *o = malloc(sizeof(float) * D), *s = NULL;
+  int64_t s_len = 0;
+#pragma omp for schedule(static)
+  for (int task = 0; task < B * H; task++) {
+    const int b = task / H, h = task % H, g = h / G;
+    const int64_t n = lengths[b] + 1;
+    if (n > s_len) {
+      free(s);
+      s = malloc(sizeof(float) * n);
+      s_len = n;
+    }
+    rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
+    const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+      s[t] = dot(q, K + t * D, D) * scale;
+      m = s[t] > m ? s[t] : m;
+    }
+    for (int64_t t = 0; t < n; t++) {
+      s[t] = expf(s[t] - m);
+      sum += s[t];
+    }
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+      const float p = s[t] / sum;
+      const float *v = V + t * D;
+      for (int d = 0; d < D; d++) o[d] += p * v[d];
+    }
+    for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d];
+  }
+  free(q);
+  free(o);
+  free(s);
+}
+
+/* ---- whole decoder layers: every layer of a decode step in one call and one parallel region ----
+   x [M, hidden] is the residual stream, updated in place. Per layer, a row of `wtab` holds (as int64 addresses)
+   wqkv, wo, wgu, wd (fp32, or int8 with the 4 scales next), their scales or 0, the qkv bias or 0, in_norm,
+   post_norm; `ctab` its K and V cache. work: [M, (H + 2 Hkv) D + H D + max(hidden, inter) + 2 inter] floats.
+   What the torch forward does with ~10 calls and ~8 parallel regions a layer, with a barrier between phases. */
+enum { W_QKV, W_O, W_GU, W_D, S_QKV, S_O, S_GU, S_D, B_QKV, N_IN, N_POST, W_FIELDS };
+
+void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv, int D, int layers,
+                         const int64_t *wtab, const int64_t *ctab, const float *cos, const float *sin, int64_t T,
+                         const int64_t *lengths, float scale, float eps, float *work) {
+  const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
+  float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
 #pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int task = 0; task < B * Hkv; task++) {
-      const int b = task / Hkv, g = task % Hkv;
-      const float *row = qkv + b * width;
-      const int64_t at = (((int64_t)b * Hkv + g) * T + lengths[b]) * D;
-      rope_head(row + (int64_t)(H + g) * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, kc + at);
-      for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
-    }
-    /* the barrier above: every new K/V is in the cache before any row attends */
-    float *q = malloc(sizeof(float) * D), *o = malloc(sizeof(float) * D), *s = NULL;
-    int64_t s_len = 0;
-#pragma omp for schedule(static)
-    for (int task = 0; task < B * H; task++) {
-      const int b = task / H, h = task % H, g = h / G;
-      const int64_t n = lengths[b] + 1;
-      if (n > s_len) {
-        free(s);
-        s = malloc(sizeof(float) * n);
-        s_len = n;
-      }
-      rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
-      const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
-      float m = -INFINITY, sum = 0.0f;
-      for (int64_t t = 0; t < n; t++) {
-        s[t] = dot(q, K + t * D, D) * scale;
-        m = s[t] > m ? s[t] : m;
-      }
-      for (int64_t t = 0; t < n; t++) {
-        s[t] = expf(s[t] - m);
-        sum += s[t];
-      }
-      for (int d = 0; d < D; d++) o[d] = 0.0f;
-      for (int64_t t = 0; t < n; t++) {
-        const float p = s[t] / sum;
-        const float *v = V + t * D;
-        for (int d = 0; d < D; d++) o[d] += p * v[d];
-      }
-      for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d];
-    }
-    free(q);
-    free(o);
-    free(s);
+  for (int l = 0; l < layers; l++) {
+    const int64_t *w = wtab + (int64_t)l * W_FIELDS;
+#define F(i) ((const float *)(intptr_t)w[i])
+    prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h);
+    gemv_team(h, M, hidden, (const void *)(intptr_t)w[W_QKV], F(S_QKV), nqkv, F(B_QKV), NULL, qkv);
+#pragma omp barrier
+    attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
+                T, lengths, scale, att);
+    gemv_team(att, M, H * D, (const void *)(intptr_t)w[W_O], F(S_O), hidden, NULL, x, x);
+#pragma omp barrier
+    prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h);
+    gemv_team(h, M, hidden, (const void *)(intptr_t)w[W_GU], F(S_GU), 2 * inter, NULL, NULL, gu);
+#pragma omp barrier
+    prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h);
+    gemv_team(h, M, inter, (const void *)(intptr_t)w[W_D], F(S_D), hidden, NULL, x, x);
+#pragma omp barrier
+#undef F
   }
 }
