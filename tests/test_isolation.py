@@ -167,13 +167,20 @@ def test_a_nan_row_leaves_nothing_behind_in_its_slot(engine):
 
 @pytest.fixture()
 def corrupt_token(inference):
-    """One token's embedding row turned to NaN (a corrupt weight), restored afterwards."""
+    """One token's embedding row turned to NaN (a corrupt weight in the lookup), restored afterwards. The lookup
+    gets its own copy first: SmolLM2's lm_head is the same tensor (tied, as in HF), so a NaN row there would make
+    every request's logits NaN, not only those of prompts holding the token."""
     token = 4289
-    embed = inference.engine.model.embed
-    saved = inference.engine.call(lambda _r: embed[token].clone())
-    inference.engine.call(lambda _r: embed[token].fill_(math.nan))
+    model = inference.engine.model
+    original = model.embed
+
+    def corrupt(_r) -> None:
+        model.embed = original.clone()
+        model.embed[token].fill_(math.nan)
+
+    inference.engine.call(corrupt)
     yield token
-    inference.engine.call(lambda _r: embed[token].copy_(saved))
+    inference.engine.call(lambda _r: setattr(model, "embed", original))
 
 
 def test_http_a_poisoned_request_is_a_500_for_it_only(inference, corrupt_token):

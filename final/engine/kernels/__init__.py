@@ -1,9 +1,11 @@
-"""The engine's own CPU kernel (gemv.c: decode's small-M fp32 products at memory bandwidth), built and loaded here.
+"""The engine's own CPU kernel (gemv.c: decode at memory bandwidth), built and loaded here.
 
-Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels, named by
-a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh builds it
-ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through ctypes (no torch headers,
-no ninja: a 1 s build), checked against F.linear on random data before first use. Anything unusual (no gcc, a
+gemv.c has two entry points: `final_gemv`, one small-M product (fp32 or int8 weights, with a fused RMSNorm or
+SwiGLU before and bias/residual after), and `final_decode_layers`, every decoder layer of a decode step in one
+call. Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels,
+named by a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh
+builds it ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through
+ctypes (no torch headers, no ninja: a 1 s build), checked against torch on random data before first use. Anything unusual (no gcc, a
 failed build, a CPU without AVX2/FMA, a wrong answer, FINAL_GEMV=0) leaves `gemv_kernel()` None with the reason
 logged once, and the engine uses torch's kernels (final/engine/linear.py) as before.
 """
@@ -65,6 +67,9 @@ def build() -> Path:
         tmp.unlink(missing_ok=True)
         raise KernelError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    for old in out.parent.glob("gemv-*.so"):  # earlier sources' builds (a process that loaded one keeps its map)
+        if old != out:
+            old.unlink(missing_ok=True)
     return out
 
 

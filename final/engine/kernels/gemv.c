@@ -1,5 +1,6 @@
-/* The embedded engine's small-M matrix product for decode: y = [residual +] [bias +] prep(x) @ W.T, W fp32 or int8
-   (one scale per output row; activations stay fp32: weight-only quantization)
+/* The embedded engine's decode on CPU: small-M products y = [residual +] [bias +] prep(x) @ W.T, W fp32 or int8
+   (one scale per output row; activations stay fp32: weight-only quantization), and whole decoder layers built
+   from them (final_decode_layers, at the end: RMSNorm, q|k|v, RoPE, cache write, attention, o, SwiGLU, down).
 
    Batch-1..8 decode streams every weight once per step, so its speed is memory bandwidth. torch's CPU kernels
    reach 11 (MKL, dense) to 20 GB/s (oneDNN, packed) at M=1 on a 2-core AVX2 EPYC; this loop streams W in its
@@ -7,12 +8,13 @@
    thread a contiguous run of rows read front to back with a software prefetch ahead, each row once for up to 8
    activation rows (the row stays in L1 for a second pass above 8). bench/gemv.py measures it beside torch's.
 
-   prep, done once per call inside the same parallel region (so a decode layer is 4 calls, not ~12 torch ops):
+   prep, done once per call inside the same parallel region:
      PREP_NONE  x as given, [M, K]
      PREP_NORM  RMSNorm of x with weight g (HF's fp32 order: x * rsqrt(mean(x^2) + eps), then * g), [M, K]
      PREP_GLU   silu(x[:, :K]) * x[:, K:] from the fused gate|up product, x [M, 2K]
 
-   Built by final/engine/kernels/__init__.py with the system gcc (-O3 -mavx2 -mfma -fopenmp); its OpenMP is the
+   Built by final/engine/kernels/__init__.py with the system gcc (-O3 -mavx2 -mfma -fopenmp, no FP contraction
+   outside the explicit FMAs, so RoPE is torch's bitwise); its OpenMP is the
    libgomp torch already loaded (same soname), so it shares torch's thread pool and torch.set_num_threads. */
 #include <immintrin.h>
 #include <math.h>
