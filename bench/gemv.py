@@ -56,11 +56,12 @@ def candidates(weights: list[torch.Tensor], int8: bool) -> dict:
     arrays = [w.numpy() for w in weights]
     out["numpy OpenBLAS"] = (lambda xs: [xs[a.shape[1]].numpy() @ a.T for a in arrays], fp32)
     if int8:  # weight-only int8 (one scale per row) on our kernel, and fbgemm's dynamic int8 (the old int8 mode)
-        scales = [(w.abs().amax(dim=1) / 127).clamp_min(1e-12) for w in weights]
-        qs = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+        from final.engine.kernels import quantize
+
+        qs, scales = zip(*(quantize(w) for w in weights))  # the engine's: a scale per 32 weights
         if kernel is not None:
             out["final gemv.c int8"] = (lambda xs: [kernel(xs[q.shape[1]], q, scale=s) for q, s in zip(qs, scales)],
-                                        fp32 // 4)
+                                        fp32 * 9 // 32)  # + a 4-byte scale per 32
         from final.engine.linear import Int8Linear
 
         fb = [Int8Linear(w) for w in weights]

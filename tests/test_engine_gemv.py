@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from final.engine import kernels
-from final.engine.kernels import PREP_GLU, PREP_NORM, KernelError
+from final.engine.kernels import PREP_GLU, PREP_NORM, Q8_BLOCK, KernelError, dequantize
 from final.engine.linear import GEMV_ROWS, INT8_GEMV_ROWS, Int8Linear, Linear, gemv_enabled, int8_available
 
 KERNEL = gemv_enabled(torch.device("cpu"), torch.float32)
@@ -83,24 +83,27 @@ def test_final_gemv_0_turns_it_off(monkeypatch):
 
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
-def test_int8_decode_rows_are_weight_only_on_the_kernel_and_take_updates():
-    """Up to INT8_GEMV_ROWS rows: fp32 activations against the int8 weights (no activation quantization, so exact
-    to the dequantized weight); more rows: fbgemm's dynamic int8 on the same int8 values."""
+def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
+    """With the kernel, int8 is weight-only (fp32 activations) with a scale per 32 weights: every row count is exact
+    to that dequantized weight (the kernel up to INT8_GEMV_ROWS rows, oneDNN on it above), and an outlier costs
+    only its own block's precision."""
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    w[:, 5] *= 30  # an outlier column
     lin = Int8Linear(w.clone(), b.clone(), gemv=KERNEL)
-    deq = lin.dense()
-    assert torch.equal(lin.q.float() * lin.scale[:, None], deq.float())  # both paths read the same int8 values
-    small, large = torch.randn(INT8_GEMV_ROWS, 1, 64, generator=g), torch.randn(INT8_GEMV_ROWS + 3, 1, 64, generator=g)
-    assert lin.fuses(INT8_GEMV_ROWS) and not lin.fuses(INT8_GEMV_ROWS + 1)
-    torch.testing.assert_close(lin(small), F.linear(small, deq, b), rtol=1e-4, atol=1e-4)
-    want = F.linear(large, deq, b)
-    assert (lin(large) - want).abs().max() < 0.05 * want.abs().max()  # activations quantized too
-    r = torch.randn(INT8_GEMV_ROWS, 1, 48, generator=g)
-    torch.testing.assert_close(lin.add_to(r, small), r + F.linear(small, deq, b), rtol=1e-4, atol=1e-4)
-    lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update reaches the kernel's copy too
-    assert lin.q[:8].abs().max() == 0
-    torch.testing.assert_close(lin(small)[..., :8], b[:8].expand(INT8_GEMV_ROWS, 1, 8), rtol=1e-5, atol=1e-5)
+    assert lin.packed is None and lin.scale.shape == (48, 64 // Q8_BLOCK)  # no fbgemm copy beside it
+    deq = dequantize(lin.q, lin.scale)
+    assert torch.equal(lin.dense(), deq)
+    per_row = (w.abs().amax(dim=1, keepdim=True) / 127)
+    assert (deq - w)[:, 32:].abs().max() < (torch.round(w / per_row) * per_row - w)[:, 32:].abs().max() / 4
+    for m in (1, INT8_GEMV_ROWS, INT8_GEMV_ROWS + 3):
+        x, r = torch.randn(m, 1, 64, generator=g), torch.randn(m, 1, 48, generator=g)
+        assert lin.fuses(m) == (m <= INT8_GEMV_ROWS)
+        torch.testing.assert_close(lin(x), F.linear(x, deq, b), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lin.add_to(r, x), r + F.linear(x, deq, b), rtol=1e-4, atol=1e-4)
+    lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update: those rows change, the others keep their values
+    assert lin.q[:8].abs().max() == 0 and torch.equal(lin.dense()[8:], deq[8:])
+    assert Int8Linear(torch.randn(4, 40), gemv=KERNEL).gemv is None  # 40 is no multiple of 32: fbgemm only
 
 
 @needs_kernel

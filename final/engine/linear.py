@@ -19,14 +19,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, GemvKernel, gemv_kernel
+from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, GemvKernel, gemv_kernel
+from final.engine.kernels import dequantize, quantize as kernel_quantize
 
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
 GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
-INT8_GEMV_ROWS = 2  # int8: above, fbgemm is ahead (bench/gemv.py --int8: 4 rows 0.8x; the kernel widens every weight)
+INT8_GEMV_ROWS = 32  # int8: above, oneDNN on the dequantized weight (a prompt's rows); see Int8Linear
 
 
 def padded_rows(m: int) -> int:
@@ -193,16 +194,16 @@ def int8_available() -> bool:
 
 
 class Int8Linear(_Gemv):
-    """y ~= x @ W.T (+ b) with W held as int8 (one scale per output row).
+    """y ~= x @ W.T (+ b) with W held as int8.
 
-    Up to INT8_GEMV_ROWS rows (decode) go through the gemv kernel where it runs: weight-only int8, the activations
-    stay fp32, a row's result does not depend on the other rows. More rows (prefill), or no kernel, go through
-    fbgemm's dynamic int8 GEMM, which quantizes the activations too, per call (one 7-bit scale over the step's rows,
-    as llama.cpp's Q8_0 quantizes them per block of 32): there a row's result can depend on the other rows of its
-    step. Both read the same int8 values (two copies, a quarter of fp32's bytes each). This is the opt-in speed
-    mode; its greedy agreement with fp32 is measured in bench/RESULTS.md. Measured here first (AVX2, one thread,
-    SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time with fp32
-    activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x at M=1 and M=8.
+    With the gemv kernel (and rows a multiple of 32 long): int8 with one fp32 scale per 32 weights (llama.cpp's
+    Q8_0 block), weight-only: the activations stay fp32, so a row's result does not depend on the other rows. Up
+    to INT8_GEMV_ROWS rows run on the kernel; more (long prompts) on oneDNN over the weight dequantized for that
+    call. Without the kernel: fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too,
+    per call (one 7-bit scale over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19
+    from fp32 (80% argmax agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed
+    mode. Measured first (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm`
+    takes 4x fp32's time with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None):
@@ -210,26 +211,30 @@ class Int8Linear(_Gemv):
             raise ValueError("int8 weights need a float32 model on CPU")
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
-        self.weight = None  # only the int8 matrices are kept
-        self.gemv, self.gemv_rows = gemv, INT8_GEMV_ROWS
+        self.weight = None  # only the int8 matrix is kept
+        self.gemv = gemv if self.in_features % Q8_BLOCK == 0 else None  # the kernel's int8 blocks tile each row
+        self.gemv_rows = INT8_GEMV_ROWS
+        self.q = self.scale = self.packed = None
         self._quantize(weight, bias)
 
     def _quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
+        if self.gemv is not None:
+            self.q, self.scale = kernel_quantize(weight)
+            return
         scale = (weight.abs().amax(dim=1).double() / 127).clamp_min(1e-12)
         zero = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; fbgemm still needs it
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(weight.float(), scale, zero, 0, torch.qint8)
-        self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
         self.packed = torch.ops.quantized.linear_prepack(q, None)
-        # the kernel's copy: the same int8 values, row-major, and the scales in fp32
-        self.q = q.int_repr().contiguous() if self.gemv is not None else None
-        self.scale = scale.float() if self.gemv is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.numel() // x.shape[-1]
         if self.fuses(m):
             return self._kernel(x)
+        if self.gemv is not None:  # many rows: fp32 products on this call's dequantized weight (oneDNN)
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense(), self.bias, "none", [None], "")
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
 
@@ -245,17 +250,21 @@ class Int8Linear(_Gemv):
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out, in]."""
+        if self.q is not None:
+            return dequantize(self.q, self.scale)
         return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
 
     def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
-        """A weight update: dequantize, overwrite rows lo:hi, quantize again (other rows keep their int8 values)."""
+        """A weight update: dequantize, overwrite rows lo:hi, quantize again (the other rows get their int8 values
+        back: a dequantized block or row quantizes to itself)."""
         weight = self.dense()
         weight[lo:hi].copy_(value)
         self._quantize(weight, self.bias)
 
     @property
     def nbytes(self) -> int:
-        n = self.out_features * self.in_features + 8 * self.out_features  # int8 values + a double scale per row
-        if self.q is not None:
-            n += self.q.numel() + 4 * self.out_features
+        if self.q is not None:  # int8 values + an fp32 scale per 32
+            n = self.q.numel() + self.scale.numel() * 4
+        else:  # int8 values + a double scale per row
+            n = self.out_features * self.in_features + 8 * self.out_features
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 5  # final_gemv_abi() of the source this wrapper speaks to
+ABI = 6
+Q8_BLOCK = 32  # int8 weights one kernel scale covers (gemv.c); K must be a multiple  # final_gemv_abi() of the source this wrapper speaks to
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -93,8 +94,8 @@ class GemvKernel:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  res: torch.Tensor | None = None, prep: int = PREP_NONE, norm: torch.Tensor | None = None,
                  eps: float = 0.0, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] fp32, or int8 with scale [N] fp32 -> [M, N]; every tensor
-        contiguous on CPU, the others fp32."""
+        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] fp32, or int8 with scale [N, K / Q8_BLOCK] fp32 (quantize())
+        -> [M, N]; every tensor contiguous on CPU, the others fp32."""
         m = x.shape[0]
         n, k = w.shape
         y = torch.empty(m, n, dtype=torch.float32)
@@ -130,13 +131,29 @@ class GemvKernel:
                  (self(x[:, :37].contiguous(), w, bias, res), res + F.linear(x[:, :37], w, bias)),
                  (self(x[:, :37].contiguous(), w, prep=PREP_NORM, norm=norm, eps=1e-6), F.linear(h, w)),
                  (self(x, w, res=res, prep=PREP_GLU), res + F.linear(F.silu(x[:, :37]) * x[:, 37:], w))]
-        q = torch.randint(-127, 128, (13, 37), dtype=torch.int8, generator=g)
-        scale = torch.rand(13, generator=g) / 100
-        cases.append((self(x[:, :37].contiguous(), q, bias, res, scale=scale),
-                      res + F.linear(x[:, :37], q.float() * scale[:, None], bias)))
+        q = torch.randint(-127, 128, (13, 64), dtype=torch.int8, generator=g)
+        scale = torch.rand(13, 64 // Q8_BLOCK, generator=g) / 100
+        cases.append((self(x[:, :64].contiguous(), q, bias, res, scale=scale),
+                      res + F.linear(x[:, :64], dequantize(q, scale), bias)))
         for i, (got, want) in enumerate(cases):
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                 raise KernelError(f"case {i} differs from torch by {(got - want).abs().max().item():.3g}")
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] (K a multiple of Q8_BLOCK) -> the kernel's int8 [N, K] and one fp32 scale per block [N, K/32]:
+    symmetric, each block's largest magnitude at 127 (llama.cpp's Q8_0, with an fp32 scale)."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
+    scale = (blocks.abs().amax(dim=-1) / 127).clamp_min(1e-12)
+    q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight the kernel multiplies by: q's blocks times their scales."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * scale[..., None]).reshape(n, k)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

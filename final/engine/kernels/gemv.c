@@ -1,5 +1,5 @@
 /* The embedded engine's decode on CPU: small-M products y = [residual +] [bias +] prep(x) @ W.T, W fp32 or int8
-   (one scale per output row; activations stay fp32: weight-only quantization), and whole decoder layers built
+   (one scale per 32 weights; activations stay fp32: weight-only quantization), and whole decoder layers built
    from them (final_decode_layers, at the end: RMSNorm, q|k|v, RoPE, cache write, attention, o, SwiGLU, down).
 
    Batch-1..8 decode streams every weight once per step, so its speed is memory bandwidth. torch's CPU kernels
@@ -26,6 +26,7 @@ enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
 #ifndef WIDE
 #define WIDE 8 /* activation rows a pass over a weight row */
 #endif
+#define Q8_BLOCK 32 /* int8 weights a scale covers */
 #ifndef PFHINT
 #define PFHINT _MM_HINT_T0
 #endif
@@ -33,7 +34,7 @@ enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
 #define PREFETCH 4096 /* bytes ahead of the row being read */
 #endif
 
-int final_gemv_abi(void) { return 5; }
+int final_gemv_abi(void) { return 6; }
 
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
@@ -96,30 +97,17 @@ static void prep_glu(const float *gate, const float *up, int lo, int hi, float *
   for (; k < hi; k++) out[k] = gate[k] / (1.0f + expf(-gate[k])) * up[k];
 }
 
-/* 8 weights of row wr from element k as fp32: fp32 as stored, or int8 widened (its row scale is applied to the
-   finished dot product). q8 is a constant at every call, so each inlined copy has one load path. */
-static inline __m256 wload(const void *wr, int k, int q8) {
-  if (q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)wr + k))));
-  return _mm256_loadu_ps((const float *)wr + k);
-}
-
-static inline float wscalar(const void *wr, int k, int q8) {
-  return q8 ? (float)((const int8_t *)wr)[k] : ((const float *)wr)[k];
-}
-
 /* dots[p] = w_row . x[m0 + p] for p < P (2 <= P <= 4): one pass over the row, so a thread reads its rows as one
    sequential stream (4 rows side by side were 4 short streams, which the prefetcher served at half the rate) */
-static inline void row_dots(const float *xs, int K, const void *wr, int q8, int m0, int P, float *dots) {
+static inline void row_dots(const float *xs, int K, const float *wr, int m0, int P, float *dots) {
   __m256 a[4][2];
   for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = _mm256_setzero_ps();
   const float *x[4];
   for (int p = 0; p < 4; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
-  const char *bytes = (const char *)wr;
-  const int es = q8 ? 1 : 4;
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    if (!q8 || (k & 63) == 0) _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
-    const __m256 w0 = wload(wr, k, q8), w1 = wload(wr, k + 8, q8);
+    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
     for (int p = 0; p < P; p++) {
       a[p][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[p] + k), a[p][0]);
       a[p][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[p] + k + 8), a[p][1]);
@@ -127,78 +115,126 @@ static inline void row_dots(const float *xs, int K, const void *wr, int q8, int 
   }
   for (int p = 0; p < P; p++) {
     float s = hsum(_mm256_add_ps(a[p][0], a[p][1]));
-    for (int kk = k; kk < K; kk++) s += wscalar(wr, kk, q8) * x[p][kk];
+    for (int kk = k; kk < K; kk++) s += wr[kk] * x[p][kk];
     dots[p] = s;
   }
 }
 
-/* one activation row: four accumulators. Each FMA waits ~4 cycles for its accumulator, so two chains capped int8
-   at 16 weights per 4 cycles (28 GB/s of int8 on 2 cores, bench/gemv.py --int8). */
-static inline float row_dot1(const float *x, int K, const void *wr, int q8) {
+/* one activation row: four accumulators (each FMA waits ~4 cycles for its accumulator) */
+static inline float row_dot1(const float *x, int K, const float *wr) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  const char *bytes = (const char *)wr;
-  const int es = q8 ? 1 : 4;
   int k = 0;
   for (; k + 32 <= K; k += 32) {
-    _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
-    if (!q8) _mm_prefetch(bytes + (int64_t)k * es + 64 + PREFETCH, PFHINT);
-    a0 = _mm256_fmadd_ps(wload(wr, k, q8), _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(wload(wr, k + 8, q8), _mm256_loadu_ps(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(wload(wr, k + 16, q8), _mm256_loadu_ps(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(wload(wr, k + 24, q8), _mm256_loadu_ps(x + k + 24), a3);
+    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    _mm_prefetch((const char *)(wr + k) + 64 + PREFETCH, PFHINT);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 24), _mm256_loadu_ps(x + k + 24), a3);
   }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(wload(wr, k, q8), _mm256_loadu_ps(x + k), a0);
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a0);
   float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; k++) s += wscalar(wr, k, q8) * x[k];
+  for (; k < K; k++) s += wr[k] * x[k];
   return s;
 }
 
 /* the same for 5..8 activation rows, one accumulator each (8 + the weight: the registers AVX2 has) */
-static inline void row_dots8(const float *xs, int K, const void *wr, int q8, int m0, int P, float *dots) {
+static inline void row_dots8(const float *xs, int K, const float *wr, int m0, int P, float *dots) {
   __m256 a[8];
   for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();
   const float *x[8];
   for (int p = 0; p < 8; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
-  const char *bytes = (const char *)wr;
-  const int es = q8 ? 1 : 4;
   int k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (!q8 || (k & 63) == 0) _mm_prefetch(bytes + (int64_t)k * es + PREFETCH, PFHINT);
-    const __m256 wv = wload(wr, k, q8);
+    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    const __m256 wv = _mm256_loadu_ps(wr + k);
     for (int p = 0; p < P; p++) a[p] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[p] + k), a[p]);
   }
   for (int p = 0; p < P; p++) {
     float s = hsum(a[p]);
-    for (int kk = k; kk < K; kk++) s += wscalar(wr, kk, q8) * x[p][kk];
+    for (int kk = k; kk < K; kk++) s += wr[kk] * x[p][kk];
     dots[p] = s;
   }
 }
 
-/* rows n0..n1 of y; w is fp32 [N, K], or int8 [N, K] with scale [N] (q8) */
-static inline void rows(const float *xs, int M, int K, const void *w, const float *scale, int q8, int n0, int n1,
-                        int N, const float *bias, const float *res, float *y) {
+/* 8 int8 weights from k, widened to fp32 */
+static inline __m256 q8load(const int8_t *w, int k) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
+}
+
+/* int8 rows: one fp32 scale per block of Q8_BLOCK weights (llama.cpp's Q8_0 block; one scale a row was coarse on
+   rows with outliers: KL 0.19 from fp32 on SmolLM2), K a multiple of Q8_BLOCK. A block's 4 products are summed,
+   then scaled into the row's accumulator: one FMA chain a row, 32 weights a link. P <= 4 activation rows. */
+static inline void q8_dots(const float *xs, int K, const int8_t *wr, const float *sr, int m0, int P, float *dots) {
+  __m256 a[4];
+  for (int p = 0; p < 4; p++) a[p] = _mm256_setzero_ps();
+  const float *x[4];
+  for (int p = 0; p < 4; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+  for (int k = 0; k < K; k += Q8_BLOCK) {
+    if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    const __m256 s = _mm256_broadcast_ss(sr + k / Q8_BLOCK);
+    const __m256 w0 = q8load(wr, k), w1 = q8load(wr, k + 8), w2 = q8load(wr, k + 16), w3 = q8load(wr, k + 24);
+    for (int p = 0; p < P; p++) {
+      const float *xp = x[p] + k;
+      const __m256 t01 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xp)));
+      const __m256 t23 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xp + 16)));
+      a[p] = _mm256_fmadd_ps(_mm256_add_ps(t01, t23), s, a[p]);
+    }
+  }
+  for (int p = 0; p < P; p++) dots[p] = hsum(a[p]);
+}
+
+static inline void store(const float *dots, int P, int m, int n, int N, const float *bias, const float *res,
+                         float *y) {
+  for (int p = 0; p < P; p++) {
+    const int64_t at = (int64_t)(m + p) * N + n;
+    float v = dots[p];
+    if (bias) v += bias[n];
+    if (res) v = res[at] + v;
+    y[at] = v;
+  }
+}
+
+/* rows n0..n1 of y = [res +] [bias +] xs @ w.T, w fp32 [N, K] */
+static void rows(const float *xs, int M, int K, const float *w, int n0, int n1, int N, const float *bias,
+                 const float *res, float *y) {
   float dots[8];
   for (int n = n0; n < n1; n++) {
-    const void *wr = (const char *)w + (int64_t)n * K * (q8 ? 1 : 4);
+    const float *wr = w + (int64_t)n * K;
     for (int m = 0; m < M; m += WIDE) {  /* the first pass streams the row, the others find it in L1 */
       const int P = M - m < WIDE ? M - m : WIDE;
       switch (P) {  /* a constant P per call: the compiler keeps the accumulators in registers */
-        case 1: dots[0] = row_dot1(xs + (int64_t)m * K, K, wr, q8); break;
-        case 2: row_dots(xs, K, wr, q8, m, 2, dots); break;
-        case 3: row_dots(xs, K, wr, q8, m, 3, dots); break;
-        case 4: row_dots(xs, K, wr, q8, m, 4, dots); break;
-        case 5: row_dots8(xs, K, wr, q8, m, 5, dots); break;
-        case 6: row_dots8(xs, K, wr, q8, m, 6, dots); break;
-        case 7: row_dots8(xs, K, wr, q8, m, 7, dots); break;
-        default: row_dots8(xs, K, wr, q8, m, 8, dots); break;
+        case 1: dots[0] = row_dot1(xs + (int64_t)m * K, K, wr); break;
+        case 2: row_dots(xs, K, wr, m, 2, dots); break;
+        case 3: row_dots(xs, K, wr, m, 3, dots); break;
+        case 4: row_dots(xs, K, wr, m, 4, dots); break;
+        case 5: row_dots8(xs, K, wr, m, 5, dots); break;
+        case 6: row_dots8(xs, K, wr, m, 6, dots); break;
+        case 7: row_dots8(xs, K, wr, m, 7, dots); break;
+        default: row_dots8(xs, K, wr, m, 8, dots); break;
       }
-      for (int p = 0; p < P; p++) {
-        const int64_t at = (int64_t)(m + p) * N + n;
-        float v = q8 ? dots[p] * scale[n] : dots[p];
-        if (bias) v += bias[n];
-        if (res) v = res[at] + v;
-        y[at] = v;
+      store(dots, P, m, n, N, bias, res, y);
+    }
+  }
+}
+
+/* the same with w int8 [N, K] and scale [N, K / Q8_BLOCK] */
+static void rows_q8(const float *xs, int M, int K, const int8_t *w, const float *scale, int n0, int n1, int N,
+                    const float *bias, const float *res, float *y) {
+  float dots[4];
+  const int blocks = K / Q8_BLOCK;
+  for (int n = n0; n < n1; n++) {
+    const int8_t *wr = w + (int64_t)n * K;
+    const float *sr = scale + (int64_t)n * blocks;
+    for (int m = 0; m < M; m += 4) {
+      const int P = M - m < 4 ? M - m : 4;
+      switch (P) {
+        case 1: q8_dots(xs, K, wr, sr, m, 1, dots); break;
+        case 2: q8_dots(xs, K, wr, sr, m, 2, dots); break;
+        case 3: q8_dots(xs, K, wr, sr, m, 3, dots); break;
+        default: q8_dots(xs, K, wr, sr, m, 4, dots); break;
       }
+      store(dots, P, m, n, N, bias, res, y);
     }
   }
 }
@@ -228,11 +264,11 @@ static void gemv_team(const float *xs, int M, int K, const void *w, const float 
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
   const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
   if (n0 >= n1) return;
-  if (scale) rows(xs, M, K, w, scale, 1, n0, n1, N, bias, res, y);
-  else rows(xs, M, K, w, NULL, 0, n0, n1, N, bias, res, y);
+  if (scale) rows_q8(xs, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
+  else rows(xs, M, K, (const float *)w, n0, n1, N, bias, res, y);
 }
 
-/* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] fp32 (scale NULL) or int8 (scale [N] fp32), bias [N] or NULL,
+/* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] fp32 (scale NULL) or int8 (scale [N, K/32] fp32), bias [N] or NULL,
    res [M, N] or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
