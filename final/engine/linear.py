@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
 GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
-INT8_GEMV_ROWS = 32  # int8: above, oneDNN on the dequantized weight (a prompt's rows); see Int8Linear
+INT8_GEMV_ROWS = 16  # int8: above, oneDNN on the dequantized weight (2 threads: 22 vs 32 ms at 16 rows, 44 vs 37 at 24)
 
 
 def padded_rows(m: int) -> int:
