@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -188,6 +189,18 @@ def _padded(x: torch.Tensor, m: int) -> torch.Tensor:
     return F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, padded_rows(m) - m))
 
 
+_scratches = threading.local()
+
+
+def _scratch(n: int, k: int) -> torch.Tensor:
+    """A [n, k] fp32 buffer reused by this thread's int8 prefill products: a fresh 7 MB tensor per matrix is a
+    fresh mmap, and its page faults cost as much as the product on one core."""
+    buf = getattr(_scratches, "buf", None)
+    if buf is None or buf.numel() < n * k:
+        buf = _scratches.buf = torch.empty(n * k)
+    return buf[: n * k].view(n, k)
+
+
 def int8_available() -> bool:
     """fbgemm's dynamic int8 linear (x86 CPUs with AVX2): what `quantization: int8` runs on."""
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -234,7 +247,9 @@ class Int8Linear(_Gemv):
         if self.fuses(m):
             return self._kernel(x)
         if self.gemv is not None:  # many rows: fp32 products on this call's dequantized weight (oneDNN)
-            return torch.ops.mkldnn._linear_pointwise(x, self.dense(), self.bias, "none", [None], "")
+            w = _scratch(self.out_features, self.in_features)
+            return torch.ops.mkldnn._linear_pointwise(x, dequantize(self.q, self.scale, out=w), self.bias, "none",
+                                                      [None], "")
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
 

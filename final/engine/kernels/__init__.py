@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 6
+ABI = 7
 Q8_BLOCK = 32  # int8 weights one kernel scale covers (gemv.c); K must be a multiple  # final_gemv_abi() of the source this wrapper speaks to
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -150,10 +150,13 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k).contiguous(), scale.contiguous()
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight the kernel multiplies by: q's blocks times their scales."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight the kernel multiplies by: q's blocks times their scales (into `out` [N, K] if given)."""
     n, k = q.shape
-    return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * scale[..., None]).reshape(n, k)
+    out = torch.empty(n, k) if out is None else out
+    blocks = out.view(n, k // Q8_BLOCK, Q8_BLOCK)
+    blocks.copy_(q.view(n, k // Q8_BLOCK, Q8_BLOCK))
+    return blocks.mul_(scale[..., None]).view(n, k)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -34,7 +34,7 @@ enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
 #define PREFETCH 4096 /* bytes ahead of the row being read */
 #endif
 
-int final_gemv_abi(void) { return 6; }
+int final_gemv_abi(void) { return 7; }
 
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
@@ -163,25 +163,55 @@ static inline __m256 q8load(const int8_t *w, int k) {
 }
 
 /* int8 rows: one fp32 scale per block of Q8_BLOCK weights (llama.cpp's Q8_0 block; one scale a row was coarse on
-   rows with outliers: KL 0.19 from fp32 on SmolLM2), K a multiple of Q8_BLOCK. A block's 4 products are summed,
-   then scaled into the row's accumulator: one FMA chain a row, 32 weights a link. P <= 4 activation rows. */
-static inline void q8_dots(const float *xs, int K, const int8_t *wr, const float *sr, int m0, int P, float *dots) {
+   rows with outliers), K a multiple of Q8_BLOCK. The activations come as int16 with a scale per block too
+   (quant16_team: 1/32767 of the block's largest magnitude, ~1e-5 relative, where fbgemm's 7-bit per-tensor
+   activations cost a KL of 0.24 from fp32), so a block is integer work: widen 32 weights to int16, two
+   vpmaddwd against the activations (|sum| <= 4 x 127 x 32767 < 2^31 per lane: no overflow), one convert and one
+   FMA by the two scales. Widening each weight to fp32 instead cost 10 FP instructions a block and made one core
+   compute-bound. P <= 4 activation rows. */
+static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int8_t *wr, const float *sr, int m0,
+                           int P, float *dots) {
   __m256 a[4];
   for (int p = 0; p < 4; p++) a[p] = _mm256_setzero_ps();
-  const float *x[4];
-  for (int p = 0; p < 4; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
-  for (int k = 0; k < K; k += Q8_BLOCK) {
+  const int blocks = K / Q8_BLOCK;
+  for (int b = 0; b < blocks; b++) {
+    const int k = b * Q8_BLOCK;
     if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
-    const __m256 s = _mm256_broadcast_ss(sr + k / Q8_BLOCK);
-    const __m256 w0 = q8load(wr, k), w1 = q8load(wr, k + 8), w2 = q8load(wr, k + 16), w3 = q8load(wr, k + 24);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k + 16)));
     for (int p = 0; p < P; p++) {
-      const float *xp = x[p] + k;
-      const __m256 t01 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xp)));
-      const __m256 t23 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xp + 16)));
-      a[p] = _mm256_fmadd_ps(_mm256_add_ps(t01, t23), s, a[p]);
+      const int16_t *x = xq + (int64_t)(m0 + p) * K + k;
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+      const __m256 s = _mm256_set1_ps(sr[b] * xsc[(int64_t)(m0 + p) * blocks + b]);
+      a[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, a[p]);
     }
   }
   for (int p = 0; p < P; p++) dots[p] = hsum(a[p]);
+}
+
+/* xs [M, K] fp32 -> xq int16 and xsc [M, K / Q8_BLOCK]: each block scaled to its largest magnitude at 32767 */
+static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc) {
+  const int blocks = K / Q8_BLOCK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp for schedule(static)
+  for (int mb = 0; mb < M * blocks; mb++) {
+    const float *x = xs + (int64_t)mb * Q8_BLOCK;  /* rows are contiguous, so block mb of the whole matrix */
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < Q8_BLOCK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    xsc[mb] = amax / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    int16_t *q = xq + (int64_t)mb * Q8_BLOCK;
+    for (int i = 0; i < Q8_BLOCK; i += 16) {  /* round to nearest, pack 2 x 8 int32 -> 16 int16 in order */
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
+      _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+  }
 }
 
 static inline void store(const float *dots, int P, int m, int n, int N, const float *bias, const float *res,
@@ -218,9 +248,9 @@ static void rows(const float *xs, int M, int K, const float *w, int n0, int n1, 
   }
 }
 
-/* the same with w int8 [N, K] and scale [N, K / Q8_BLOCK] */
-static void rows_q8(const float *xs, int M, int K, const int8_t *w, const float *scale, int n0, int n1, int N,
-                    const float *bias, const float *res, float *y) {
+/* the same with w int8 [N, K] and scale [N, K / Q8_BLOCK], the activations quantized (quant16_team) */
+static void rows_q8(const int16_t *xq, const float *xsc, int M, int K, const int8_t *w, const float *scale, int n0,
+                    int n1, int N, const float *bias, const float *res, float *y) {
   float dots[4];
   const int blocks = K / Q8_BLOCK;
   for (int n = n0; n < n1; n++) {
@@ -229,14 +259,30 @@ static void rows_q8(const float *xs, int M, int K, const int8_t *w, const float 
     for (int m = 0; m < M; m += 4) {
       const int P = M - m < 4 ? M - m : 4;
       switch (P) {
-        case 1: q8_dots(xs, K, wr, sr, m, 1, dots); break;
-        case 2: q8_dots(xs, K, wr, sr, m, 2, dots); break;
-        case 3: q8_dots(xs, K, wr, sr, m, 3, dots); break;
-        default: q8_dots(xs, K, wr, sr, m, 4, dots); break;
+        case 1: q8_dots(xq, xsc, K, wr, sr, m, 1, dots); break;
+        case 2: q8_dots(xq, xsc, K, wr, sr, m, 2, dots); break;
+        case 3: q8_dots(xq, xsc, K, wr, sr, m, 3, dots); break;
+        default: q8_dots(xq, xsc, K, wr, sr, m, 4, dots); break;
       }
       store(dots, P, m, n, N, bias, res, y);
     }
   }
+}
+
+/* int8 products' activations, quantized once per product: [M, max K] int16 and their block scales */
+typedef struct {
+  int16_t *xq;
+  float *xsc;
+} Q16;
+
+static Q16 q16_alloc(int M, int K) {
+  Q16 q = {malloc(sizeof(int16_t) * (size_t)M * K), malloc(sizeof(float) * (size_t)M * (K / Q8_BLOCK + 1))};
+  return q;
+}
+
+static void q16_free(Q16 q) {
+  free(q.xq);
+  free(q.xsc);
 }
 
 /* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
@@ -257,14 +303,16 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
   }
 }
 
-/* y = [res +] [bias +] xs @ w.T, this thread's contiguous share of the N output rows; no barrier (res may be y:
-   each element is read, then written, by the thread that owns its row) */
-static void gemv_team(const float *xs, int M, int K, const void *w, const float *scale, int N, const float *bias,
-                      const float *res, float *y) {
+/* y = [res +] [bias +] xs @ w.T, this thread's contiguous share of the N output rows; int8 (scale set) first
+   quantizes xs into q with the whole team (a barrier). No barrier after (res may be y: each element is read,
+   then written, by the thread that owns its row); the caller's barrier must come before q is used again. */
+static void product_team(const float *xs, int M, int K, const void *w, const float *scale, int N, const float *bias,
+                         const float *res, float *y, Q16 q) {
+  if (scale) quant16_team(xs, M, K, q.xq, q.xsc);
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
   const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
   if (n0 >= n1) return;
-  if (scale) rows_q8(xs, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
+  if (scale) rows_q8(q.xq, q.xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
   else rows(xs, M, K, (const float *)w, n0, n1, N, bias, res, y);
 }
 
@@ -272,11 +320,14 @@ static void gemv_team(const float *xs, int M, int K, const void *w, const float 
    res [M, N] or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
+  Q16 q = {NULL, NULL};
+  if (scale) q = q16_alloc(M, K);
 #pragma omp parallel
   {
     prep_team(x, M, K, prep, g, eps, scratch);  /* its barrier: every prepared row is written before any is read */
-    gemv_team(prep == PREP_NONE ? x : scratch, M, K, w, scale, N, bias, res, y);
+    product_team(prep == PREP_NONE ? x : scratch, M, K, w, scale, N, bias, res, y, q);
   }
+  if (scale) q16_free(q);
 }
 
 /* ---- decode attention: RoPE, the K/V cache write and attention of one new token per row ----
@@ -360,23 +411,27 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
                          const int64_t *lengths, float scale, float eps, float *work) {
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
+  const int q8 = wtab[S_QKV] != 0;  /* every layer's matrices are of one kind */
+  Q16 q = {NULL, NULL};
+  if (q8) q = q16_alloc(M, big > H * D ? big : H * D);  /* the largest input a product quantizes */
 #pragma omp parallel
   for (int l = 0; l < layers; l++) {
     const int64_t *w = wtab + (int64_t)l * W_FIELDS;
 #define F(i) ((const float *)(intptr_t)w[i])
     prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h);
-    gemv_team(h, M, hidden, (const void *)(intptr_t)w[W_QKV], F(S_QKV), nqkv, F(B_QKV), NULL, qkv);
+    product_team(h, M, hidden, (const void *)(intptr_t)w[W_QKV], F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q);
 #pragma omp barrier
     attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
                 T, lengths, scale, att);
-    gemv_team(att, M, H * D, (const void *)(intptr_t)w[W_O], F(S_O), hidden, NULL, x, x);
+    product_team(att, M, H * D, (const void *)(intptr_t)w[W_O], F(S_O), hidden, NULL, x, x, q);
 #pragma omp barrier
     prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h);
-    gemv_team(h, M, hidden, (const void *)(intptr_t)w[W_GU], F(S_GU), 2 * inter, NULL, NULL, gu);
+    product_team(h, M, hidden, (const void *)(intptr_t)w[W_GU], F(S_GU), 2 * inter, NULL, NULL, gu, q);
 #pragma omp barrier
     prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h);
-    gemv_team(h, M, inter, (const void *)(intptr_t)w[W_D], F(S_D), hidden, NULL, x, x);
+    product_team(h, M, inter, (const void *)(intptr_t)w[W_D], F(S_D), hidden, NULL, x, x, q);
 #pragma omp barrier
 #undef F
   }
+  if (q8) q16_free(q);
 }
