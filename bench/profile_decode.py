@@ -20,11 +20,11 @@ import torch
 
 
 def streamed_bytes(model) -> int:
-    """The weight bytes a decode step reads: every matrix once (int8: the kernel's int8 copy and its scales, not
-    fbgemm's, which prefill reads), the tied embedding as the lm_head; norms are noise."""
+    """The weight bytes a decode step reads: every matrix once (int8: its int8 values and their scales), the tied
+    embedding as the lm_head; norms are noise."""
     linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up,
                                                                            layer.w_down)]
-    return sum(lin._gemv_weight().nbytes + (4 * lin.out_features if lin._gemv_scale() is not None else 0)
+    return sum(lin._gemv_weight().nbytes + (lin._gemv_scale().nbytes if lin._gemv_scale() is not None else 0)
                if lin.gemv is not None else lin.nbytes for lin in linears)
 
 
