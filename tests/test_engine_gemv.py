@@ -179,3 +179,19 @@ def test_int8_prefill_products_sharing_one_scratch_buffer_stay_distinct():
         for lin in (a, b):
             want = F.linear(x, lin.dense())
             torch.testing.assert_close(lin(x), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernel
+def test_a_model_with_one_product_off_the_kernel_runs_none_fused():
+    """int8 needs rows of 32s: a model where one matrix falls back to fbgemm must not take the fused paths (their
+    address table would hold no weight for it)."""
+    from final.engine.model import CausalLM
+    from final.models import resolve_model_path
+
+    model = CausalLM.from_pretrained(resolve_model_path("builtin:tiny-random-llama"), torch.float32,
+                                     quantization="int8")
+    assert model.kernel is not None
+    model.layers[1].w_down.gemv = None  # as Int8Linear leaves it for rows that are no multiple of 32
+    again = CausalLM(model.spec, model.embed, model.lm_head, model.norm, model.layers, model.cos, model.sin,
+                     tied=model.tied)
+    assert again.kernel is None

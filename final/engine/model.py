@@ -156,7 +156,9 @@ class CausalLM:
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.dtype = embed.dtype
         self.device = embed.device
-        self.kernel = lm_head.gemv  # the gemv kernel every product here uses (None: torch's kernels)
+        mats = [lm_head] + [m for layer in layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        # the gemv kernel, where every product here runs on it (int8 needs rows of 32s); None: torch's kernels
+        self.kernel = lm_head.gemv if all(m.gemv is not None for m in mats) else None
         self._weights_version, self._table = 0, None  # _layer_table's cache, keyed by load_hf_weight's count
 
     @property
@@ -237,7 +239,7 @@ class CausalLM:
         cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
         sin = self.sin_signed[positions].unsqueeze(2)
         # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
-        fused = self.layers[0].wqkv.fuses(B * T)
+        fused = self.kernel is not None and self.layers[0].wqkv.fuses(B * T)
         if fused and plan.fuses_layers and not spec.qk_norm:  # (Qwen3's qk-norm comes before RoPE: not fused)
             return rms_norm(self._decode_layers(x, plan, cos, sin), self.norm, spec.rms_norm_eps)
         for i, layer in enumerate(self.layers):
