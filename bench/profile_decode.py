@@ -13,6 +13,7 @@ attention, sampling).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -36,7 +37,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table grouped by input shape")
-    ap.add_argument("--no-gemm", action="store_true", help="replace weight matmuls by preallocated outputs")
+    ap.add_argument("--no-gemm", action="store_true",
+                    help="replace weight matmuls by preallocated outputs (on torch's path: FINAL_GEMV=0)")
     ap.add_argument("--quantization", default=None, help="int8: the engine's int8 mode")
     ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
     args = ap.parse_args()
@@ -60,8 +62,7 @@ def main() -> None:
 
         linear.Linear.__call__ = fake
         linear.Linear.add_to = lambda self, residual, x: residual + fake(self, x)
-        linear.Linear.normed = lambda self, x, norm, eps: fake(self, x)  # the gemv kernel's fused calls
-        linear.Linear.glu_add_to = lambda self, residual, gate_up: residual + fake(self, gate_up)
+        os.environ["FINAL_GEMV"] = "0"  # torch's path: the kernel's whole-layer decode has no GEMMs to take out
 
     engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})

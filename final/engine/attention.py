@@ -152,7 +152,7 @@ class PrefillPlan:
     capture: bool = False  # keep each layer's K/V (used to build cartridges from text)
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
-    fuses_layers = False  # whole layers in one kernel call: decode only (DecodePlan.cache_table)
+    fuses_layers = False  # whole layers in one kernel call: decode only (DecodePlan)
 
     def __post_init__(self) -> None:
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -194,7 +194,6 @@ class DecodePlan:
     groups: list[tuple[torch.Tensor, PrefixKV]]  # (row indices, shared prefix) for rows with cartridges
     scale: float
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
-    kernel: Any = None  # the gemv kernel (final/engine/kernels): whole decode layers, for fp32 CPU rows without prefix
 
     def __post_init__(self) -> None:
         B = self.lengths.shape[0]
@@ -208,13 +207,8 @@ class DecodePlan:
         if self.cache.dtype == torch.float32 and self.cache.device.type == "cpu":
             self.bias = torch.zeros(self.mask.shape, device=self.lengths.device).masked_fill(~self.mask, float("-inf"))
             self.bias = self.bias[:, None, None, :]
-        self.fuses_layers = self.kernel is not None and self.bias is not None and not self.groups
-
-    def cache_table(self) -> torch.Tensor:
-        """[layers, 2] int64: each layer's K and V cache address, for the kernel's decode_layers (the cache may
-        have been reallocated since the last step, so this is built per step)."""
-        return torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.cache.k, self.cache.v)],
-                            dtype=torch.int64)
+        # the C kernel's whole-layer decode attends like the fp32 CPU path here, without cartridge prefixes
+        self.fuses_layers = self.bias is not None and not self.groups
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B = q.shape[0]

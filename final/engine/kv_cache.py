@@ -28,6 +28,7 @@ class KVCache:
         self.tokens = 0  # token capacity per slot
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self._addresses: torch.Tensor | None = None  # addresses()'s table, until the tensors are replaced
 
     @property
     def bytes_per_token(self) -> int:
@@ -70,6 +71,14 @@ class KVCache:
             new_v.append(v)
         self.k, self.v = new_k, new_v
         self.rows, self.tokens = r, t
+        self._addresses = None
+
+    def addresses(self) -> torch.Tensor:
+        """[layers, 2] int64: each layer's K and V tensor address (the engine's C kernel writes and reads them)."""
+        if self._addresses is None:
+            self._addresses = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)],
+                                           dtype=torch.int64)
+        return self._addresses
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` tokens into slot `dst` (compaction when a row leaves)."""
@@ -80,6 +89,7 @@ class KVCache:
     def release(self) -> None:
         self.k, self.v = [], []
         self.rows = self.tokens = 0
+        self._addresses = None
 
 
 @dataclass(eq=False)

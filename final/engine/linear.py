@@ -144,10 +144,7 @@ class Linear(_Gemv):
         if self.fuses(m):
             return self._kernel(x)
         if (w := self._onednn()) is not None:
-            if padded_rows(m) == m:  # the common case (decode of <= 32 rows): no copy
-                return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [None], "")
-            out = torch.ops.mkldnn._linear_pointwise(_padded(x, m), w, self.bias, "none", [None], "")
-            return out[:m].reshape(*x.shape[:-1], self.out_features)
+            return _onednn_product(x, m, w, self.bias)
         if self._want_pack:  # updated since the last use: reorder once, not once per streamed slice
             self._pack(self.weight)
             return self(x)
@@ -182,6 +179,14 @@ class Linear(_Gemv):
         t = self.packed if self.packed is not None else self.weight
         n = t.numel() * t.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def _onednn_product(x: torch.Tensor, m: int, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) on oneDNN (w packed or dense), its m rows padded to padded_rows(m) (bounds its kernel cache)."""
+    if padded_rows(m) == m:  # the common case (decode of <= 32 rows): no copy
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+    out = torch.ops.mkldnn._linear_pointwise(_padded(x, m), w, bias, "none", [None], "")
+    return out[:m].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _padded(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -247,9 +252,8 @@ class Int8Linear(_Gemv):
         if self.fuses(m):
             return self._kernel(x)
         if self.gemv is not None:  # many rows: fp32 products on this call's dequantized weight (oneDNN)
-            w = _scratch(self.out_features, self.in_features)
-            return torch.ops.mkldnn._linear_pointwise(x, dequantize(self.q, self.scale, out=w), self.bias, "none",
-                                                      [None], "")
+            w = dequantize(self.q, self.scale, out=_scratch(self.out_features, self.in_features))
+            return _onednn_product(x, m, w, self.bias)
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
 

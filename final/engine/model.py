@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
+from final.engine.kernels import address
 from final.engine.kv_cache import KVCache
 from final.engine.linear import Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
@@ -72,17 +73,13 @@ class ModelSpec:
 class AttentionPlan(Protocol):
     """What a forward pass needs from the cache side: write this layer's K/V, return attention output."""
 
-    fuses_layers: bool  # the kernel may run whole decode layers on this plan's cache (cache_table)
+    fuses_layers: bool  # the kernel may run whole decode layers on this plan's cache, lengths and scale
     cache: KVCache
     lengths: torch.Tensor
     scale: float
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,D], k/v [B,T,Hkv,D] (post-RoPE) -> [B,T,H,D]."""
-        ...
-
-    def cache_table(self) -> torch.Tensor:
-        """[layers, 2] int64 K and V cache addresses; only where fuses_layers."""
         ...
 
 
@@ -100,16 +97,13 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
 
 
 def _arena_for(hf, tied: bool) -> WeightArena:
-    """An arena holding every matrix a model's products read (the tied embedding is its lm_head)."""
+    """An arena holding every matrix a model's products read (the tied embedding is its lm_head). Sized by the HF
+    projections one by one: a fused q|k|v or gate|up needs no more than its parts' rounded sizes."""
     head = hf.model.embed_tokens.weight if tied else hf.lm_head.weight
-    sizes = [head.numel() * head.element_size()]
-    for layer in hf.model.layers:
-        att, mlp = layer.self_attn, layer.mlp
-        parts = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        sizes += [sum(m.weight.numel() * m.weight.element_size() for m in parts[:3])]  # q|k|v fused
-        sizes += [sum(m.weight.numel() * m.weight.element_size() for m in parts[4:6])]  # gate|up fused
-        sizes += [m.weight.numel() * m.weight.element_size() for m in (parts[3], parts[6])]
-    return WeightArena(WeightArena.size(sizes))
+    mats = [head] + [p.weight for layer in hf.model.layers
+                     for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    return WeightArena(WeightArena.size([w.numel() * w.element_size() for w in mats]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,8 +264,8 @@ class CausalLM:
         forward does, x [B,1,hidden] updated in place."""
         B, spec = x.shape[0], self.spec
         cache = plan.cache
-        self.kernel.decode_layers(x.view(B, -1), self._layer_table(), plan.cache_table(),
-                                  (spec.num_kv_heads, cache.k[0].shape[2], spec.head_dim), cos.reshape(B, -1),
+        self.kernel.decode_layers(x.view(B, -1), self._layer_table(), cache.addresses(),
+                                  (cache.num_kv_heads, cache.tokens, cache.head_dim), cos.reshape(B, -1),
                                   sin.reshape(B, -1), plan.lengths, spec.num_heads,
                                   self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps)
         return x
@@ -280,14 +274,11 @@ class CausalLM:
         """[layers, 11] int64 addresses of what each layer's kernel call reads (gemv.c's W_* order), rebuilt when a
         weight update may have moved a tensor (an int8 matrix is quantized anew)."""
         if self._table is None or self._table[0] != self._weights_version:
-            def addr(t: torch.Tensor | None) -> int:
-                return t.data_ptr() if t is not None else 0
-
             rows = []
             for layer in self.layers:
                 mats = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                rows.append([addr(m._gemv_weight()) for m in mats] + [addr(m._gemv_scale()) for m in mats]
-                            + [addr(layer.wqkv.bias), addr(layer.in_norm), addr(layer.post_norm)])
+                rows.append([address(m._gemv_weight()) for m in mats] + [address(m._gemv_scale()) for m in mats]
+                            + [address(layer.wqkv.bias), address(layer.in_norm), address(layer.post_norm)])
             self._table = (self._weights_version, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 

@@ -74,7 +74,7 @@ class ModelRunner:
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
         plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
-                          flash=self.flash, kernel=self.model.kernel)
+                          flash=self.flash)
         hidden = self.model.forward(ids, positions, plan)
         return self.model.logits(hidden[:, 0], upcast=False)
 

@@ -100,8 +100,8 @@ class GemvKernel:
         n, k = w.shape
         y = torch.empty(m, n, dtype=torch.float32)
         scratch = torch.empty(m, k, dtype=torch.float32) if prep != PREP_NONE else None
-        self._fn(x.data_ptr(), m, k, w.data_ptr(), _ptr(scale), n, _ptr(bias), _ptr(res), prep, _ptr(norm), eps,
-                 _ptr(scratch), y.data_ptr())
+        self._fn(x.data_ptr(), m, k, w.data_ptr(), address(scale), n, address(bias), address(res), prep,
+                 address(norm), eps, address(scratch), y.data_ptr())
         return y
 
     def decode_layers(self, x: torch.Tensor, weights: torch.Tensor, caches: torch.Tensor,
@@ -159,8 +159,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     return blocks.mul_(scale[..., None]).view(n, k)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
+def address(t: torch.Tensor | None) -> int:
+    """A tensor's data address for the C side (0, its NULL, for None)."""
+    return t.data_ptr() if t is not None else 0
 
 
 _lock = threading.Lock()
