@@ -3,6 +3,7 @@
     python bench/gemv.py                      # M = 1 2 4 8 16, torch's thread count
     python bench/gemv.py --threads 1 --m 1 8
     python bench/gemv.py --int8              # + int8 weights: our kernel (weight-only) and fbgemm (dynamic)
+    python bench/gemv.py --bf16              # + bf16 weights: our kernel (fp32 activations) and torch bf16
 
 Candidates: the engine's own kernel (final/engine/kernels/gemv.c), torch's `F.linear` on the dense weight (MKL),
 oneDNN on a weight reordered into its blocked layout (`mkldnn._linear_pointwise`, the engine's path before the
@@ -40,7 +41,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def candidates(weights: list[torch.Tensor], int8: bool) -> dict:
+def candidates(weights: list[torch.Tensor], int8: bool, bf16: bool) -> dict:
     """name -> (one step's products, bytes of weights they read)."""
     from final.engine.kernels import gemv_kernel
 
@@ -66,6 +67,11 @@ def candidates(weights: list[torch.Tensor], int8: bool) -> dict:
 
         fb = [Int8Linear(w) for w in weights]
         out["fbgemm int8 (dynamic)"] = (lambda xs: [lin(xs[lin.in_features]) for lin in fb], fp32 // 4)
+    if bf16:  # bf16 weights: ours with fp32 activations (quantization: bf16), torch's bf16 x bf16 (dtype: bfloat16)
+        halves = [w.bfloat16() for w in weights]
+        if kernel is not None:
+            out["final gemv.c bf16"] = (lambda xs: [kernel(xs[h.shape[1]], h) for h in halves], fp32 // 2)
+        out["F.linear bf16"] = (lambda xs: [F.linear(xs[h.shape[1]].bfloat16(), h) for h in halves], fp32 // 2)
     return out
 
 
@@ -75,6 +81,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--int8", action="store_true", help="also int8 weights: our kernel and fbgemm's")
+    ap.add_argument("--bf16", action="store_true", help="also bf16 weights: our kernel and torch's bf16 product")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -83,8 +90,8 @@ def main() -> None:
     copy, read = memory_rates(args.repeats)
     print(f"threads {args.threads}; weights {nbytes / 1e6:.0f} MB a step; memcpy {copy:.1f} GB/s (read+write), "
           f"read (sum) {read:.1f} GB/s")
-    kernels = candidates(weights, args.int8)
-    print("GB/s of the weights each kernel reads (fp32, or int8 where named); steps a second in brackets")
+    kernels = candidates(weights, args.int8, args.bf16)
+    print("GB/s of the weights each kernel reads (fp32, or int8/bf16 where named); steps a second in brackets")
     print("| M | " + " | ".join(kernels) + " |")
     print("|---:|" + "---:|" * len(kernels))
     for m in args.m:

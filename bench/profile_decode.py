@@ -21,7 +21,8 @@ import torch
 
 
 def streamed_bytes(model) -> int:
-    """The weight bytes a decode step reads: every matrix once (int8: its int8 values and their scales), the tied
+    """The weight bytes a decode step reads: every matrix once (int8: its int8 values and their scales; bf16: 2 bytes
+    a weight), the tied
     embedding as the lm_head; norms are noise."""
     linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up,
                                                                            layer.w_down)]
@@ -39,7 +40,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table grouped by input shape")
     ap.add_argument("--no-gemm", action="store_true",
                     help="replace weight matmuls by preallocated outputs (on torch's path: FINAL_GEMV=0)")
-    ap.add_argument("--quantization", default=None, help="int8: the engine's int8 mode")
+    ap.add_argument("--quantization", default=None, help="int8 or bf16: the engine's weight-only modes")
     ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
     args = ap.parse_args()
 

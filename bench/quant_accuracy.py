@@ -1,6 +1,10 @@
 """What int8 and bf16 cost in accuracy against the engine's fp32, on the bench's chat prompts.
 
-    python bench/quant_accuracy.py                    # 8 prompts, 64 tokens, modes int8 and bf16
+    python bench/quant_accuracy.py                    # 8 prompts, 64 tokens, every mode
+    python bench/quant_accuracy.py --modes bf16-weights
+
+Modes: int8 and bf16-weights (`quantization: int8 | bf16`: weight-only, activations fp32), bf16 (`dtype:
+bfloat16`: every tensor bf16, HF's bf16 model).
     python bench/quant_accuracy.py --prompts 16 --new-tokens 128
 
 Two figures per mode, both against fp32 greedy decoding of the same prompts:
@@ -16,6 +20,11 @@ import argparse
 import statistics
 
 import torch
+
+
+MODES = {"int8": {"dtype": "float32", "quantization": "int8"},
+         "bf16-weights": {"dtype": "float32", "quantization": "bf16"},
+         "bf16": {"dtype": "bfloat16"}}
 
 
 def forced_logprobs(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -42,7 +51,7 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--modes", nargs="+", default=["int8", "bf16"], choices=["int8", "bf16"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -69,8 +78,7 @@ def main() -> None:
     print("| mode | rows identical | mean common prefix | teacher-forced KL(fp32 || mode) | argmax = fp32's token |")
     print("|---|---:|---:|---:|---:|")
     for mode in args.modes:
-        kw = {"dtype": "float32", "quantization": "int8"} if mode == "int8" else {"dtype": "bfloat16"}
-        greedy, forced = run(kw, reference)
+        greedy, forced = run(MODES[mode], reference)
         common = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(greedy, reference)]
         kls = [torch.sum(lp_ref.exp() * (lp_ref - lp), dim=-1) for lp_ref, lp in zip(ref_lp, forced)]
         hits = [(lp.argmax(-1) == torch.tensor(r)).float().mean().item() for lp, r in zip(forced, reference)]

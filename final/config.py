@@ -36,7 +36,7 @@ TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "ca
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str}
-LOCAL_QUANTIZATIONS = ("int8",)  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
+LOCAL_QUANTIZATIONS = ("int8", "bf16")  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
 ROLLOUT_DEFAULTS: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""The engine's own small-M fp32 kernel (final/engine/kernels/gemv.c) against torch, and its fallbacks."""
+"""The engine's own small-M kernel (final/engine/kernels/gemv.c: fp32, bf16 and int8 weights) against torch, and its
+fallbacks."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ import torch.nn.functional as F
 
 from final.engine import kernels
 from final.engine.kernels import PREP_GLU, PREP_NORM, Q8_BLOCK, KernelError, dequantize
-from final.engine.linear import GEMV_ROWS, INT8_GEMV_ROWS, Int8Linear, Linear, gemv_enabled, int8_available
+from final.engine.linear import (GEMV_ROWS, INT8_GEMV_ROWS, Bf16Linear, Int8Linear, Linear, gemv_enabled,
+                                 int8_available)
 
 KERNEL = gemv_enabled(torch.device("cpu"), torch.float32)
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the gemv kernel does not run here (no gcc, AVX2 or oneDNN)")
 
 
 @needs_kernel
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])  # bf16: weight-only, widened in registers
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])  # every activation-row pass width, and a second pass
 @pytest.mark.parametrize("n,k", [(37, 40), (64, 576), (5, 3)])  # K tails (40 = 32 + 8; 3 < one vector)
-def test_every_prep_and_epilogue_matches_torch(threads, m, n, k):
+def test_every_prep_and_epilogue_matches_torch(wdtype, threads, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, gu = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, 2 * k, generator=g)
+    w = w.to(wdtype)
     bias, res, norm = torch.randn(n, generator=g), torch.randn(m, n, generator=g), torch.randn(k, generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # rows split across this many threads (more threads than rows too)
@@ -31,6 +35,7 @@ def test_every_prep_and_epilogue_matches_torch(threads, m, n, k):
                KERNEL(gu, w, None, res, PREP_GLU)]
     finally:
         torch.set_num_threads(before)
+    w = w.float()  # a bf16 weight widens to fp32 exactly: the reference multiplies by that
     want = [F.linear(x, w), res + F.linear(x, w, bias), F.linear(F.rms_norm(x, (k,), norm, 1e-5), w),
             res + F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)]
     for a, b in zip(got, want):
@@ -109,12 +114,13 @@ def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: the qkv bias; qwen3: qk-norm, not fused
-def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, monkeypatch):
+@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen2", None), ("qwen3", None), ("llama", "bf16"),
+                                               ("qwen2", "bf16")])  # qwen2: the qkv bias; qwen3: qk-norm, not fused
+def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantization, monkeypatch):
     """The kernel's whole-layer decode (RMSNorm, q|k|v, RoPE, the cache write, attention, o, SwiGLU, down) against
     the engine with torch's kernels on the same weights: log-probs of every generated token, rows of different
-    lengths decoding together. (int8's products are checked against the dequantized weight above; the same C
-    layer code runs them.)"""
+    lengths decoding together. bf16: the same bf16 weights, widened for F.linear without the kernel. (int8's
+    products are checked against the dequantized weight above; the same C layer code runs them.)"""
     from final.engine import EmbeddedEngine
     from final.models import resolve_model_path
 
@@ -124,9 +130,12 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, monkeyp
     got = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("FINAL_GEMV", flag)
-        engine = EmbeddedEngine(path, max_model_len=64)
+        engine = EmbeddedEngine(path, max_model_len=64, quantization=quantization)
         try:
             assert (engine.model.kernel is not None) == (flag == "1")
+            if quantization:
+                model = engine.model
+                assert isinstance(model.layers[0].wo, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
             outs = engine.generate(prompts, params, return_logprob=True)
             got[flag] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
         finally:
@@ -134,6 +143,29 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, monkeyp
     for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
         assert ids == ids0
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [KERNEL, None], ids=["kernel", "no-kernel"])
+def test_bf16_is_weight_only_routes_by_rows_and_takes_updates(kernel):
+    """quantization: bf16 keeps one bf16 copy of W (half fp32's bytes); every row count gives F.linear by the weight
+    widened to fp32 (exact), with fp32 activations and sums; a weight update is rounded to bf16 in place."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    lin = Bf16Linear(w.bfloat16(), b, gemv=kernel)
+    assert lin.weight is None and lin.nbytes == 48 * 40 * 2 + 48 * 4
+    ref = w.bfloat16().float()
+    for m in (1, GEMV_ROWS, GEMV_ROWS + 1, 40):
+        x, r = torch.randn(m, 1, 40, generator=g), torch.randn(m, 1, 48, generator=g)
+        assert lin.fuses(m) == (kernel is not None and m <= GEMV_ROWS)
+        torch.testing.assert_close(lin(x), F.linear(x, ref, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin.add_to(r, x), r + F.linear(x, ref, b), rtol=1e-5, atol=1e-5)
+    address = lin.w16.data_ptr()
+    new = torch.randn(8, 40, generator=g)
+    lin.set_rows(8, 16, new)
+    assert lin.w16.data_ptr() == address and torch.equal(lin.dense()[8:16], new.bfloat16().float())
+    assert torch.equal(lin.dense()[16:], ref[16:])
+    with pytest.raises(ValueError, match="bfloat16"):
+        Bf16Linear(w, b)
 
 
 def test_the_weight_arena_aligns_copies_and_refuses_overflow():

@@ -50,6 +50,7 @@ def test_int8_engine_generates_and_keeps_serving(tiny_dir):
 @pytest.mark.parametrize("kwargs, text", [
     ({"quantization": "int4"}, "must be one of"),
     ({"quantization": "int8", "dtype": "bfloat16"}, "float32"),
+    ({"quantization": "bf16", "dtype": "bfloat16"}, "float32"),  # weight-only bf16 is for an fp32 model
 ])
 def test_bad_quantization_is_a_config_error_naming_the_key(tiny_dir, kwargs, text):
     with pytest.raises(ConfigError) as err:
@@ -63,6 +64,7 @@ def test_config_validates_quantization():
             "quantization": value}}}}
 
     assert load_config(cfg("int8")).rollout_config().engine_kwargs["local"]["quantization"] == "int8"
+    assert load_config(cfg("bf16")).rollout_config().engine_kwargs["local"]["quantization"] == "bf16"
     load_config(cfg(None))
     for bad in ("int4", 8, True):
         with pytest.raises(ConfigError) as err:

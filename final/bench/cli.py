@@ -6,7 +6,8 @@
   final bench --only dp       one engine vs 2 replicas on Ray (final.distributed); not in the default run
   final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
   final bench --only peer     ours vs llama.cpp on the same weights (needs the `bench` extra; skipped, saying how to
-                              install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0
+                              install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0,
+                              --peer-bf16 our bf16 weights vs its BF16
 Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
 """
 
@@ -43,6 +44,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dp-prompts", type=int, help="DP: prompts, greedy, new tokens = --new-tokens (default 64; --quick 8)")
     p.add_argument("--peer-batches", help="peer: batch sizes (default 1,8; --quick 1,2)")
     p.add_argument("--peer-int8", action="store_true", help="peer: also our int8 mode vs llama.cpp's Q8_0")
+    p.add_argument("--peer-bf16", action="store_true", help="peer: also our bf16 weights vs llama.cpp's BF16")
     p.add_argument("--soak-requests", type=int, help="soak: requests (default 2000; --quick 200)")
     p.add_argument("--soak-seconds", type=float, default=1200.0, help="soak: stop sending after this long (default 1200)")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
@@ -135,7 +137,7 @@ def _peer(args: argparse.Namespace, model: str, repeats: int) -> dict:
     name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     batches = _ints(args.peer_batches) if args.peer_batches else ([1, 2] if args.quick else [1, 8])
     return run_peer(name, model, batches, args.new_tokens or (8 if args.quick else 64), repeats, args.device,
-                    int8=args.peer_int8)
+                    int8=args.peer_int8, bf16=args.peer_bf16)
 
 
 def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:

@@ -7,7 +7,8 @@ fp32 values). Same chat prompts as token ids, greedy, a fixed number of new toke
 number of threads, runs alternating in one process. Batch 1 is llama.cpp's plain decode; batch B decodes B
 parallel sequences in one `llama_decode` per step through its low-level API (one llama_batch with B seq ids: the
 same continuous batching its server's slots run). With --peer-int8, our int8 weight-only mode runs beside
-llama.cpp's Q8_0 of the same F32 GGUF (quantized by llama.cpp itself).
+llama.cpp's Q8_0 of the same F32 GGUF (quantized by llama.cpp itself); with --peer-bf16, our bf16 weight-only mode
+beside llama.cpp's BF16 of it.
 
 llama-cpp-python is the `bench` extra and compiles from source (~10 min on 2 cores), so it is never part of the
 default install or CI; without it the section says so and how to install it.
@@ -69,17 +70,23 @@ def f32_gguf(src: Path) -> Path:
     return out
 
 
-def q8_gguf(f32: Path, threads: int) -> Path:
-    """llama.cpp's own Q8_0 quantization of the F32 GGUF (what `llama-quantize model.gguf Q8_0` writes)."""
+# our weight-only modes and the llama.cpp file type each stands beside
+PEER_TYPES = {"int8": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16")}
+
+
+def quantized_gguf(f32: Path, mode: str, threads: int) -> Path:
+    """llama.cpp's own conversion of the F32 GGUF to the type beside our `mode` (what `llama-quantize model.gguf
+    Q8_0` or `BF16` writes)."""
     import llama_cpp as L
 
-    out = f32.with_name(f32.name.replace(".F32.", ".Q8_0."))
+    name, ftype = PEER_TYPES[mode]
+    out = f32.with_name(f32.name.replace(".F32.", f".{name}."))
     if out.exists():
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     _quiet_logs(L)
     params = L.llama_model_quantize_default_params()
-    params.ftype = L.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(L, ftype)
     params.nthread = threads
     if L.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize failed on {f32}")
@@ -176,8 +183,9 @@ def skipped(reason: str) -> dict:
 
 
 def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: int, repeats: int,
-             device: str = "cpu", int8: bool = False) -> dict:
-    """The `peer` section: ours vs llama.cpp per batch size (fp32 vs F32; with int8, int8 vs Q8_0), or why not."""
+             device: str = "cpu", int8: bool = False, bf16: bool = False) -> dict:
+    """The `peer` section: ours vs llama.cpp per batch size (fp32 vs F32; with int8, int8 vs Q8_0; with bf16, our
+    bf16 weights vs BF16), or why not."""
     if device != "cpu":
         return skipped(f"llama.cpp is measured on CPU only (device {device})")
     try:
@@ -195,7 +203,8 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
 
     threads = torch.get_num_threads()
     f32 = f32_gguf(src)
-    modes = [("fp32", None, f32)] + ([("int8", "int8", q8_gguf(f32, threads))] if int8 else [])
+    modes = [("fp32", None, f32)] + [(m, m, quantized_gguf(f32, m, threads))
+                                     for m, on in (("int8", int8), ("bf16", bf16)) if on]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows, fp32_ids, fp32_theirs = [], {}, {}
     for mode, quantization, weights in modes:
@@ -205,7 +214,7 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
             row.update(mode=mode, peer_weights=weights.name, batch=batch)
             if mode == "fp32":
                 fp32_ids[batch], fp32_theirs[batch] = row.pop("_ours"), row.pop("_theirs")
-            else:  # how far each side's 8-bit mode strays from its own fp32 tokens
+            else:  # how far each side's smaller weights stray from its own fp32 tokens
                 row["ours_vs_our_fp32"] = agreement(row.pop("_ours"), fp32_ids[batch])
                 row["llama_cpp_vs_its_f32"] = agreement(row.pop("_theirs"), fp32_theirs[batch])
             rows.append(row)
@@ -266,6 +275,7 @@ def describe(peer: dict) -> list[str]:
             b = r["ours_vs_our_fp32"]
             c = r["llama_cpp_vs_its_f32"]
             lines.append(f"        vs own fp32: ours {b['rows_identical']} rows identical (mean common prefix "
-                         f"{b['mean_common_prefix']}), llama.cpp Q8_0 vs F32 {c['rows_identical']} "
+                         f"{b['mean_common_prefix']}), llama.cpp {PEER_TYPES[r['mode']][0]} vs F32 "
+                         f"{c['rows_identical']} "
                          f"({c['mean_common_prefix']})")
     return lines + [f"  {peer['timing']}"]

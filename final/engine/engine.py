@@ -52,7 +52,7 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
-        self.quantization = quantization  # None (the model dtype) or "int8" (CPU; model.check_quantization)
+        self.quantization = quantization  # None (the model dtype), "int8" or "bf16" (CPU; model.check_quantization)
         self._closed = False
         self._rng = random.Random(random_seed)
         eos = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_token_ids(model_path))

@@ -8,6 +8,8 @@ into its blocked layout 17-42 GB/s (bench/gemv.py, bench/RESULTS.md). Three ways
   after, a product), more rows (prefill, big batches) through oneDNN on that same dense tensor. One copy.
 - `pack`: the weight reordered once into oneDNN's layout, the dense copy dropped (bf16; fp32 without the kernel).
 - neither: F.linear on the dense weight (another device, no oneDNN, or a packed product that disagreed).
+Weight-only modes (`quantization`, the activations and sums stay fp32): Int8Linear (int8 + a scale per 32) and
+Bf16Linear (bf16), each half or a quarter of fp32's bytes for decode to stream.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _cpu_has_bf16() -> bool:
 
 
 class _Gemv:
-    """The gemv kernel's calls, shared by Linear (fp32 weight) and Int8Linear (int8 + row scales): `gemv_rows`
+    """The gemv kernel's calls, shared by Linear (fp32), Int8Linear (int8 + block scales) and Bf16Linear: `gemv_rows`
     rows at most, on the weight each class's `_gemv_weight()` names (and `_gemv_scale()`)."""
 
     gemv: GemvKernel | None
@@ -198,7 +200,7 @@ _scratches = threading.local()
 
 
 def _scratch(n: int, k: int) -> torch.Tensor:
-    """A [n, k] fp32 buffer reused by this thread's int8 prefill products: a fresh 7 MB tensor per matrix is a
+    """A [n, k] fp32 buffer reused by this thread's int8 and bf16 prefill products: a fresh 7 MB tensor per matrix is a
     fresh mmap, and its page faults cost as much as the product on one core."""
     buf = getattr(_scratches, "buf", None)
     if buf is None or buf.numel() < n * k:
@@ -287,3 +289,48 @@ class Int8Linear(_Gemv):
         else:  # int8 values + a double scale per row
             n = self.out_features * self.in_features + 8 * self.out_features
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+class Bf16Linear(_Gemv):
+    """y = x @ W.T (+ b) with W held in bfloat16 and x, the sums and y in fp32: `quantization: bf16`, weight-only.
+
+    Half fp32's bytes for a decode step to stream, and the weights' rounding is the only change (a bf16 widens to
+    fp32 exactly). Not `dtype: bfloat16`, which rounds every activation as HF's bf16 model does (its parity mode)
+    and which torch runs at under half this machine's bandwidth (bench/RESULTS.md). Up to GEMV_ROWS rows on the
+    kernel (8 weights widened in registers per load); more rows, or no kernel, multiply by the weight widened
+    into this thread's reused fp32 buffer (oneDNN beside the kernel, F.linear without it).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None):
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            raise ValueError("Bf16Linear holds a bfloat16 weight on CPU")
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = torch.float32, weight.device  # what it takes and gives
+        self.weight = None  # no fp32 copy
+        self.w16, self.bias, self.gemv, self.gemv_rows = weight, bias, gemv, GEMV_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.numel() // x.shape[-1]
+        if self.fuses(m):
+            return self._kernel(x)
+        w = _scratch(self.out_features, self.in_features).copy_(self.w16)
+        return _onednn_product(x, m, w, self.bias) if self.gemv is not None else F.linear(x, w, self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        m = x.numel() // x.shape[-1]
+        return self._kernel(x, res=residual) if self.fuses(m) else residual + self(x)
+
+    def _gemv_weight(self) -> torch.Tensor:
+        return self.w16
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out, in] widened to fp32 (a fresh tensor)."""
+        return self.w16.float()
+
+    def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
+        """Overwrite rows lo:hi of W, rounded to bf16, in place (the kernel's addresses stay valid)."""
+        self.w16[lo:hi].copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w16.numel() * 2 + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)

@@ -18,7 +18,7 @@ from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
 from final.engine.kernels import address
 from final.engine.kv_cache import KVCache
-from final.engine.linear import Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
+from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -91,19 +91,20 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
     if quantization not in LOCAL_QUANTIZATIONS:
         raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {quantization!r}", key=key)
     if device.type != "cpu" or dtype != torch.float32:
-        raise ConfigError(f"int8 runs on CPU with dtype float32 (auto), not {device.type} {dtype}", key=key)
-    if not int8_available():
+        raise ConfigError(f"{quantization} runs on CPU with dtype float32 (auto), not {device.type} {dtype}", key=key)
+    if quantization == "int8" and not int8_available():
         raise ConfigError("int8 needs torch's fbgemm quantized engine (an x86 CPU with AVX2)", key=key)
 
 
-def _arena_for(hf, tied: bool) -> WeightArena:
-    """An arena holding every matrix a model's products read (the tied embedding is its lm_head). Sized by the HF
-    projections one by one: a fused q|k|v or gate|up needs no more than its parts' rounded sizes."""
+def _arena_for(hf, tied: bool, itemsize: int) -> WeightArena:
+    """An arena holding every matrix a model's products read (the tied embedding is its lm_head), itemsize bytes a
+    weight. Sized by the HF projections one by one: a fused q|k|v or gate|up needs no more than its parts' rounded
+    sizes."""
     head = hf.model.embed_tokens.weight if tied else hf.lm_head.weight
     mats = [head] + [p.weight for layer in hf.model.layers
                      for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    return WeightArena(WeightArena.size([w.numel() * w.element_size() for w in mats]))
+    return WeightArena(WeightArena.size([w.numel() * itemsize for w in mats]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,12 +127,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+Matrix = Linear | Int8Linear | Bf16Linear  # a weight matrix, fp32 (or the model dtype), int8 or bf16
+
+
 @dataclass
 class Layer:
-    wqkv: Linear | Int8Linear  # q|k|v fused (with qkv bias where the model has one)
-    wo: Linear | Int8Linear
-    w_gate_up: Linear | Int8Linear  # gate|up fused
-    w_down: Linear | Int8Linear
+    wqkv: Matrix  # q|k|v fused (with qkv bias where the model has one)
+    wo: Matrix
+    w_gate_up: Matrix  # gate|up fused
+    w_down: Matrix
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -139,7 +143,7 @@ class Layer:
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: Linear | Int8Linear, norm: torch.Tensor,
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, lm_head: Matrix, norm: torch.Tensor,
                  layers: list[Layer], cos: torch.Tensor, sin: torch.Tensor, tied: bool = False):
         self.spec = spec
         self.embed, self.lm_head, self.norm = embed, lm_head, norm
@@ -161,14 +165,15 @@ class CausalLM:
         linears = [self.lm_head] if self.lm_head.weight is None or self.lm_head.weight is not self.embed else []
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-            linears += [t for t in vars(layer).values() if isinstance(t, Linear)]
+            linears += [t for t in vars(layer).values() if isinstance(t, (Linear, Int8Linear, Bf16Linear))]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(lin.nbytes for lin in linears)
 
     # ---- loading -------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype, device: str | torch.device = "cpu",
                         quantization: str | None = None) -> "CausalLM":
-        """quantization "int8": every weight matrix (lm_head too; the embedding lookup stays fp32) as Int8Linear."""
+        """quantization "int8" or "bf16": every weight matrix (lm_head too; the embedding lookup stays fp32) as
+        Int8Linear or Bf16Linear (weight-only: activations fp32)."""
         from transformers import AutoModelForCausalLM
 
         device = torch.device(device)
@@ -181,22 +186,26 @@ class CausalLM:
             return x.detach().to(device).contiguous()
 
         pack = packing_enabled(device, dtype)
-        gemv = gemv_enabled(device, dtype)  # fp32 on CPU (int8 needs that too): the kernel takes both
+        gemv = gemv_enabled(device, dtype)  # fp32 on CPU (which int8 and bf16 need too): the kernel takes all three
         base = hf.model
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
-        # the fp32 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
-        arena = _arena_for(hf, tied) if gemv is not None and not quantization else None
+        # the fp32 or bf16 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
+        bf16 = quantization == "bf16"
+        arena = _arena_for(hf, tied, 2 if bf16 else 4) if gemv is not None and quantization != "int8" else None
 
         def dense(w: torch.Tensor) -> torch.Tensor:
             return arena.take(w.detach()) if arena is not None else t(w)
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear | Int8Linear:
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Matrix:
+            b = t(b) if b is not None else None
             if quantization == "int8":
-                return Int8Linear(t(w), t(b) if b is not None else None, gemv=gemv)
-            return Linear(dense(w), t(b) if b is not None else None, pack=pack, gemv=gemv)
+                return Int8Linear(t(w), b, gemv=gemv)
+            if bf16:
+                return Bf16Linear(dense(w.detach().to(torch.bfloat16)), b, gemv=gemv)
+            return Linear(dense(w), b, pack=pack, gemv=gemv)
 
-        embed = dense(base.embed_tokens.weight) if tied else t(base.embed_tokens.weight)
-        # tied and int8: the lm_head is an int8 copy of the embedding, which stays fp32 for the lookup
+        embed = dense(base.embed_tokens.weight) if tied and not quantization else t(base.embed_tokens.weight)
+        # tied and int8/bf16: the lm_head is an int8/bf16 copy of the embedding, which stays fp32 for the lookup
         lm_head = (Linear(embed, pack=pack, gemv=gemv) if tied and not quantization
                    else lin(embed if tied else hf.lm_head.weight))
         layers = []
@@ -264,7 +273,8 @@ class CausalLM:
         forward does, x [B,1,hidden] updated in place."""
         B, spec = x.shape[0], self.spec
         cache = plan.cache
-        self.kernel.decode_layers(x.view(B, -1), self._layer_table(), cache.addresses(),
+        kind = self.layers[0].wqkv._gemv_weight().dtype  # fp32, bf16 or int8: one for every matrix
+        self.kernel.decode_layers(x.view(B, -1), kind, self._layer_table(), cache.addresses(),
                                   (cache.num_kv_heads, cache.tokens, cache.head_dim), cos.reshape(B, -1),
                                   sin.reshape(B, -1), plan.lengths, spec.num_heads,
                                   self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps)

@@ -1,8 +1,8 @@
 """The engine's own CPU kernel (gemv.c: decode at memory bandwidth), built and loaded here.
 
-gemv.c has two entry points: `final_gemv`, one small-M product (fp32 or int8 weights, with a fused RMSNorm or
-SwiGLU before and bias/residual after), and `final_decode_layers`, every decoder layer of a decode step in one
-call. Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels,
+gemv.c has two entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm
+or SwiGLU before and bias/residual after), and `final_decode_layers`, every decoder layer of a decode step in one
+call; products.h holds their row loops. Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels,
 named by a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh
 builds it ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through
 ctypes (no torch headers, no ninja: a 1 s build), checked against torch on random data before first use. Anything unusual (no gcc, a
@@ -27,9 +27,11 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
+HEADERS = [Path(__file__).with_name("products.h")]  # what SOURCE includes: part of the build's key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 7
-Q8_BLOCK = 32  # int8 weights one kernel scale covers (gemv.c); K must be a multiple  # final_gemv_abi() of the source this wrapper speaks to
+ABI = 8  # final_gemv_abi() of the source this wrapper speaks to
+Q8_BLOCK = 32  # int8 weights one kernel scale covers (products.h); K must be a multiple
+KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # products.h's W_F32, W_Q8, W_BF16
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -50,7 +52,8 @@ def library_path(cc: str) -> Path:
     from final.models import cache_dir
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+    key = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"gemv-{key}.so"
 
 
@@ -84,32 +87,34 @@ class GemvKernel:
         if not lib.final_gemv_cpu_ok():
             raise KernelError("this CPU lacks AVX2/FMA")
         self._fn = lib.final_gemv
-        self._fn.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _F, _P, _P]
+        self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
         self._layers = lib.final_decode_layers
-        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _F, _P]
+        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _F,
+                                 _P]
         self._layers.restype = None
         self.path = path
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  res: torch.Tensor | None = None, prep: int = PREP_NONE, norm: torch.Tensor | None = None,
                  eps: float = 0.0, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] fp32, or int8 with scale [N, K / Q8_BLOCK] fp32 (quantize())
-        -> [M, N]; every tensor contiguous on CPU, the others fp32."""
+        """x [M, K] ([M, 2K] for PREP_GLU), w [N, K] fp32, bf16, or int8 with scale [N, K / Q8_BLOCK] fp32
+        (quantize()) -> [M, N]; every tensor contiguous on CPU, the others fp32."""
         m = x.shape[0]
         n, k = w.shape
         y = torch.empty(m, n, dtype=torch.float32)
         scratch = torch.empty(m, k, dtype=torch.float32) if prep != PREP_NONE else None
-        self._fn(x.data_ptr(), m, k, w.data_ptr(), address(scale), n, address(bias), address(res), prep,
-                 address(norm), eps, address(scratch), y.data_ptr())
+        self._fn(x.data_ptr(), m, k, w.data_ptr(), KINDS[w.dtype], address(scale), n, address(bias), address(res),
+                 prep, address(norm), eps, address(scratch), y.data_ptr())
         return y
 
-    def decode_layers(self, x: torch.Tensor, weights: torch.Tensor, caches: torch.Tensor,
+    def decode_layers(self, x: torch.Tensor, kind: torch.dtype, weights: torch.Tensor, caches: torch.Tensor,
                       cache_shape: tuple[int, int, int], cos: torch.Tensor, sin_signed: torch.Tensor,
                       lengths: torch.Tensor, heads: int, inter: int, scale: float, eps: float) -> None:
         """Every decoder layer of a decode step (one new token per row), x [M, hidden] updated in place: RMSNorm,
         q|k|v, RoPE, the K/V cache write at lengths[b], attention over each row's lengths[b] + 1 tokens, o +
-        residual, RMSNorm, gate|up, SwiGLU, down + residual. weights [L, 11] int64 (gemv.c's W_* fields: the
+        residual, RMSNorm, gate|up, SwiGLU, down + residual. kind: the matrices' dtype (fp32, bf16 or int8, one for
+        all). weights [L, 11] int64 (gemv.c's W_* fields: the
         matrices' addresses, their int8 scales or 0, the qkv bias or 0, the two norms), caches [L, 2] the K and V
         cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; cos/sin_signed [M, D]; lengths [M]
         int64. Contiguous fp32."""
@@ -117,9 +122,9 @@ class GemvKernel:
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
         work = torch.empty(m * ((heads + 2 * kv_heads) * dim + heads * dim + max(hidden, inter) + 2 * inter))
-        self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, weights.data_ptr(),
-                     caches.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), tokens, lengths.data_ptr(), scale, eps,
-                     work.data_ptr())
+        self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, KINDS[kind],
+                     weights.data_ptr(), caches.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), tokens,
+                     lengths.data_ptr(), scale, eps, work.data_ptr())
 
     def self_check(self) -> None:
         """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""
@@ -135,6 +140,8 @@ class GemvKernel:
         scale = torch.rand(13, 64 // Q8_BLOCK, generator=g) / 100
         cases.append((self(x[:, :64].contiguous(), q, bias, res, scale=scale),
                       res + F.linear(x[:, :64], dequantize(q, scale), bias)))
+        wb = w.bfloat16()
+        cases.append((self(x[:, :37].contiguous(), wb, bias, res), res + F.linear(x[:, :37], wb.float(), bias)))
         for i, (got, want) in enumerate(cases):
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                 raise KernelError(f"case {i} differs from torch by {(got - want).abs().max().item():.3g}")
