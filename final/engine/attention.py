@@ -12,6 +12,7 @@ as [B,Hkv,G*T,D] so K/V are never repeated per query head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -196,19 +197,36 @@ class DecodePlan:
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
-        B = self.lengths.shape[0]
-        self.rows = torch.arange(B, device=self.lengths.device)
-        self.span = int(self.lengths.max()) + 1
-        self.mask = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
-        # fp32 on CPU: two matmuls and a softmax beat SDPA's flash kernel for one query per row (43 vs 56 us a
-        # layer at batch 8, bench/RESULTS.md) and agree to fp32 rounding. bf16 keeps SDPA, whose rounding HF shares.
-        self.seqlens = (self.lengths + 1).to(torch.int32) if self.flash is not None else None
-        self.bias = None
-        if self.cache.dtype == torch.float32 and self.cache.device.type == "cpu":
-            self.bias = torch.zeros(self.mask.shape, device=self.lengths.device).masked_fill(~self.mask, float("-inf"))
-            self.bias = self.bias[:, None, None, :]
-        # the C kernel's whole-layer decode attends like the fp32 CPU path here, without cartridge prefixes
-        self.fuses_layers = self.bias is not None and not self.groups
+        # the C kernel's whole-layer decode attends like the fp32 CPU path below, without cartridge prefixes; it
+        # needs none of the tensors below, so they are built on attend's first call (~10 torch ops a step)
+        self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
+        self.fuses_layers = self.fp32_cpu and not self.groups
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        return torch.arange(self.lengths.shape[0], device=self.lengths.device)
+
+    @cached_property
+    def span(self) -> int:
+        return int(self.lengths.max()) + 1
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        return torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
+
+    @cached_property
+    def seqlens(self) -> torch.Tensor | None:
+        return (self.lengths + 1).to(torch.int32) if self.flash is not None else None
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        """fp32 on CPU: two matmuls and a softmax beat SDPA's flash kernel for one query per row (43 vs 56 us a
+        layer at batch 8, bench/RESULTS.md) and agree to fp32 rounding. bf16 keeps SDPA, whose rounding HF
+        shares."""
+        if not self.fp32_cpu:
+            return None
+        bias = torch.zeros(self.mask.shape, device=self.lengths.device).masked_fill(~self.mask, float("-inf"))
+        return bias[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B = q.shape[0]

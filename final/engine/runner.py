@@ -65,18 +65,19 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""
         B = len(seqs)
-        lengths = self._long([s.cached_len for s in seqs])
+        cached = [s.cached_len for s in seqs]
+        lengths = self._long(cached)
         ids = self._long([[s.output_ids[-1]] for s in seqs])
-        positions = (lengths + self._long([s.prefix_len for s in seqs]))[:, None]
-        self.cache.reserve(B, int(lengths.max()) + 1)
+        positions = self._long([[n + s.prefix_len] for n, s in zip(cached, seqs)])
+        self.cache.reserve(B, max(cached) + 1)
         groups: dict[int, tuple[list[int], PrefixKV]] = {}
         for row, seq in enumerate(seqs):
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
         plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
                           flash=self.flash)
-        hidden = self.model.forward(ids, positions, plan)
-        return self.model.logits(hidden[:, 0], upcast=False)
+        hidden = self.model.forward(ids, positions, plan, final_norm=False)
+        return self.model.logits(hidden[:, 0], upcast=False, normed=False)
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
