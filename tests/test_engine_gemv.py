@@ -145,6 +145,38 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
 
 
+@needs_kernel
+def test_rows_with_cartridges_decode_in_the_kernel_as_in_the_torch_forward(monkeypatch):
+    """Rows with different cartridges (one, another, a composition of both) and a row with none decode together in
+    the kernel's whole-layer path (each row's prefix attended before its own tokens in one softmax) as the torch
+    forward does them (prefix and own tokens as two segments merged by log-sum-exp)."""
+    from final.engine import EmbeddedEngine
+    from final.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-random-llama")
+    prompts = [[1, 5, 6, 7], [1] + list(range(30, 45)), [1, 9], [1, 2, 3]]
+    cartridges = ["a", "b", None, ["a", "b"]]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FINAL_GEMV", flag)
+        engine = EmbeddedEngine(path, max_model_len=96)
+        try:
+            spec, g = engine.spec, torch.Generator().manual_seed(3)
+            for cid, p in (("a", 5), ("b", 12)):
+                shape = (1, spec.num_kv_heads, p, spec.head_dim)
+                kv = [[torch.randn(shape, generator=g) for _ in range(spec.num_layers)] for _ in range(2)]
+                engine.load_cartridge(cid, *kv)
+            outs = engine.generate(prompts, params, return_logprob=True, cartridges=cartridges)
+            got[flag] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+        finally:
+            engine.shutdown()
+    for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
+        assert ids == ids0
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
+    assert len({tuple(ids) for ids, _ in got["1"][:3]}) == 3  # the prefixes change what the rows say
+
+
 @pytest.mark.parametrize("kernel", [KERNEL, None], ids=["kernel", "no-kernel"])
 def test_bf16_is_weight_only_routes_by_rows_and_takes_updates(kernel):
     """quantization: bf16 keeps one bf16 copy of W (half fp32's bytes); every row count gives F.linear by the weight

@@ -154,6 +154,7 @@ class PrefillPlan:
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     fuses_layers = False  # whole layers in one kernel call: decode only (DecodePlan)
+    prefixes = None
 
     def __post_init__(self) -> None:
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -197,10 +198,22 @@ class DecodePlan:
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
-        # the C kernel's whole-layer decode attends like the fp32 CPU path below, without cartridge prefixes; it
-        # needs none of the tensors below, so they are built on attend's first call (~10 torch ops a step)
+        # the C kernel's whole-layer decode attends like the fp32 CPU path below, cartridge prefixes too (`prefixes`);
+        # it needs none of the other tensors below, so they are built on attend's first call (~10 torch ops a step)
         self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
-        self.fuses_layers = self.fp32_cpu and not self.groups
+        self.fuses_layers = self.fp32_cpu
+
+    @cached_property
+    def prefixes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kernel's view of the rows' cartridges: [B, layers, 2] K/V addresses and [B] lengths (0: none)."""
+        if not self.groups:
+            return None
+        B, layers = self.lengths.shape[0], len(self.cache.k)
+        table, lengths = torch.zeros(B, layers, 2, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+        for rows, prefix in self.groups:
+            table[rows] = prefix.addresses()
+            lengths[rows] = prefix.length
+        return table, lengths
 
     @cached_property
     def rows(self) -> torch.Tensor:

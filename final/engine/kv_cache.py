@@ -99,6 +99,14 @@ class PrefixKV:
     ids: tuple[str, ...]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    _addresses: torch.Tensor | None = field(default=None, repr=False)
+
+    def addresses(self) -> torch.Tensor:
+        """[layers, 2] int64: each layer's K and V tensor address (the engine's C kernel reads them)."""
+        if self._addresses is None:
+            self._addresses = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)],
+                                           dtype=torch.int64)
+        return self._addresses
 
     @property
     def length(self) -> int:

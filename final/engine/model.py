@@ -73,10 +73,11 @@ class ModelSpec:
 class AttentionPlan(Protocol):
     """What a forward pass needs from the cache side: write this layer's K/V, return attention output."""
 
-    fuses_layers: bool  # the kernel may run whole decode layers on this plan's cache, lengths and scale
+    fuses_layers: bool  # the kernel may run whole decode layers on this plan's cache, lengths, scale, prefixes
     cache: KVCache
     lengths: torch.Tensor
     scale: float
+    prefixes: tuple[torch.Tensor, torch.Tensor] | None  # the rows' cartridges as the kernel reads them (DecodePlan)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,D], k/v [B,T,Hkv,D] (post-RoPE) -> [B,T,H,D]."""
@@ -280,7 +281,7 @@ class CausalLM:
         self.kernel.decode_layers(x.view(B, -1), kind, self._layer_table(), cache.addresses(),
                                   (cache.num_kv_heads, cache.tokens, cache.head_dim), cos.reshape(B, -1),
                                   sin.reshape(B, -1), plan.lengths, spec.num_heads,
-                                  self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps)
+                                  self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps, plan.prefixes)
         return x
 
     def _layer_table(self) -> torch.Tensor:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gemv.c")
 HEADERS = [Path(__file__).with_name("products.h")]  # what SOURCE includes: part of the build's key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ABI = 8  # final_gemv_abi() of the source this wrapper speaks to
+ABI = 9  # final_gemv_abi() of the source this wrapper speaks to
 Q8_BLOCK = 32  # int8 weights one kernel scale covers (products.h); K must be a multiple
 KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # products.h's W_F32, W_Q8, W_BF16
 PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
@@ -90,8 +90,8 @@ class GemvKernel:
         self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
         self._layers = lib.final_decode_layers
-        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _P, _F, _F,
-                                 _P]
+        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int64, _P,
+                                 _F, _F, _P]
         self._layers.restype = None
         self.path = path
 
@@ -110,21 +110,24 @@ class GemvKernel:
 
     def decode_layers(self, x: torch.Tensor, kind: torch.dtype, weights: torch.Tensor, caches: torch.Tensor,
                       cache_shape: tuple[int, int, int], cos: torch.Tensor, sin_signed: torch.Tensor,
-                      lengths: torch.Tensor, heads: int, inter: int, scale: float, eps: float) -> None:
+                      lengths: torch.Tensor, heads: int, inter: int, scale: float, eps: float,
+                      prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Every decoder layer of a decode step (one new token per row), x [M, hidden] updated in place: RMSNorm,
         q|k|v, RoPE, the K/V cache write at lengths[b], attention over each row's lengths[b] + 1 tokens, o +
         residual, RMSNorm, gate|up, SwiGLU, down + residual. kind: the matrices' dtype (fp32, bf16 or int8, one for
-        all). weights [L, 11] int64 (gemv.c's W_* fields: the
-        matrices' addresses, their int8 scales or 0, the qkv bias or 0, the two norms), caches [L, 2] the K and V
-        cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; cos/sin_signed [M, D]; lengths [M]
-        int64. Contiguous fp32."""
+        all). weights [L, 11] int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv
+        bias or 0, the two norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows,
+        *cache_shape]; cos/sin_signed [M, D]; lengths [M] int64. prefixes: the rows' cartridges, ([M, L, 2] int64
+        K/V addresses of [Hkv, p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before each row's
+        own tokens. Contiguous fp32."""
         m, hidden = x.shape
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
         work = torch.empty(m * ((heads + 2 * kv_heads) * dim + heads * dim + max(hidden, inter) + 2 * inter))
+        ptab, plens = prefixes if prefixes is not None else (None, None)
         self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, KINDS[kind],
-                     weights.data_ptr(), caches.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), tokens,
-                     lengths.data_ptr(), scale, eps, work.data_ptr())
+                     weights.data_ptr(), caches.data_ptr(), address(ptab), address(plens), cos.data_ptr(),
+                     sin_signed.data_ptr(), tokens, lengths.data_ptr(), scale, eps, work.data_ptr())
 
     def self_check(self) -> None:
         """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""

@@ -18,7 +18,7 @@
    libgomp torch already loaded (same soname), so it shares torch's thread pool and torch.set_num_threads. */
 #include "products.h"
 
-int final_gemv_abi(void) { return 8; }
+int final_gemv_abi(void) { return 9; }
 
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
@@ -62,8 +62,74 @@ static inline float dot(const float *a, const float *b, int n) {
   return s;
 }
 
+/* s[t] = (q . K[t]) scale for t < n, K [n, D]: eight keys a pass, so eight FMA chains run side by side (one
+   key's chain of D/8 FMAs waited on itself: ~4 cycles an FMA). Each key's sum is dot()'s. */
+static void scores(const float *q, const float *K, int64_t n, int D, float scale, float *s) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const float *k0 = K + t * D;
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i * D + d), a[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+      float v = hsum(a[i]);
+      for (int dd = d; dd < D; dd++) v += q[dd] * k0[i * D + dd];
+      s[t + i] = v * scale;
+    }
+  }
+  for (; t < n; t++) s[t] = dot(q, K + t * D, D) * scale;
+}
+
+/* s[t] <- exp(s[t] - max s) for t < n, 8 at a time (exp256: ~1e-7 relative, as the SiLU's); returns their sum */
+static float exp_shifted(float *s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; t < n; t++) {
+    s[t] = expf(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+/* o [D] += sum over t < n of w[t] V[t], V [n, D]: four keys a pass (o read and written once per four) */
+static void weighted_sum(const float *w, const float *V, int64_t n, int D, float *o) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *v0 = V + t * D;
+    const __m256 w0 = _mm256_set1_ps(w[t]), w1 = _mm256_set1_ps(w[t + 1]), w2 = _mm256_set1_ps(w[t + 2]),
+                 w3 = _mm256_set1_ps(w[t + 3]);
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+      __m256 acc = _mm256_loadu_ps(o + d);
+      acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + d), acc);
+      acc = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v0 + D + d), acc);
+      acc = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v0 + 2 * D + d), acc);
+      acc = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v0 + 3 * D + d), acc);
+      _mm256_storeu_ps(o + d, acc);
+    }
+    for (; d < D; d++)
+      o[d] += w[t] * v0[d] + w[t + 1] * v0[D + d] + w[t + 2] * v0[2 * D + d] + w[t + 3] * v0[3 * D + d];
+  }
+  for (; t < n; t++)
+    for (int d = 0; d < D; d++) o[d] += w[t] * V[t * D + d];
+}
+
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
-                        float *kc, float *vc, int64_t T, const int64_t *lengths, float scale, float *out) {
+                        float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
+                        const int64_t *plens, int layers, int l, float scale, float *out) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
 #pragma omp for schedule(static)
   for (int task = 0; task < B * Hkv; task++) {
@@ -78,31 +144,29 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
   int64_t s_len = 0;
 #pragma omp for schedule(static)
   for (int task = 0; task < B * H; task++) {
-    const int b = task / H, h = task % H, g = h / G;
-    const int64_t n = lengths[b] + 1;
-    if (n > s_len) {
+    /* head-major: a thread takes one head for row after row, so a shared cartridge's K/V of that head stays in its L2 */
+    const int h = task / B, b = task % B, g = h / G;
+    const int64_t p = ptab ? plens[b] : 0, n = lengths[b] + 1;
+    if (p + n > s_len) {
       free(s);
-      s = malloc(sizeof(float) * n);
-      s_len = n;
+      s = malloc(sizeof(float) * (p + n));
+      s_len = p + n;
     }
     rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
     const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-      s[t] = dot(q, K + t * D, D) * scale;
-      m = s[t] > m ? s[t] : m;
+    const float *Kp = NULL, *Vp = NULL;
+    if (p) {
+      const int64_t *at = ptab + ((int64_t)b * layers + l) * 2;
+      Kp = (const float *)(intptr_t)at[0] + (int64_t)g * p * D;
+      Vp = (const float *)(intptr_t)at[1] + (int64_t)g * p * D;
     }
-    for (int64_t t = 0; t < n; t++) {
-      s[t] = expf(s[t] - m);
-      sum += s[t];
-    }
+    if (p) scores(q, Kp, p, D, scale, s);  /* the prefix's keys, then the row's own: one softmax over both */
+    scores(q, K, n, D, scale, s + p);
+    const float inv = 1.0f / exp_shifted(s, p + n);
     for (int d = 0; d < D; d++) o[d] = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-      const float p = s[t] / sum;
-      const float *v = V + t * D;
-      for (int d = 0; d < D; d++) o[d] += p * v[d];
-    }
-    for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d];
+    if (p) weighted_sum(s, Vp, p, D, o);
+    weighted_sum(s + p, V, n, D, o);
+    for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d] * inv;
   }
   free(q);
   free(o);
@@ -111,13 +175,16 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
 
 /* ---- whole decoder layers: every layer of a decode step in one call and one parallel region ----
    x [M, hidden] is the residual stream, updated in place. Per layer, a row of `wtab` holds (as int64 addresses)
-   wqkv, wo, wgu, wd (all of `kind`), their int8 block scales or 0, the qkv bias or 0, in_norm, post_norm; `ctab` its K and V cache. work: [M, (H + 2 Hkv) D + H D + max(hidden, inter) + 2 inter] floats.
+   wqkv, wo, wgu, wd (all of `kind`), their int8 block scales or 0, the qkv bias or 0, in_norm, post_norm;
+   `ctab` its K and V cache; ptab/plens the rows' cartridge prefixes or NULL (attend_team). work: [M, (H + 2 Hkv) D
+   + H D + max(hidden, inter) + 2 inter] floats.
    What the torch forward does with ~10 calls and ~8 parallel regions a layer, with a barrier between phases. */
 enum { W_QKV, W_O, W_GU, W_D, S_QKV, S_O, S_GU, S_D, B_QKV, N_IN, N_POST, W_FIELDS };
 
 void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv, int D, int layers, int kind,
-                         const int64_t *wtab, const int64_t *ctab, const float *cos, const float *sin, int64_t T,
-                         const int64_t *lengths, float scale, float eps, float *work) {
+                         const int64_t *wtab, const int64_t *ctab, const int64_t *ptab, const int64_t *plens,
+                         const float *cos, const float *sin, int64_t T, const int64_t *lengths, float scale, float eps,
+                         float *work) {
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
   const int q8 = kind == W_Q8;
@@ -131,7 +198,7 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
     product_team(h, M, hidden, (const void *)(intptr_t)w[W_QKV], kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q);
 #pragma omp barrier
     attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
-                T, lengths, scale, att);
+                T, lengths, ptab, plens, layers, l, scale, att);
     product_team(att, M, H * D, (const void *)(intptr_t)w[W_O], kind, F(S_O), hidden, NULL, x, x, q);
 #pragma omp barrier
     prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h);
