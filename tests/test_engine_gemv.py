@@ -108,6 +108,14 @@ def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
         tol = 1e-4 * want.abs().max().item()
         torch.testing.assert_close(lin(x), want, rtol=0, atol=tol)
         torch.testing.assert_close(lin.add_to(r, x), r + want, rtol=0, atol=tol)
+    # the fused RMSNorm and SwiGLU quantize the activations they write (no quantizing phase of the product's own)
+    norm, x, gate_up = torch.randn(64, generator=g), torch.randn(3, 1, 64, generator=g), torch.randn(3, 1, 128,
+                                                                                                   generator=g)
+    want = F.linear(F.rms_norm(x, (64,), norm, 1e-5), deq, b)
+    torch.testing.assert_close(lin.normed(x, norm, 1e-5), want, rtol=0, atol=1e-4 * want.abs().max().item())
+    r = torch.randn(3, 1, 48, generator=g)
+    want = r + F.linear(F.silu(gate_up[..., :64]) * gate_up[..., 64:], deq, b)
+    torch.testing.assert_close(lin.glu_add_to(r, gate_up), want, rtol=0, atol=1e-4 * want.abs().max().item())
     lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update: those rows change, the others keep their values
     assert lin.q[:8].abs().max() == 0 and torch.equal(lin.dense()[8:], deq[8:])
     assert Int8Linear(torch.randn(4, 40), gemv=KERNEL).gemv is None  # 40 is no multiple of 32: fbgemm only
@@ -143,6 +151,40 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
     for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
         assert ids == ids0
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, monkeypatch):
+    """int8's whole-layer decode (each phase quantizing what it writes for the next product; the attention per
+    head) against the same engine running the layer loop with one kernel call per product (torch between them)."""
+    from final.engine import EmbeddedEngine
+    from final.engine.attention import DecodePlan
+    from final.models import resolve_model_path
+
+    path = resolve_model_path(f"builtin:tiny-random-{arch}")
+    prompts = [[1, 5, 6, 7], [1] + list(range(30, 60))]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    post_init, got = DecodePlan.__post_init__, {}
+    for whole in (True, False):
+        if not whole:
+            def product_by_product(plan):
+                post_init(plan)
+                plan.fuses_layers = False
+            monkeypatch.setattr(DecodePlan, "__post_init__", product_by_product)
+        engine = EmbeddedEngine(path, max_model_len=64, quantization="int8")
+        try:
+            assert engine.model.kernel is not None
+            outs = engine.generate(prompts, params, return_logprob=True)
+            got[whole] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+        finally:
+            engine.shutdown()
+    for (ids, lps), (ids0, lps0) in zip(got[True], got[False]):
+        assert ids == ids0
+        # 1e-3: the two paths' attention differs in fp32 rounding, which can move an activation across an int16
+        # rounding step (the kernel before this fusion differed from the layer loop by 2.7e-4 here too)
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-3, atol=1e-3)
 
 
 @needs_kernel
