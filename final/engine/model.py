@@ -108,6 +108,17 @@ def _arena_for(hf, tied: bool, itemsize: int) -> WeightArena:
     return WeightArena(WeightArena.size([w.numel() * itemsize for w in mats]))
 
 
+def _rope_tables(rotary, positions: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, D] from HF's own inv_freq and attention scaling, so every rope type (default, llama3,
+    yarn...) matches."""
+    inv_freq = rotary.inv_freq.float().cpu()
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    return (emb.cos() * scale).to(dtype).to(device), (emb.sin() * scale).to(dtype).to(device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # one op instead of six (x 61 norms a decode step): bitwise HF's in fp32 (tests/test_engine_int8.py)
@@ -223,14 +234,7 @@ class CausalLM:
                 q_norm=t(att.q_norm.weight) if spec.qk_norm else None,
                 k_norm=t(att.k_norm.weight) if spec.qk_norm else None,
             ))
-        # Use HF's own inv_freq and attention scaling so every rope type (default, llama3, yarn...) matches.
-        rotary = base.rotary_emb
-        inv_freq = rotary.inv_freq.float().cpu()
-        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = float(getattr(rotary, "attention_scaling", 1.0))
-        cos = (emb.cos() * scale).to(dtype).to(device)
-        sin = (emb.sin() * scale).to(dtype).to(device)
+        cos, sin = _rope_tables(base.rotary_emb, spec.max_position_embeddings, dtype, device)
         return cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin, tied=tied)
 
     # ---- forward -------------------------------------------------------------------------------------
