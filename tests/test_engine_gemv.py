@@ -18,6 +18,17 @@ KERNEL = gemv_enabled(torch.device("cpu"), torch.float32)
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the gemv kernel does not run here (no gcc, AVX2 or oneDNN)")
 
 
+def tokens_and_logprobs(outs: list[dict]) -> list[tuple[list[int], list[float]]]:
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def assert_same_tokens(got: list, want: list, tol: float) -> None:
+    """The same greedy tokens, row by row, and their log-probs within tol."""
+    for (ids, lps), (ids0, lps0) in zip(got, want):
+        assert ids == ids0
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=tol, atol=tol)
+
+
 @needs_kernel
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])  # bf16: weight-only, widened in registers
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -145,20 +156,18 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
                 model = engine.model
                 assert isinstance(model.layers[0].wo, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
             outs = engine.generate(prompts, params, return_logprob=True)
-            got[flag] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+            got[flag] = tokens_and_logprobs(outs)
         finally:
             engine.shutdown()
-    for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
-        assert ids == ids0
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
+    assert_same_tokens(got["1"], got["0"], 1e-4)
 
 
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, monkeypatch):
-    """int8's whole-layer decode (each phase quantizing what it writes for the next product; the attention per
-    head) against the same engine running the layer loop with one kernel call per product (torch between them)."""
+    """int8's whole-layer decode against the same engine running the layer loop with one kernel call per product
+    (torch between them)."""
     from final.engine import EmbeddedEngine
     from final.engine.attention import DecodePlan
     from final.models import resolve_model_path
@@ -177,14 +186,12 @@ def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, monke
         try:
             assert engine.model.kernel is not None
             outs = engine.generate(prompts, params, return_logprob=True)
-            got[whole] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+            got[whole] = tokens_and_logprobs(outs)
         finally:
             engine.shutdown()
-    for (ids, lps), (ids0, lps0) in zip(got[True], got[False]):
-        assert ids == ids0
-        # 1e-3: the two paths' attention differs in fp32 rounding, which can move an activation across an int16
-        # rounding step (the kernel before this fusion differed from the layer loop by 2.7e-4 here too)
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-3, atol=1e-3)
+    # 1e-3: the two paths' attention differs in fp32 rounding, which can move an activation across an int16
+    # rounding step (2.7e-4 on llama's second row)
+    assert_same_tokens(got[True], got[False], 1e-3)
 
 
 @needs_kernel
@@ -210,12 +217,10 @@ def test_rows_with_cartridges_decode_in_the_kernel_as_in_the_torch_forward(monke
                 kv = [[torch.randn(shape, generator=g) for _ in range(spec.num_layers)] for _ in range(2)]
                 engine.load_cartridge(cid, *kv)
             outs = engine.generate(prompts, params, return_logprob=True, cartridges=cartridges)
-            got[flag] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+            got[flag] = tokens_and_logprobs(outs)
         finally:
             engine.shutdown()
-    for (ids, lps), (ids0, lps0) in zip(got["1"], got["0"]):
-        assert ids == ids0
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps0), rtol=1e-4, atol=1e-4)
+    assert_same_tokens(got["1"], got["0"], 1e-4)
     assert len({tuple(ids) for ids, _ in got["1"][:3]}) == 3  # the prefixes change what the rows say
 
 
