@@ -13,17 +13,23 @@ from final.request import Request
 
 
 async def within_deadline(work: Any, deadline: float | None) -> Any:
-    """`work` awaited; past `deadline` seconds it is cancelled (its rows aborted) and DeadlineError raised."""
+    """`work` awaited; past `deadline` seconds it is cancelled (its rows aborted) and DeadlineError raised.
+
+    Which of the two ended it is read from the task's state, not from the clock: asyncio fires a timer up to its
+    clock resolution early, so "now < end" once took the deadline for the work's own TimeoutError (a 500)."""
     if deadline is None:
         return await work
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
+    task = asyncio.ensure_future(work)
     try:
-        return await asyncio.wait_for(work, deadline)  # on expiry it cancels the work: its rows are aborted
-    except asyncio.TimeoutError:
-        if loop.time() < end:  # a timeout of the work's own (a tool's), not the deadline
-            raise
-        raise DeadlineError(deadline) from None
+        await asyncio.wait({task}, timeout=deadline)
+    finally:
+        expired = not task.done()  # the deadline passed, or our caller was cancelled: abort the work, wait for it
+        if expired:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if expired:
+        raise DeadlineError(deadline)
+    return task.result()  # the work's own error (a tool's TimeoutError too) as it raised it
 
 
 async def until_deadline(updates: AsyncIterator[Any], deadline_s: float | None) -> AsyncIterator[Any]:

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from conftest import tiny_config
+from final.calls import within_deadline
 from final.errors import CartridgeError, ConfigError, DeadlineError, OverloadedError, PromptError, SamplingError
 from final.inf import InferenceEngine
 from final.server.app import ServerThread, create_app
@@ -204,6 +205,37 @@ def test_a_deadline_aborts_the_rows(hasty):
         asyncio.run(hasty.agenerate("hi", n=4, **long))
     _until(lambda: not hasty.engine.call(lambda _r: hasty.engine.core.scheduler.has_work()), "the engine idle")
     assert hasty.generate("hi", max_tokens=2).metadata[0]["completion_tokens"] == 2
+
+
+def test_within_deadline_tells_its_expiry_from_the_works_own_timeout():
+    """The deadline is read from the task's state, not the clock (asyncio fires timers up to a clock tick early:
+    a clock comparison once turned an expired deadline into the work's "own" TimeoutError, a 500 in CI)."""
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def own_timeout():
+        raise TimeoutError("a tool's own")
+
+    async def scenario():
+        with pytest.raises(DeadlineError):
+            await within_deadline(slow(), 0.01)
+        assert cancelled == [True]  # the work was aborted before the error reached us
+        with pytest.raises(TimeoutError, match="a tool's own"):
+            await within_deadline(own_timeout(), 60)
+        caller = asyncio.ensure_future(within_deadline(slow(), 60))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        assert cancelled == [True, True]  # a cancelled caller cancels its work
+        assert await within_deadline(asyncio.sleep(0, "done"), 60) == "done"
+
+    asyncio.run(scenario())
 
 
 def test_a_deadline_over_http_is_504_or_an_error_event(hasty):
