@@ -30,14 +30,13 @@ int final_gemv_cpu_ok(void) {
    prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, int kind, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
-  Q16 q = {NULL, NULL};
-  if (kind == W_Q8) q = q16_alloc(M, K);
+  Acts q = acts_alloc(kind, M, K);
 #pragma omp parallel
   {
     prep_team(x, M, K, prep, g, eps, scratch);  /* its barrier: every prepared row is written before any is read */
     product_team(prep == PREP_NONE ? x : scratch, M, K, w, kind, scale, N, bias, res, y, q);
   }
-  if (kind == W_Q8) q16_free(q);
+  acts_free(q);
 }
 
 /* ---- decode attention: RoPE, the K/V cache write and attention of one new token per row ----
@@ -187,9 +186,7 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
                          float *work) {
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
-  const int q8 = kind == W_Q8;
-  Q16 q = {NULL, NULL};
-  if (q8) q = q16_alloc(M, big > H * D ? big : H * D);  /* the largest input a product quantizes */
+  Acts q = acts_alloc(kind, M, big > H * D ? big : H * D);  /* the largest input a product converts */
 #pragma omp parallel
   for (int l = 0; l < layers; l++) {
     const int64_t *w = wtab + (int64_t)l * W_FIELDS;
@@ -209,5 +206,5 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
 #pragma omp barrier
 #undef F
   }
-  if (q8) q16_free(q);
+  acts_free(q);
 }

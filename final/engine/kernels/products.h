@@ -130,13 +130,28 @@ static void bf16_permute(const float *xs, int M, int K, float *out) {
   }
 }
 
+/* the P activation rows m0.. of xs (unused slots point at row m0, so the loops need no bounds) */
+INLINE void row_pointers(const float *xs, int K, int m0, int P, int cap, const float **x) {
+  for (int p = 0; p < cap; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+}
+
+/* dots[p] = the vector sum sums[p] + the scalar tail of K past k */
+INLINE void finish_dots(const __m256 *sums, const float *const *x, int P, int k, int K, const void *wr, int bf,
+                        float *dots) {
+  for (int p = 0; p < P; p++) {
+    float s = hsum(sums[p]);
+    for (int kk = k; kk < K; kk++) s += wget(wr, kk, bf) * x[p][kk];
+    dots[p] = s;
+  }
+}
+
 /* dots[p] = w_row . x[m0 + p] for p < P (2 <= P <= 4): one pass over the row, so a thread reads its rows as one
    sequential stream (4 rows side by side were 4 short streams, which the prefetcher served at half the rate) */
 INLINE void row_dots(const float *xs, int K, const void *wr, int bf, int m0, int P, float *dots) {
-  __m256 a[4][2];
+  __m256 a[4][2], sums[4];
   for (int p = 0; p < 4; p++) a[p][0] = a[p][1] = _mm256_setzero_ps();
   const float *x[4];
-  for (int p = 0; p < 4; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+  row_pointers(xs, K, m0, P, 4, x);
   int k = 0;
   for (; k + 16 <= K; k += 16) {
     prefetch_w(wr, k, bf);
@@ -147,11 +162,8 @@ INLINE void row_dots(const float *xs, int K, const void *wr, int bf, int m0, int
       a[p][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[p] + k + 8), a[p][1]);
     }
   }
-  for (int p = 0; p < P; p++) {
-    float s = hsum(_mm256_add_ps(a[p][0], a[p][1]));
-    for (int kk = k; kk < K; kk++) s += wget(wr, kk, bf) * x[p][kk];
-    dots[p] = s;
-  }
+  for (int p = 0; p < P; p++) sums[p] = _mm256_add_ps(a[p][0], a[p][1]);
+  finish_dots(sums, x, P, k, K, wr, bf, dots);
 }
 
 /* one activation row: four accumulators (each FMA waits ~4 cycles for its accumulator) */
@@ -183,7 +195,7 @@ INLINE void row_dots8(const float *xs, int K, const void *wr, int bf, int m0, in
   __m256 a[8];
   for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();
   const float *x[8];
-  for (int p = 0; p < 8; p++) x[p] = xs + (int64_t)(m0 + (p < P ? p : 0)) * K;
+  row_pointers(xs, K, m0, P, 8, x);
   int k = 0;
   for (; k + 16 <= K; k += 16) {
     prefetch_w(wr, k, bf);
@@ -192,11 +204,7 @@ INLINE void row_dots8(const float *xs, int K, const void *wr, int bf, int m0, in
     for (int p = 0; p < P; p++)
       a[p] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[p] + k + 8), _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[p] + k), a[p]));
   }
-  for (int p = 0; p < P; p++) {
-    float s = hsum(a[p]);
-    for (int kk = k; kk < K; kk++) s += wget(wr, kk, bf) * x[p][kk];
-    dots[p] = s;
-  }
+  finish_dots(a, x, P, k, K, wr, bf, dots);
 }
 
 /* int8 rows: one fp32 scale per block of Q8_BLOCK weights (llama.cpp's Q8_0 block; one scale a row was coarse on
@@ -262,9 +270,9 @@ static inline void store(const float *dots, int P, int m, int n, int N, const fl
   }
 }
 
-/* rows n0..n1 of y = [res +] [bias +] xs @ w.T, w fp32 or bf16 (bf) [N, K] */
-INLINE void rows_of(const float *xs, int M, int K, const void *w, int bf, int n0, int n1, int N, const float *bias,
-                    const float *res, float *y) {
+/* rows n0..n1 of y = [res +] [bias +] xs @ w.T, w fp32 or bf16 (bf: xs then in bf16_permute's order) [N, K] */
+INLINE void rows(const float *xs, int M, int K, const void *w, int bf, int n0, int n1, int N, const float *bias,
+                 const float *res, float *y) {
   float dots[8];
   for (int n = n0; n < n1; n++) {
     const void *wr = (const char *)w + (int64_t)n * K * (bf ? 2 : 4);
@@ -283,18 +291,6 @@ INLINE void rows_of(const float *xs, int M, int K, const void *w, int bf, int n0
       store(dots, P, m, n, N, bias, res, y);
     }
   }
-}
-
-static void rows(const float *xs, int M, int K, const void *w, int bf, int n0, int n1, int N, const float *bias,
-                 const float *res, float *y) {
-  if (!bf) {
-    rows_of(xs, M, K, w, 0, n0, n1, N, bias, res, y);
-    return;
-  }
-  float *xp = malloc(sizeof(float) * (size_t)M * K);  /* this thread's copy of x in the bf16 pair order */
-  bf16_permute(xs, M, K, xp);
-  rows_of(xp, M, K, w, 1, n0, n1, N, bias, res, y);
-  free(xp);
 }
 
 /* the same with w int8 [N, K] and scale [N, K / Q8_BLOCK], the activations quantized (quant16_team) */
@@ -318,20 +314,31 @@ static void rows_q8(const int16_t *xq, const float *xsc, int M, int K, const int
   }
 }
 
-/* int8 products' activations, quantized once per product: [M, max K] int16 and their block scales */
+/* a product's activations as its weight kind reads them, in buffers of one call: int8's [M, max K] int16 and block
+   scales, made by the team once per product; bf16's [M, max K] fp32 in the pair order, one copy per thread (each
+   thread permutes x for itself: a few KB, cheaper than the barrier a shared copy needs); fp32 needs none */
 typedef struct {
   int16_t *xq;
   float *xsc;
-} Q16;
+  float *xp;
+  int64_t stride;  /* floats per thread in xp */
+} Acts;
 
-static Q16 q16_alloc(int M, int K) {
-  Q16 q = {malloc(sizeof(int16_t) * (size_t)M * K), malloc(sizeof(float) * (size_t)M * (K / Q8_BLOCK + 1))};
-  return q;
+static Acts acts_alloc(int kind, int M, int K) {
+  Acts a = {NULL, NULL, NULL, (int64_t)M * K};
+  if (kind == W_Q8) {
+    a.xq = malloc(sizeof(int16_t) * (size_t)M * K);
+    a.xsc = malloc(sizeof(float) * (size_t)M * (K / Q8_BLOCK + 1));
+  } else if (kind == W_BF16) {
+    a.xp = malloc(sizeof(float) * (size_t)a.stride * omp_get_max_threads());  /* the next region's team */
+  }
+  return a;
 }
 
-static void q16_free(Q16 q) {
-  free(q.xq);
-  free(q.xsc);
+static void acts_free(Acts a) {
+  free(a.xq);
+  free(a.xsc);
+  free(a.xp);
 }
 
 /* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
@@ -353,15 +360,22 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
 }
 
 /* y = [res +] [bias +] xs @ w.T, this thread's contiguous share of the N output rows, w of `kind` (W_F32, W_BF16,
-   or W_Q8 with its block scales); int8 first quantizes xs into q with the whole team (a barrier). No barrier after
-   (res may be y: each element is read, then written, by the thread that owns its row); the caller's barrier must
-   come before q is used again. */
+   or W_Q8 with its block scales); int8 first quantizes xs into `a` with the whole team (a barrier). No
+   barrier after (res may be y: each element is read, then written, by the thread that owns its row); the caller's
+   barrier must come before `a` is written again. */
 static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
-                         const float *bias, const float *res, float *y, Q16 q) {
-  if (kind == W_Q8) quant16_team(xs, M, K, q.xq, q.xsc);
+                         const float *bias, const float *res, float *y, Acts a) {
+  if (kind == W_Q8) quant16_team(xs, M, K, a.xq, a.xsc);
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
   const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
   if (n0 >= n1) return;
-  if (kind == W_Q8) rows_q8(q.xq, q.xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
-  else rows(xs, M, K, w, kind == W_BF16, n0, n1, N, bias, res, y);
+  if (kind == W_Q8) {
+    rows_q8(a.xq, a.xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
+  } else if (kind == W_BF16) {
+    float *xp = a.xp + a.stride * t;
+    bf16_permute(xs, M, K, xp);
+    rows(xp, M, K, w, 1, n0, n1, N, bias, res, y);
+  } else {
+    rows(xs, M, K, w, 0, n0, n1, N, bias, res, y);
+  }
 }
