@@ -198,10 +198,14 @@ class DecodePlan:
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
-        # the C kernel's whole-layer decode attends like the fp32 CPU path below, cartridge prefixes too (`prefixes`);
-        # it needs none of the other tensors below, so they are built on attend's first call (~10 torch ops a step)
         self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
-        self.fuses_layers = self.fp32_cpu
+
+    @property
+    def fuses_layers(self) -> bool:
+        """The C kernel's whole-layer decode attends like the fp32 CPU path below, cartridge prefixes too
+        (`prefixes`); it needs none of the other tensors below, so they are built on attend's first call (~10 torch
+        ops a step)."""
+        return self.fp32_cpu
 
     @cached_property
     def prefixes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
