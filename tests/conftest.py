@@ -56,3 +56,14 @@ def tiny_inference():
 
     with InferenceEngine(tiny_config()) as engine:
         yield engine
+
+
+async def sleeps_until_cancelled(cancelled: list) -> None:
+    """Work that never finishes on its own: it records its cancellation in `cancelled` (tests of who cancels what)."""
+    import asyncio
+
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise

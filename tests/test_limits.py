@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_config
+from conftest import sleeps_until_cancelled, tiny_config
 from final.calls import within_deadline
 from final.errors import CartridgeError, ConfigError, DeadlineError, OverloadedError, PromptError, SamplingError
 from final.inf import InferenceEngine
@@ -212,12 +212,8 @@ def test_within_deadline_tells_its_expiry_from_the_works_own_timeout():
     a clock comparison once turned an expired deadline into the work's "own" TimeoutError, a 500 in CI)."""
     cancelled = []
 
-    async def slow():
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
+    def slow():
+        return sleeps_until_cancelled(cancelled)
 
     async def own_timeout():
         raise TimeoutError("a tool's own")

@@ -160,14 +160,12 @@ def test_gather_or_cancel_stops_the_others_when_one_fails():
 
     from final.rollout.thread import gather_or_cancel
 
+    from conftest import sleeps_until_cancelled
+
     cancelled = []
 
-    async def slow():
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
+    def slow():
+        return sleeps_until_cancelled(cancelled)
 
     async def bad():
         await asyncio.sleep(0)
