@@ -13,21 +13,11 @@ from final.request import Request
 
 
 async def within_deadline(work: Any, deadline: float | None) -> Any:
-    """`work` awaited; past `deadline` seconds it is cancelled (its rows aborted) and DeadlineError raised.
-
-    Which of the two ended it is read from the task's state, not from the clock: asyncio fires a timer up to its
-    clock resolution early, so "now < end" once took the deadline for the work's own TimeoutError (a 500)."""
+    """`work` awaited; past `deadline` seconds it is cancelled (its rows aborted) and DeadlineError raised."""
     if deadline is None:
         return await work
     task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task}, timeout=deadline)
-    finally:
-        expired = not task.done()  # the deadline passed, or our caller was cancelled: abort the work, wait for it
-        if expired:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if expired:
+    if not await _finished_in(task, deadline):
         raise DeadlineError(deadline)
     return task.result()  # the work's own error (a tool's TimeoutError too) as it raised it
 
@@ -41,13 +31,31 @@ async def until_deadline(updates: AsyncIterator[Any], deadline_s: float | None) 
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     while True:
+        step = asyncio.ensure_future(updates.__anext__())
+        if not await _finished_in(step, max(end - loop.time(), 0.0)):
+            raise DeadlineError(deadline_s)
         try:
-            item = await asyncio.wait_for(updates.__anext__(), max(end - loop.time(), 0.0))
+            item = step.result()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
-            raise DeadlineError(deadline_s) from None
         yield item
+
+
+async def _finished_in(task: asyncio.Future, timeout: float) -> bool:
+    """Whether `task` finished within `timeout` s; if not (or if our caller is cancelled meanwhile) it is cancelled
+    and waited for, so its rows are aborted before the caller goes on.
+
+    The outcome is read from the task's state, not the clock: a loop fires a timer up to a clock tick early
+    (uvloop's ticks are milliseconds), and "now < end" once took an expired deadline for the work's own
+    TimeoutError (a 500 in CI where a 504 was due)."""
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+    finally:
+        expired = not task.done()
+        if expired:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return not expired
 
 
 def loop_running() -> bool:

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from conftest import sleeps_until_cancelled, tiny_config
-from final.calls import within_deadline
+from final.calls import until_deadline, within_deadline
 from final.errors import CartridgeError, ConfigError, DeadlineError, OverloadedError, PromptError, SamplingError
 from final.inf import InferenceEngine
 from final.server.app import ServerThread, create_app
@@ -207,7 +207,7 @@ def test_a_deadline_aborts_the_rows(hasty):
     assert hasty.generate("hi", max_tokens=2).metadata[0]["completion_tokens"] == 2
 
 
-def test_within_deadline_tells_its_expiry_from_the_works_own_timeout():
+def test_a_deadline_is_told_from_the_works_own_timeout():
     """The deadline is read from the task's state, not the clock (asyncio fires timers up to a clock tick early:
     a clock comparison once turned an expired deadline into the work's "own" TimeoutError, a 500 in CI)."""
     cancelled = []
@@ -230,6 +230,20 @@ def test_within_deadline_tells_its_expiry_from_the_works_own_timeout():
         await asyncio.gather(caller, return_exceptions=True)
         assert cancelled == [True, True]  # a cancelled caller cancels its work
         assert await within_deadline(asyncio.sleep(0, "done"), 60) == "done"
+
+        async def stream(last):  # a stream's updates: two items, then `last` (never ends, or its own timeout)
+            yield 1
+            yield 2
+            await last()
+
+        with pytest.raises(DeadlineError):
+            assert [x async for x in until_deadline(stream(slow), 0.05)] == "unreachable"
+        assert cancelled == [True, True, True]
+        got = []
+        with pytest.raises(TimeoutError, match="a tool's own"):
+            async for x in until_deadline(stream(own_timeout), 60):
+                got.append(x)
+        assert got == [1, 2]
 
     asyncio.run(scenario())
 
