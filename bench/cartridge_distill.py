@@ -31,8 +31,8 @@ def heldout(inference, text: str, work: Path, args: argparse.Namespace):
     from final.distill.synth import SynthConfig, synthesize
 
     path = work / "heldout.jsonl"
-    cfg = SynthConfig(count=args.heldout, batch=args.heldout, min_chunk_tokens=512, max_chunk_tokens=2048,
-                      question_tokens=64, answer_tokens=args.answer_tokens, seed=10_000 + args.seed,
+    cfg = SynthConfig(count=args.heldout, batch=args.heldout_batch, min_chunk_tokens=512, max_chunk_tokens=2048,
+                      question_tokens=64, answer_tokens=args.heldout_answer_tokens, seed=10_000 + args.seed,
                       supervise="answer")
     synthesize(inference, text, path, cfg, progress=False)
     return read_conversations(path, len(inference.tokenizer))
@@ -54,9 +54,11 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
-                        updates=args.updates, lr=args.lr, temperature=args.temperature,
+                        updates=args.updates, lr=DistillConfig.lr if args.lr is None else args.lr,
+                        temperature=args.temperature,
                         seed=args.seed, checkpoint_every=args.steps,
-                        synth=SynthConfig(min_chunk_tokens=512, max_chunk_tokens=2048, question_tokens=64))
+                        synth=SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
+                                          question_tokens=64))
     points, clock, seen = [], {"train_s": 0.0}, []
 
     def on_step(rec: dict, cache) -> None:
@@ -86,11 +88,19 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--loss", default="forward_topk")
     ap.add_argument("--updates", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=2e-2)
+    ap.add_argument("--lr", type=float, help="default: the loop's (DistillConfig.lr)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--modes", default="on,mixed,off")
     ap.add_argument("--every", type=int, default=10)
-    ap.add_argument("--heldout", type=int, default=12)
+    ap.add_argument("--heldout", type=int, default=48)
+    ap.add_argument("--heldout-batch", type=int, default=8,
+                    help="held-out questions per chunk: 48 in 8s is 6 chunks (12 from one chunk let one fact-laden "
+                         "answer carry 3/4 of the KL)")
+    ap.add_argument("--heldout-answer-tokens", type=int, default=128,
+                    help="the held-out answers' budget (apart from --answer-tokens, so runs that train on shorter "
+                         "answers are judged on the same rows)")
+    ap.add_argument("--chunk-tokens", type=lambda v: tuple(int(x) for x in v.split("-")), default=(512, 2048),
+                    help="MIN-MAX tokens of the chunk each training step's questions are written from")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from final.inf import local_engine

@@ -121,7 +121,7 @@ def _register_distill(sub: Any) -> None:
                    help="on the student's own tokens (default forward_topk: see README for the measurement)")
     d.add_argument("--on-policy-fraction", type=float, default=1.0,
                    help="share of each step's questions the student answers; the rest the teacher (off-policy)")
-    d.add_argument("--lr", type=float, default=2e-2)
+    d.add_argument("--lr", type=float, help="Adam's learning rate (default 5e-3, DistillConfig's)")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")
     d.add_argument("--frozen-tokens", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
@@ -244,7 +244,8 @@ def _distill(args: argparse.Namespace) -> int:
     text = read_text(args.text)
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                        lr=args.lr, updates=args.updates, loss=args.loss, on_policy_fraction=args.on_policy_fraction,
+                        lr=DistillConfig.lr if args.lr is None else args.lr, updates=args.updates, loss=args.loss,
+                        on_policy_fraction=args.on_policy_fraction,
                         supervise=args.supervise, frozen_tokens=args.frozen_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollout=args.rollout,
                         synth=_synth_config(args, seed=args.seed))
