@@ -18,13 +18,15 @@ _our_env: set[str] = set()
 _PORT_TRIES = 5
 
 
+EPHEMERAL_FLOOR = 32768  # the low end of Linux's default ip_local_port_range (32768-60999)
+
+
 def free_port(host: str = "127.0.0.1", below: int | None = None) -> int:
-    """A port free at this moment: the OS's pick, or with `below`, a random one under that bound (SGLang 0.5.12
-    derives a gRPC port as port + 10000 and refuses one over 65535; the OS picks up to 60999)."""
-    if below is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+    """A port free at this moment, drawn at random under Linux's ephemeral range (and under `below`: SGLang 0.5.12
+    derives a gRPC port as port + 10000 and refuses one over 65535). Not the OS's pick: that comes from the
+    ephemeral range, and until its user binds it an outgoing connection can take it as its source port
+    (EADDRINUSE in a clean-clone CI run)."""
+    below = min(below or EPHEMERAL_FLOOR, EPHEMERAL_FLOOR)
     for _ in range(200):
         port = random.randrange(20000, below)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -178,19 +178,14 @@ def translate_config(config: Any, capability: tuple[int, int] | None, have_flash
     device = extra.get("device") or "cuda"
     _check_one_gpu(extra)
     _check_memory_saver(extra, device)
-    # nccl_port below Linux's ephemeral range (32768-60999): an OS-picked port is free only until SGLang binds it,
-    # and in between an outgoing connection can take it as its source port (EADDRINUSE in a clean-clone CI run)
     port = nccl_port = dist.free_port(below=port_below)
     while nccl_port == port:
-        nccl_port = dist.free_port(below=EPHEMERAL_FLOOR)
+        nccl_port = dist.free_port()
     server_args = {"port": port, "nccl_port": nccl_port,
                    "enable_memory_saver": False,
                    "base_gpu_id": local_gpu(device, gpu_count), **extra}
     engine_kwargs = {**(config.engine_kwargs or {}), "sglang": {"attention_backend": backend}}
     return dataclasses.replace(config, engine_kwargs=engine_kwargs), server_args
-
-
-EPHEMERAL_FLOOR = 32768  # the low end of Linux's default ip_local_port_range
 
 
 def _installed() -> str:
