@@ -54,8 +54,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
-                        updates=args.updates, lr=DistillConfig.lr if args.lr is None else args.lr,
-                        temperature=args.temperature,
+                        updates=args.updates, lr=args.lr, temperature=args.temperature,
                         seed=args.seed, checkpoint_every=args.steps,
                         synth=SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                                           question_tokens=64))
@@ -79,6 +78,8 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
 
 def main() -> int:
+    from final.distill.distill import DistillConfig
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "cartridge_distill")
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -88,7 +89,7 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--loss", default="forward_topk")
     ap.add_argument("--updates", type=int, default=1)
-    ap.add_argument("--lr", type=float, help="default: the loop's (DistillConfig.lr)")
+    ap.add_argument("--lr", type=float, default=DistillConfig.lr, help="default: the loop's")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--modes", default="on,mixed,off")
     ap.add_argument("--every", type=int, default=10)
