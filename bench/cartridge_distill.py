@@ -54,7 +54,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
-                        updates=args.updates, lr=args.lr, temperature=args.temperature,
+                        updates=args.updates, lr=args.lr, schedule=args.schedule, temperature=args.temperature,
                         seed=args.seed, checkpoint_every=args.steps,
                         synth=SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                                           question_tokens=64))
@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--loss", default="forward_topk")
     ap.add_argument("--updates", type=int, default=1)
     ap.add_argument("--lr", type=float, default=DistillConfig.lr, help="default: the loop's")
+    ap.add_argument("--schedule", default=DistillConfig.schedule, help="constant or cosine; default: the loop's")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--modes", default="on,mixed,off")
     ap.add_argument("--every", type=int, default=10)

@@ -4,6 +4,7 @@ on the tiny model: real engine, real HF student, real files; a few seconds each.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -121,10 +122,17 @@ def test_held_out_rows_are_deduplicated_against_training_questions():
     assert [r.id for r in kept] == [0, 3]
 
 
-def run_distill(inference, out, **kw):
+def run_distill(inference, out, on_step=None, **kw):
     cfg = DistillConfig(**{**dict(tokens=8, steps=2, questions=2, n=2, answer_tokens=6, top_k=5, lr=5e-2,
                                   checkpoint_every=1, synth=QUICK), **kw})
-    return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False)
+    return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False, on_step=on_step)
+
+
+def killed_after(steps):
+    def on_step(rec, cache):
+        if rec["step"] == steps:
+            raise KeyboardInterrupt
+    return on_step
 
 
 def test_distill_steps_rewrite_the_cartridge_and_resume_the_same_run(inference, tmp_path):
@@ -135,11 +143,17 @@ def test_distill_steps_rewrite_the_cartridge_and_resume_the_same_run(inference, 
     for r in straight:
         assert r["reverse_kl"] is not None and r["forward_kl"] >= 0 and r["targets"] > 0
         assert all(r[k] >= 0 for k in ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"))
+    # the default schedule: cosine from lr to 0 over the budget, set at every step
+    assert [r["lr"] for r in straight] == pytest.approx([5e-2, 5e-2 * 0.75, 5e-2 * 0.25])
     resumed = tmp_path / "b.pt"
-    run_distill(inference, resumed, steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(inference, resumed, steps=3, on_step=killed_after(2))
     assert len(run_distill(inference, resumed, steps=3)) == 3
     a, b = load_cartridge(tmp_path / "a.pt"), load_cartridge(resumed)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    # a larger budget continues the run on the stretched curve
+    grown = run_distill(inference, resumed, steps=4)
+    assert len(grown) == 4 and grown[-1]["lr"] == pytest.approx(5e-2 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))
     init = document_ids(inference.tokenizer, DOC_A)[:8]
     assert not torch.allclose(a.keys[0][:, :, 1:], build(inference, init).keys[0][:, :, 1:])
     # the student's cartridge is not left in the engine; the teacher's neither
@@ -178,7 +192,7 @@ def test_off_policy_rows_only_have_no_reverse_kl(inference, tmp_path):
 @pytest.mark.parametrize("kw, field", [
     (dict(tokens=0), "tokens"), (dict(loss="kl"), "loss"), (dict(on_policy_fraction=1.5), "on_policy_fraction"),
     (dict(temperature=0.0), "temperature"), (dict(rollout="vllm"), "rollout"), (dict(questions=0), "questions"),
-    (dict(tokens=4, frozen_tokens=4), "frozen_tokens"),
+    (dict(tokens=4, frozen_tokens=4), "frozen_tokens"), (dict(schedule="linear"), "schedule"),
 ])
 def test_bad_distill_settings_name_the_field(kw, field):
     with pytest.raises(CartridgeError) as err:

@@ -35,7 +35,7 @@ from final.distill.losses import LOSSES
 from final.distill.synth import ChunkContext, SynthConfig, ask, plan_batch, system_text
 from final.distill.train import (Student, TrainableKV, check_training, checkpoint_path, digest, initial_ids,
                                  make_batch)
-from final.distill.trainer import Trainer
+from final.distill.trainer import SCHEDULES, Trainer
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
 
@@ -52,6 +52,7 @@ class DistillConfig:
     answer_tokens: int = 128
     top_k: int = 20
     lr: float = 5e-3  # measured (bench/RESULTS.md): best of 5e-3..6e-2; the repo's 2e-2 overfits each step's rows
+    schedule: str = "cosine"  # the lr over the step budget (trainer.SCHEDULES); measured: constant's best was mid-run
     updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
     loss: str = "forward_topk"
     on_policy_fraction: float = 1.0
@@ -70,7 +71,8 @@ class DistillConfig:
                         ("on_policy_fraction", 0 <= self.on_policy_fraction <= 1)):
             if not ok:
                 raise CartridgeError(f"out of range: {getattr(self, key)}", field=key)
-        for key, allowed in (("loss", LOSSES), ("rollout", ROLLOUTS), ("supervise", ("all", "answer"))):
+        for key, allowed in (("loss", LOSSES), ("rollout", ROLLOUTS), ("supervise", ("all", "answer")),
+                             ("schedule", SCHEDULES)):
             if getattr(self, key) not in allowed:
                 raise CartridgeError(f"must be one of {list(allowed)}, got {getattr(self, key)!r}", field=key)
         self.synth.check()
@@ -215,7 +217,8 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
     init = initial_ids(tok, text, cfg.tokens)
     cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
     trainer = Trainer(student, cache, cfg.lr, checkpoint_path(out),
-                      {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=cfg.loss)
+                      {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=cfg.loss,
+                      schedule=cfg.schedule, steps=cfg.steps)
     done = trainer.resume(cfg.steps)
     save = _saver(out, model, cfg)
     start = cache.cartridge()

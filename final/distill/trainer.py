@@ -5,6 +5,7 @@ step budget below the steps it already holds (its cache would be saved under a s
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,22 @@ import torch
 from final.errors import CartridgeError
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def scheduled_lr(lr: float, schedule: str, step: int, steps: int) -> float:
+    """The lr of step `step` (0-based) of `steps`: constant, or cosine from lr down to 0 at the budget's end
+    (a resumed run with a larger budget stretches the curve, so its lr rises again from where it was)."""
+    if schedule == "constant":
+        return lr
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+
 class Trainer:
-    def __init__(self, student: Any, cache: Any, lr: float, ckpt: Path, key: dict, loss: str = "forward_topk"):
+    def __init__(self, student: Any, cache: Any, lr: float, ckpt: Path, key: dict, loss: str = "forward_topk",
+                 schedule: str = "constant", steps: int = 1):
         self.student, self.cache, self.ckpt, self.key, self.loss = student, cache, Path(ckpt), key, loss
+        self.lr, self.schedule, self.steps = lr, schedule, steps
         cache.to(student.device)
         self.opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=lr)
         self.history: list[dict] = []
@@ -38,6 +52,9 @@ class Trainer:
 
         t0 = time.perf_counter()
         first = None
+        lr = scheduled_lr(self.lr, self.schedule, len(self.history), self.steps)
+        for group in self.opt.param_groups:  # set every step: a resumed optimizer's saved lr is not trusted
+            group["lr"] = lr
         for _ in range(updates):
             out = distill_loss(self.student, self.cache, batch, self.loss)
             if not torch.isfinite(out.loss):
@@ -49,7 +66,8 @@ class Trainer:
             if first is None:
                 first = out
         rec = {"step": len(self.history) + 1, "loss": first.loss.item(), "forward_kl": first.forward_kl,
-               "reverse_kl": first.reverse_kl, "targets": first.targets, "gradient_s": time.perf_counter() - t0,
+               "reverse_kl": first.reverse_kl, "targets": first.targets, "lr": lr,
+               "gradient_s": time.perf_counter() - t0,
                **extra}
         self.history.append(rec)
         return rec
