@@ -122,8 +122,8 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--on-policy-fraction", type=float, default=1.0,
                    help="share of each step's questions the student answers; the rest the teacher (off-policy)")
     d.add_argument("--lr", type=float, help="Adam's learning rate (default 5e-3, DistillConfig's)")
-    d.add_argument("--schedule", choices=("constant", "cosine"), default="cosine",
-                   help="the lr over --steps: cosine (default) decays it to 0 at the last step")
+    d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
+                                      "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")
     d.add_argument("--frozen-tokens", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
@@ -246,7 +246,7 @@ def _distill(args: argparse.Namespace) -> int:
     text = read_text(args.text)
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                        lr=DistillConfig.lr if args.lr is None else args.lr, schedule=args.schedule,
+                        lr=DistillConfig.lr if args.lr is None else args.lr, schedule=args.schedule or DistillConfig.schedule,
                         updates=args.updates, loss=args.loss,
                         on_policy_fraction=args.on_policy_fraction,
                         supervise=args.supervise, frozen_tokens=args.frozen_tokens, seed=args.seed,
