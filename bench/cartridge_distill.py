@@ -54,26 +54,37 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
-                        updates=args.updates, lr=args.lr, schedule=args.schedule, temperature=args.temperature,
+                        updates=args.updates, init=args.init, lr=args.lr, schedule=args.schedule,
+                        temperature=args.temperature,
                         seed=args.seed, checkpoint_every=args.steps,
                         synth=SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                                           question_tokens=64))
     points, clock, seen = [], {"train_s": 0.0}, []
 
     def on_step(rec: dict, cache) -> None:
-        clock["train_s"] += sum(rec[k] for k in ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"))
+        clock["train_s"] += sum(rec.get(k, 0.0) for k in ("init_s", "question_s", "rollout_s", "teacher_s",
+                                                            "gradient_s", "sync_s"))
         seen.extend(rec.get("questions", []))
+        if "init_s" in rec and points and points[0]["step"] == 0:  # the initial cartridge cost init_s to make
+            points[0]["wall_s"] = round(rec["init_s"], 1)
         if rec["step"] % args.every == 0 or rec["step"] == args.steps:
             kl = judge(inference, text, dedupe(rows, seen), cache.cartridge())
             points.append({"step": rec["step"], "wall_s": round(clock["train_s"], 1), **kl})
             print(f"[{mode}] step {rec['step']}: {json.dumps(points[-1])}", flush=True)
 
+    def on_start(done: int, cache) -> None:  # the initial cartridge (step 0), judged as every later one
+        if done == 0:
+            points.append({"step": 0, "wall_s": 0.0, **judge(inference, text, rows, cache.cartridge())})
+            print(f"[{mode}] step 0: {json.dumps(points[-1])}", flush=True)
+
     out = work / f"{mode}-p{args.tokens}.pt"
     for stale in (out, checkpoint_path(out)):
         stale.unlink(missing_ok=True)
-    history = distill(inference, text, out, cfg, model=args.model, dtype="float32", progress=False, on_step=on_step)
+    history = distill(inference, text, out, cfg, model=args.model, dtype="float32", progress=False, on_step=on_step,
+                      on_start=on_start)
     stages = ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s")
     cost = {k: round(sum(r[k] for r in history) / len(history), 2) for k in stages}
+    cost["init_s"] = round(history[0].get("init_s", 0.0), 1)
     return {"points": points, "step_cost_s": cost, "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"]}
 
 
@@ -89,6 +100,7 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--loss", default="forward_topk")
     ap.add_argument("--updates", type=int, default=1)
+    ap.add_argument("--init", default=DistillConfig.init, help="prefix or select; default: the loop's")
     ap.add_argument("--lr", type=float, default=DistillConfig.lr, help="default: the loop's")
     ap.add_argument("--schedule", default=DistillConfig.schedule, help="constant or cosine; default: the loop's")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -131,12 +143,12 @@ def report(results: dict, args: argparse.Namespace) -> str:
         for pt in res["points"]:
             lines.append(f"| {mode} | {pt['step']} | {pt['wall_s']} | {pt['no document']:.4f} | {pt['first_p']:.4f} "
                          f"| {pt['cartridge']:.4f} | {pt['cartridge'] / pt['first_p']:.2f}x |")
-    lines += ["", "| mode | question s | rollout s | teacher s | gradient s | sync s | (mean per step) |",
-              "|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| mode | question s | rollout s | teacher s | gradient s | sync s | (mean per step) | init s |",
+              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for mode, res in results.items():
         c = res["step_cost_s"]
         lines.append(f"| {mode} | {c['question_s']} | {c['rollout_s']} | {c['teacher_s']} | {c['gradient_s']} | "
-                     f"{c['sync_s']} | |")
+                     f"{c['sync_s']} | | {c['init_s']} |")
     return "\n".join(lines)
 
 

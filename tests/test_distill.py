@@ -124,7 +124,7 @@ def test_held_out_rows_are_deduplicated_against_training_questions():
 
 def run_distill(inference, out, on_step=None, **kw):
     cfg = DistillConfig(**{**dict(tokens=8, steps=2, questions=2, n=2, answer_tokens=6, top_k=5, lr=5e-2,
-                                  checkpoint_every=1, synth=QUICK), **kw})
+                                  init="prefix", checkpoint_every=1, synth=QUICK), **kw})
     return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False, on_step=on_step)
 
 
@@ -208,8 +208,10 @@ def test_cli_distill(tmp_path, capsys):
     out = tmp_path / "d.pt"
     assert main(["cartridge", "distill", "--model", TINY, "--text", str(doc), "--tokens", "8", "--out", str(out),
                  "--steps", "1", "--questions", "2", "--answer-tokens", "4", "--question-tokens", "4",
-                 "--chunk-tokens", "16-24", "--top-k", "4", "--quiet"]) == 0
+                 "--chunk-tokens", "16-24", "--top-k", "4", "--init-questions", "2", "--quiet"]) == 0
     assert "over 1 steps" in capsys.readouterr().out and out.is_file()
+    manifest = json.loads(out.with_name(out.name + ".manifest.json").read_text())
+    assert manifest["labels"]["init"] == "select"  # the default start, recorded with the file
 
 
 def test_the_training_benches_print_the_tables_results_md_shows():
@@ -232,5 +234,6 @@ def test_the_training_benches_print_the_tables_results_md_shows():
     args = argparse.Namespace(tokens=64, questions=8)
     point = {"step": 10, "wall_s": 379.8, "no document": 0.2719, "first_p": 0.1727, "cartridge": 0.1665}
     kl = load("cartridge_distill").report({"off": {"points": [point], "step_cost_s": dict.fromkeys(
-        ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s"), 1.0)}}, args)
+        ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s", "init_s"), 1.0)}}, args)
     assert "| off | 10 | 379.8 | 0.2719 | 0.1727 | 0.1665 | 0.96x |" in kl
+    assert "| off | 1.0 | 1.0 | 1.0 | 1.0 | 1.0 | | 1.0 |" in kl

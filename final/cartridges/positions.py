@@ -45,17 +45,21 @@ def to_after_prefix(cart: CartridgeKV, positions: str, model_dir: str | Path | N
     if model_dir is None:
         raise CartridgeError("converting a from_zero cartridge needs the model's folder (its RoPE settings)",
                              file=name, field="positions")
-    cos, sin = _rotation(model_dir, cart.num_tokens, cart.head_dim, name)
-    keys = []
-    for k in cart.keys:  # float32, then back to the cartridge's dtype: one rounding, as a stored key has
-        x = k.float()
-        keys.append((x * cos + torch.cat((-x[..., cart.head_dim // 2:], x[..., : cart.head_dim // 2]), -1) * sin)
-                    .to(k.dtype).contiguous())
+    cos, sin = rotation(model_dir, cart.num_tokens, cart.head_dim, name)
+    keys = [rotate(k, cos, sin) for k in cart.keys]
     return CartridgeKV(keys, cart.values, cart.num_frozen_tokens)
 
 
-def _rotation(model_dir: str | Path, p: int, head_dim: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of R_p, [head_dim], from the model's config (HF's own rope init: default, linear, llama3, yarn...)."""
+def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys [..., head_dim] moved by the rotation (cos, sin): float32, then back to k's dtype (one
+    rounding, as a stored key has)."""
+    x, half = k.float(), k.shape[-1] // 2
+    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).to(k.dtype).contiguous()
+
+
+def rotation(model_dir: str | Path, p: int, head_dim: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of R_p, [head_dim], from the model's config (HF's own rope init: default, linear, llama3, yarn...).
+    p may be negative (a key moved to an earlier position)."""
     from transformers import AutoConfig
 
     ROPE_INIT_FUNCTIONS = rope_init_functions()  # noqa: N806 - HF's table, under HF's name

@@ -199,10 +199,11 @@ class ChunkContext:
         self.inference, self.system, self.cid = inference, system, cartridge_id
         self.loaded = False
         self.head: list[int] = []
+        self.doc_ids: list[int] = []  # the system turn's ids (set on entry)
 
     def __enter__(self) -> "ChunkContext":
         engine = self.inference.engine
-        ids = document_ids(self.inference.tokenizer, self.system)
+        ids = self.doc_ids = document_ids(self.inference.tokenizer, self.system)
         if engine is not None and self.inference.cartridges is not None:
             from final.cartridges.build import build_from_text
 

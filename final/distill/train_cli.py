@@ -125,6 +125,12 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
                                       "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")
+    d.add_argument("--init", help="the cartridge's start: prefix (the document's first P tokens) or "
+                                                 "select (each KV head's P most attended positions of the whole "
+                                                 "document; default: DistillConfig's)")
+    d.add_argument("--init-questions", type=int,
+                   help="select: how many teacher-answered self-study conversations' attention picks the positions "
+                        "(default: DistillConfig's)")
     d.add_argument("--frozen-tokens", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--checkpoint-every", type=int, default=5)
@@ -244,11 +250,11 @@ def _distill(args: argparse.Namespace) -> int:
     from final.distill.distill import DistillConfig, distill
 
     text = read_text(args.text)
-    cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
+    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions") if getattr(args, k) is not None}
+    cfg = DistillConfig(**given,  # a flag left out keeps DistillConfig's default (one place for them)
+                        tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                        lr=DistillConfig.lr if args.lr is None else args.lr, schedule=args.schedule or DistillConfig.schedule,
-                        updates=args.updates, loss=args.loss,
-                        on_policy_fraction=args.on_policy_fraction,
+                        updates=args.updates, loss=args.loss, on_policy_fraction=args.on_policy_fraction,
                         supervise=args.supervise, frozen_tokens=args.frozen_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollout=args.rollout,
                         synth=_synth_config(args, seed=args.seed))
