@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=lambda v: tuple(int(x) for x in v.split("-")), default=(512, 2048),
                     help="MIN-MAX tokens of the chunk each training step's questions are written from")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baselines", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="P1,P2,...: also judge the document's first P tokens for these P (for scale)")
     args = ap.parse_args()
     from final.inf import local_engine
 
@@ -124,15 +126,27 @@ def main() -> int:
     inference = local_engine(args.model, dtype="float32")
     try:
         rows = heldout(inference, text, args.work, args)
+        scale = {p: first_tokens(inference, text, rows, p) for p in args.baselines}
         results = {m: run_mode(inference, text, m, rows, args.work, args) for m in args.modes.split(",")}
     finally:
         inference.shutdown()
     summary = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "load_1min_at_end": os.getloadavg()[0]}, "date": time.strftime("%Y-%m-%d"),
-               "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+               "args": {k: str(v) for k, v in vars(args).items()}, "results": results, "first_p_tokens": scale}
     (args.work / "summary.json").write_text(json.dumps(summary, indent=2))
     print(report(results, args))
+    for p, kl in scale.items():
+        print(f"the document's first {p} tokens: KL {kl:.4f}")
     return 0
+
+
+def first_tokens(inference, text: str, rows, p: int) -> float:
+    """The held-out KL of a cartridge of the document's first p tokens (what a prefix of that size gives)."""
+    from final.cartridges.build import build_from_text
+    from final.prompts import document_ids
+
+    cart = build_from_text(inference.engine, document_ids(inference.tokenizer, text)[:p])
+    return judge(inference, text, rows, cart)["cartridge"]
 
 
 def report(results: dict, args: argparse.Namespace) -> str:

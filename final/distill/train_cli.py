@@ -121,7 +121,7 @@ def _register_distill(sub: Any) -> None:
                    help="on the student's own tokens (default forward_topk: see README for the measurement)")
     d.add_argument("--on-policy-fraction", type=float, default=1.0,
                    help="share of each step's questions the student answers; the rest the teacher (off-policy)")
-    d.add_argument("--lr", type=float, help="Adam's learning rate (default 5e-3, DistillConfig's)")
+    d.add_argument("--lr", type=float, help="Adam's learning rate (default: DistillConfig's, measured: see README)")
     d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
                                       "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")

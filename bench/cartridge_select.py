@@ -1,0 +1,85 @@
+"""How far the `select` start goes before any training: held-out KL of cut document caches against prefixes.
+
+    .venv/bin/python bench/cartridge_select.py [--tokens 64,128,256] [--first 64,128,256,512] [--observe 16,32]
+
+For each observation count (self-study conversations the teacher reads, final.distill.distill.observe) and each p:
+the `select` cartridge of final/distill/select.py (each KV head's p most attended positions, keys moved by
+R_{p-L}), and the same positions with the keys left where they were (to show what the move is for); and the
+document's first p tokens for each --first. Judged as bench/cartridge_distill.py judges (its held-out rows: 48 from
+6 chunks, seed 10,000; `final.distill.evaluate`, KL per answer token to the teacher reading the whole document).
+SmolLM2-135M-Instruct fp32 on bench/data/vellmark.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INTS = lambda v: [int(x) for x in v.split(",") if x]  # noqa: E731
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "cartridge_distill",
+                    help="where bench/cartridge_distill.py keeps its held-out rows (made here if missing)")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--tokens", type=INTS, default=[64, 128, 256])
+    ap.add_argument("--first", type=INTS, default=[64, 128, 256, 512])
+    ap.add_argument("--observe", type=INTS, default=[16, 32])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cartridge_distill import DOC, heldout, judge
+
+    from final.cartridges.build import build_from_text
+    from final.cartridges.format import CartridgeKV
+    from final.distill.distill import DistillConfig, observe
+    from final.distill.select import attention_mass, select_kv, select_positions
+    from final.distill.synth import ChunkContext, system_text
+    from final.distill.train import Student
+    from final.inf import local_engine
+    from final.models import resolve_model_path
+    from final.prompts import document_ids
+
+    text = DOC.read_text()
+    args.work.mkdir(parents=True, exist_ok=True)
+    inference = local_engine(args.model, dtype="float32")
+    try:
+        ns = argparse.Namespace(heldout=48, heldout_batch=8, heldout_answer_tokens=128, seed=args.seed)
+        rows = heldout(inference, text, args.work, ns)
+        print(f"{len(rows)} held-out rows")
+        for p in args.first:
+            cart = build_from_text(inference.engine, document_ids(inference.tokenizer, text)[:p])
+            print(f"| first {p} tokens | - | {judge(inference, text, rows, cart)['cartridge']:.4f} |", flush=True)
+        model_dir = resolve_model_path(args.model)
+        student = Student(model_dir, "cpu", "float32")
+        doc = inference.tokenizer(text, add_special_tokens=False).input_ids
+        for count in args.observe:
+            cfg = DistillConfig(tokens=max(args.tokens), init_questions=count, seed=args.seed)
+            t0 = time.perf_counter()
+            with ChunkContext(inference, system_text(text, cfg.synth.template), "__select-bench") as teacher:
+                _, convs = observe(inference, teacher, doc, cfg)
+                mass = attention_mass(student, teacher.doc_ids, convs)
+                keys, values = student.prefill(teacher.doc_ids)
+            print(f"(observing {count} conversations took {time.perf_counter() - t0:.1f} s)", flush=True)
+            for p in args.tokens:
+                positions = select_positions(mass, p, 1)
+                moved = CartridgeKV(*select_kv(keys, values, positions, model_dir), 1)
+                kept = [k.gather(2, positions[i][None, :, :, None].expand(1, -1, -1, k.shape[-1]))
+                        for i, k in enumerate(keys)]
+                unmoved = CartridgeKV(kept, moved.values, 1)
+                for name, cart in (("select", moved), ("select, keys not moved", unmoved)):
+                    kl = judge(inference, text, rows, cart)["cartridge"]
+                    print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)
+    finally:
+        inference.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
