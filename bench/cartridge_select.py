@@ -39,7 +39,7 @@ def main() -> int:
     from final.cartridges.build import build_from_text
     from final.cartridges.format import CartridgeKV
     from final.distill.distill import DistillConfig, observe
-    from final.distill.select import attention_mass, select_kv, select_positions
+    from final.distill.select import attention_mass, gather_kv, select_kv, select_positions
     from final.distill.synth import ChunkContext, system_text
     from final.distill.train import Student
     from final.inf import local_engine
@@ -70,9 +70,7 @@ def main() -> int:
             for p in args.tokens:
                 positions = select_positions(mass, p, 1)
                 moved = CartridgeKV(*select_kv(keys, values, positions, model_dir), 1)
-                kept = [k.gather(2, positions[i][None, :, :, None].expand(1, -1, -1, k.shape[-1]))
-                        for i, k in enumerate(keys)]
-                unmoved = CartridgeKV(kept, moved.values, 1)
+                unmoved = CartridgeKV(*gather_kv(keys, values, positions), 1)
                 for name, cart in (("select", moved), ("select, keys not moved", unmoved)):
                     kl = judge(inference, text, rows, cart)["cartridge"]
                     print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)

@@ -263,8 +263,7 @@ def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], o
 
     model_dir = resolve_model_path(model)
     student = Student(model_dir, device, dtype)
-    init = initial_ids(inference.tokenizer, text, cfg.tokens)
-    kv, info = student.prefill(init), None
+    info = None
     if cfg.init == "select" and not checkpoint_path(out).exists():
         from final.distill.select import select_init
 
@@ -272,6 +271,8 @@ def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], o
         questions, rows = observe(inference, teacher, doc, cfg)
         kv = select_init(student, model_dir, teacher.doc_ids, rows, cfg.tokens, cfg.frozen_tokens)
         info = {"init_questions": questions, "init_s": time.perf_counter() - t0}
+    else:  # prefix; or a resume, where the checkpoint replaces the cache (its shape is the same)
+        kv = student.prefill(initial_ids(inference.tokenizer, text, cfg.tokens))
     cache = TrainableKV(*kv, cfg.frozen_tokens)
     trainer = Trainer(student, cache, cfg.lr, checkpoint_path(out),
                       {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=cfg.loss,
@@ -289,7 +290,7 @@ def observe(inference: Any, teacher: ChunkContext, doc: list[int],
     while len(rows) < cfg.init_questions:
         batch -= 1
         ids = list(range(min(cfg.questions, cfg.init_questions - len(rows))))
-        plan, asked, prompts = _ask(inference, doc, batch, ids, cfg)
+        _, asked, prompts = _ask(inference, doc, batch, ids, cfg)
         answers = teacher.generate(prompts, temperature=0.0, max_tokens=cfg.answer_tokens)
         questions += asked
         rows += [p + list(a) for p, a in zip(prompts, answers.token_ids)]

@@ -66,18 +66,26 @@ def select_positions(mass: torch.Tensor, p: int, frozen: int) -> torch.Tensor:
     return torch.cat([head, rest], -1).sort(-1).values
 
 
-def select_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: torch.Tensor,
-              model_dir: str | Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer [1, kv_heads, p, D]: each head's kept K/V (from the document's [1, kv_heads, L, D]), the keys
-    rotated by R_{p-L} so the tokens after the cartridge see them at their distance in the document."""
-    p, L, head_dim = positions.shape[-1], keys[0].shape[2], keys[0].shape[-1]
-    cos, sin = rotation(model_dir, p - L, head_dim, str(model_dir))
+def gather_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+              positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer [1, kv_heads, p, D]: each head's K/V at its positions (from the document's [1, kv_heads, L, D]),
+    the keys still where they were in the document."""
     out_k, out_v = [], []
     for layer, (k, v) in enumerate(zip(keys, values)):
-        idx = positions[layer].to(k.device)[None, :, :, None].expand(1, -1, -1, head_dim)
-        out_k.append(rotate(k.gather(2, idx), cos.to(k.device), sin.to(k.device)))
+        idx = positions[layer].to(k.device)[None, :, :, None].expand(1, -1, -1, k.shape[-1])
+        out_k.append(k.gather(2, idx))
         out_v.append(v.gather(2, idx).contiguous())
     return out_k, out_v
+
+
+def select_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: torch.Tensor,
+              model_dir: str | Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """gather_kv, with the kept keys rotated by R_{p-L} so the tokens after the cartridge see them at their
+    distance in the document."""
+    p, L, head_dim = positions.shape[-1], keys[0].shape[2], keys[0].shape[-1]
+    cos, sin = rotation(model_dir, p - L, head_dim, str(model_dir))
+    kept_k, kept_v = gather_kv(keys, values, positions)
+    return [rotate(k, cos.to(k.device), sin.to(k.device)) for k in kept_k], kept_v
 
 
 def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int],  # noqa: F821
@@ -87,4 +95,6 @@ def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int
     if not rows:
         raise CartridgeError("select needs at least one observation conversation", field="init_questions")
     positions = select_positions(attention_mass(student, doc_ids, rows), p, frozen)
+    # the K/V come from the student's own (sdpa) forward, not the eager pass above: eager rounds differently
+    # (~4e-6), and the cartridge should be exactly the KV the student serves for these positions
     return select_kv(*student.prefill(doc_ids), positions, model_dir)

@@ -125,9 +125,9 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
                                       "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")
-    d.add_argument("--init", help="the cartridge's start: prefix (the document's first P tokens) or "
-                                                 "select (each KV head's P most attended positions of the whole "
-                                                 "document; default: DistillConfig's)")
+    d.add_argument("--init", help="the cartridge's start: prefix (the document's first P tokens) or select (each "
+                                  "KV head's P most attended positions of the whole document; default: "
+                                  "DistillConfig's)")
     d.add_argument("--init-questions", type=int,
                    help="select: how many teacher-answered self-study conversations' attention picks the positions "
                         "(default: DistillConfig's)")
