@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/cartridge_select.py [--tokens 64,128,256] [--first 64,128,256,512] [--observe 16,32]
 
-For each observation count (self-study conversations the teacher reads, final.distill.distill.observe) and each p:
+For each observation count (self-study conversations the teacher reads, final.distill.rows.observe) and each p:
 the `select` cartridge of final/distill/select.py (each KV head's p most attended positions, keys moved by
 R_{p-L}), and the same positions with the keys left where they were (to show what the move is for); and the
 document's first p tokens for each --first. Judged as bench/cartridge_distill.py judges (its held-out rows: 48 from
@@ -28,6 +28,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=INTS, default=[64, 128, 256])
     ap.add_argument("--first", type=INTS, default=[64, 128, 256, 512])
     ap.add_argument("--observe", type=INTS, default=[16, 32])
+    ap.add_argument("--ridge", type=lambda v: [float(x) for x in v.split(",") if x], default=[1e-3],
+                    help="the `match` variant's ridge values (final.distill.match)")
+    ap.add_argument("--unmoved", action="store_true", help="also the select keys left where they were")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -38,7 +41,9 @@ def main() -> int:
 
     from final.cartridges.build import build_from_text
     from final.cartridges.format import CartridgeKV
-    from final.distill.distill import DistillConfig, observe
+    from final.distill.distill import DistillConfig
+    from final.distill.rows import observe
+    from final.distill.match import fit_values
     from final.distill.select import attention_mass, gather_kv, select_kv, select_positions
     from final.distill.synth import ChunkContext, system_text
     from final.distill.train import Student
@@ -69,9 +74,16 @@ def main() -> int:
             print(f"(observing {count} conversations took {time.perf_counter() - t0:.1f} s)", flush=True)
             for p in args.tokens:
                 positions = select_positions(mass, p, 1)
-                moved = CartridgeKV(*select_kv(keys, values, positions, model_dir), 1)
-                unmoved = CartridgeKV(*gather_kv(keys, values, positions), 1)
-                for name, cart in (("select", moved), ("select, keys not moved", unmoved)):
+                kept_k, kept_v = select_kv(keys, values, positions, model_dir)
+                carts = [("select", CartridgeKV(kept_k, kept_v, 1))]
+                if args.unmoved:
+                    carts.append(("select, keys not moved", CartridgeKV(*gather_kv(keys, values, positions), 1)))
+                for ridge in args.ridge:
+                    t0 = time.perf_counter()
+                    fitted = fit_values(student, teacher.doc_ids, convs, positions, kept_v, 1, ridge)
+                    print(f"(fitting took {time.perf_counter() - t0:.1f} s)", flush=True)
+                    carts.append((f"match, ridge {ridge:g}", CartridgeKV(kept_k, fitted, 1)))
+                for name, cart in carts:
                     kl = judge(inference, text, rows, cart)["cartridge"]
                     print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)
     finally:

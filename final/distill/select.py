@@ -89,12 +89,18 @@ def select_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], posi
 
 
 def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int],  # noqa: F821
-                rows: Sequence[Sequence[int]], p: int,
-                frozen: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The `select` initial K/V of a p-token cartridge for the document (its teacher's ids) from observation rows."""
+                rows: Sequence[Sequence[int]], p: int, frozen: int,
+                fit: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The `select` initial K/V of a p-token cartridge for the document (its teacher's ids) from observation rows;
+    with `fit`, the `match` one (the values refitted on the same rows, final.distill.match)."""
     if not rows:
         raise CartridgeError("select needs at least one observation conversation", field="init_questions")
     positions = select_positions(attention_mass(student, doc_ids, rows), p, frozen)
     # the K/V come from the student's own (sdpa) forward, not the eager pass above: eager rounds differently
     # (~4e-6), and the cartridge should be exactly the KV the student serves for these positions
-    return select_kv(*student.prefill(doc_ids), positions, model_dir)
+    keys, values = select_kv(*student.prefill(doc_ids), positions, model_dir)
+    if fit:
+        from final.distill.match import fit_values
+
+        values = fit_values(student, doc_ids, rows, positions, values, frozen)
+    return keys, values
