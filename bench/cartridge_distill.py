@@ -56,14 +56,14 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
                         updates=args.updates, init=args.init, lr=args.lr, schedule=args.schedule,
                         temperature=args.temperature,
-                        seed=args.seed, checkpoint_every=args.steps,
+                        seed=args.seed, validate=args.validate,
                         synth=SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                                           question_tokens=64))
     points, clock, seen = [], {"train_s": 0.0}, []
 
     def on_step(rec: dict, cache) -> None:
-        clock["train_s"] += sum(rec.get(k, 0.0) for k in ("init_s", "question_s", "rollout_s", "teacher_s",
-                                                            "gradient_s", "sync_s"))
+        clock["train_s"] += sum(rec.get(k, 0.0) for k in ("init_s", "validation_set_s", "question_s", "rollout_s",
+                                                            "teacher_s", "gradient_s", "sync_s", "validation_s"))
         seen.extend(rec.get("questions", []))
         if "init_s" in rec and points and points[0]["step"] == 0:  # the initial cartridge cost init_s to make
             points[0]["wall_s"] = round(rec["init_s"], 1)
@@ -82,6 +82,13 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
         stale.unlink(missing_ok=True)
     history = distill(inference, text, out, cfg, model=args.model, dtype="float32", progress=False, on_step=on_step,
                       on_start=on_start)
+    from final.cartridges.format import load_cartridge
+
+    kept = judge(inference, text, dedupe(rows, seen), load_cartridge(out))  # what OUT holds at the end
+    judged = [(0, history[0].get("start_validation_kl"))] + [(r["step"], r["validation_kl"]) for r in history
+                                                             if "validation_kl" in r]
+    points.append({"step": "OUT", "wall_s": round(clock["train_s"], 1), **kept})
+    print(f"[{mode}] OUT (validation KL by step: {judged}): {json.dumps(points[-1])}", flush=True)
     stages = ("question_s", "rollout_s", "teacher_s", "gradient_s", "sync_s")
     cost = {k: round(sum(r[k] for r in history) / len(history), 2) for k in stages}
     cost["init_s"] = round(history[0].get("init_s", 0.0), 1)
@@ -100,7 +107,9 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--loss", default="forward_topk")
     ap.add_argument("--updates", type=int, default=1)
-    ap.add_argument("--init", default=DistillConfig.init, help="prefix or select; default: the loop's")
+    ap.add_argument("--validate", type=int, default=DistillConfig.validate,
+                    help="validation conversations (0: OUT is the last step's); default: the loop's")
+    ap.add_argument("--init", default=DistillConfig.init, help="prefix, select or match; default: the loop's")
     ap.add_argument("--lr", type=float, default=DistillConfig.lr, help="default: the loop's")
     ap.add_argument("--schedule", default=DistillConfig.schedule, help="constant or cosine; default: the loop's")
     ap.add_argument("--temperature", type=float, default=1.0)

@@ -122,10 +122,11 @@ def test_held_out_rows_are_deduplicated_against_training_questions():
     assert [r.id for r in kept] == [0, 3]
 
 
-def run_distill(inference, out, on_step=None, **kw):
+def run_distill(inference, out, on_step=None, on_start=None, **kw):
     cfg = DistillConfig(**{**dict(tokens=8, steps=2, questions=2, n=2, answer_tokens=6, top_k=5, lr=5e-2,
-                                  init="prefix", checkpoint_every=1, synth=QUICK), **kw})
-    return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False, on_step=on_step)
+                                  init="prefix", validate=0, checkpoint_every=1, synth=QUICK), **kw})
+    return distill(inference, DOC_A, out, cfg, model=TINY, dtype="float32", progress=False, on_step=on_step,
+                   on_start=on_start)
 
 
 def killed_after(steps):
@@ -184,6 +185,26 @@ def test_more_updates_per_step_move_the_cartridge_further_on_the_same_rows(infer
     assert moved[1] > moved[0] > 0
 
 
+def test_out_holds_the_best_cartridge_validation_judged_and_the_best_survives_a_resume(inference, tmp_path):
+    """A far too large lr makes every step worse on the validation set: OUT ends as the start, said so."""
+    from final.cartridges.format import load_cartridge
+    from final.cartridges.manifest import manifest_path, read_manifest
+
+    out, starts = tmp_path / "v.pt", []
+    kw = dict(validate=2, lr=50.0, schedule="constant", on_policy_fraction=0.0)
+    first = run_distill(inference, out, steps=1, on_start=lambda done, cache: starts.append(cache.cartridge()),
+                        **kw)
+    assert len(first[0]["questions"]) == 2 + 2  # the validation set's questions, then the step's
+    assert first[0]["validation_kl"] > first[0]["start_validation_kl"] >= 0 and first[0]["validation_set_s"] > 0
+    kept = load_cartridge(out)
+    assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values, starts[0].keys + starts[0].values))
+    assert read_manifest(manifest_path(out)).labels["kept_step"] == "0"
+    resumed = run_distill(inference, out, steps=2, **kw)  # the checkpoint carries the best: the start again
+    assert "start_validation_kl" not in resumed[1] and resumed[1]["validation_kl"] > first[0]["start_validation_kl"]
+    kept = load_cartridge(out)
+    assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values, starts[0].keys + starts[0].values))
+
+
 def test_off_policy_rows_only_have_no_reverse_kl(inference, tmp_path):
     history = run_distill(inference, tmp_path / "c.pt", steps=1, on_policy_fraction=0.0)
     assert history[0]["reverse_kl"] is None and history[0]["forward_kl"] >= 0
@@ -193,6 +214,7 @@ def test_off_policy_rows_only_have_no_reverse_kl(inference, tmp_path):
     (dict(tokens=0), "tokens"), (dict(loss="kl"), "loss"), (dict(on_policy_fraction=1.5), "on_policy_fraction"),
     (dict(temperature=0.0), "temperature"), (dict(rollout="vllm"), "rollout"), (dict(questions=0), "questions"),
     (dict(tokens=4, frozen_tokens=4), "frozen_tokens"), (dict(schedule="linear"), "schedule"),
+    (dict(validate=-1), "validate"),
 ])
 def test_bad_distill_settings_name_the_field(kw, field):
     with pytest.raises(CartridgeError) as err:
@@ -208,10 +230,12 @@ def test_cli_distill(tmp_path, capsys):
     out = tmp_path / "d.pt"
     assert main(["cartridge", "distill", "--model", TINY, "--text", str(doc), "--tokens", "8", "--out", str(out),
                  "--steps", "1", "--questions", "2", "--answer-tokens", "4", "--question-tokens", "4",
-                 "--chunk-tokens", "16-24", "--top-k", "4", "--init-questions", "2", "--quiet"]) == 0
-    assert "over 1 steps" in capsys.readouterr().out and out.is_file()
+                 "--chunk-tokens", "16-24", "--top-k", "4", "--init-questions", "2", "--validate", "2",
+                 "--quiet"]) == 0
+    said = capsys.readouterr().out
+    assert "over 1 steps" in said and "holds the best judged, after step" in said and out.is_file()
     manifest = json.loads(out.with_name(out.name + ".manifest.json").read_text())
-    assert manifest["labels"]["init"] == "select"  # the default start, recorded with the file
+    assert manifest["labels"]["init"] == "match"  # the default start, recorded with the file
 
 
 def test_the_training_benches_print_the_tables_results_md_shows():

@@ -80,8 +80,9 @@ def test_selecting_every_position_gives_the_documents_own_kv_and_mass_is_attenti
     assert all(torch.allclose(a, b) for a, b in zip(keys + values, full_k + full_v))
 
 
-def test_distill_from_a_selected_cartridge_records_its_questions_once(inference, tmp_path):
-    out, kw = tmp_path / "s.pt", dict(init="select", init_questions=3, on_policy_fraction=0.0)
+@pytest.mark.parametrize("init", ["select", "match"])
+def test_distill_from_a_selected_cartridge_records_its_questions_once(inference, tmp_path, init):
+    out, kw = tmp_path / "s.pt", dict(init=init, init_questions=3, on_policy_fraction=0.0)
     first = run_distill(inference, out, steps=1, **kw)
     assert len(first[0]["questions"]) == 3 + 2 and first[0]["init_s"] > 0  # init's questions, then the step's
     resumed = run_distill(inference, out, steps=2, **kw)  # from the checkpoint: no second initialisation

@@ -27,7 +27,7 @@ def inference():
 
 def test_distill_through_verl_serves_each_steps_rewritten_cartridge(inference, tmp_path):
     cfg = DistillConfig(tokens=8, steps=3, questions=2, n=2, answer_tokens=6, top_k=4, lr=5e-2, rollout="verl",
-                        init_questions=2,
+                        init_questions=2, validate=2,
                         synth=SynthConfig(min_chunk_tokens=16, max_chunk_tokens=24, question_tokens=6))
     out = tmp_path / "student.pt"
     copies = []

@@ -32,15 +32,15 @@ from typing import Any, Callable
 
 from final.distill.convs import Conversation
 from final.distill.losses import LOSSES
-from final.distill.synth import ChunkContext, Plan, SynthConfig, ask, plan_batch, system_text
+from final.distill.rows import ask_batch, make_row, observe, validation_rows
+from final.distill.synth import ChunkContext, SynthConfig, system_text
 from final.distill.train import (Student, TrainableKV, check_training, checkpoint_path, digest, initial_ids,
                                  make_batch)
 from final.distill.trainer import SCHEDULES, Trainer
 from final.errors import CartridgeError
-from final.prompts import continuation_ids
 
 ROLLOUTS = ("engine", "verl")
-INITS = ("prefix", "select")
+INITS = ("prefix", "select", "match")
 
 
 @dataclass
@@ -57,8 +57,11 @@ class DistillConfig:
     updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
     loss: str = "forward_topk"
     on_policy_fraction: float = 1.0
-    init: str = "select"  # "select": final.distill.select (measured: 0.75x -> 0.6x); "prefix": the first p tokens
-    init_questions: int = 16  # select: self-study conversations (teacher-answered) whose attention picks the KV
+    init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.41x before training);
+    # "select": final.distill.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
+    init_questions: int = 16  # select/match: self-study conversations (teacher-answered) whose attention picks the KV
+    validate: int = 8  # teacher-answered conversations, never trained on, judging the cartridge at each checkpoint:
+    # the best one judged is what OUT holds at the end (0: the last step's)
     supervise: str = "all"  # "all": every token after the system turn (the repo's); "answer": the answer's only
     frozen_tokens: int = 1
     seed: int = 0
@@ -71,6 +74,7 @@ class DistillConfig:
         check_training(self, ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every",
                               "updates", "init_questions"))
         for key, ok in (("temperature", self.temperature > 0 and math.isfinite(self.temperature)),
+                        ("validate", self.validate >= 0),
                         ("on_policy_fraction", 0 <= self.on_policy_fraction <= 1)):
             if not ok:
                 raise CartridgeError(f"out of range: {getattr(self, key)}", field=key)
@@ -131,7 +135,7 @@ def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
     cfg = run.cfg
     seed = cfg.seed * 1_000_003 + step * 1009
     t0 = time.perf_counter()
-    plan, questions, prompts = _ask(run.inference, run.doc, step, list(range(cfg.questions)), cfg)
+    plan, questions, prompts = ask_batch(run.inference, run.doc, step, list(range(cfg.questions)), cfg)
     convs = [[{"role": "user", "content": q}] for q in questions]
     t1 = time.perf_counter()
     m = cfg.on_policy_rows()
@@ -142,39 +146,20 @@ def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
         samples += [(m + i, prompts[m + i], list(a)) for i, a in enumerate(answers.token_ids)]
     t2 = time.perf_counter()
     scored = run.teacher.teacher_scores([p for _, p, _ in samples], [a for _, _, a in samples], cfg.top_k)
-    rows = [_row(q, prompt, answer, tops, lps, q < m, questions[q], plan.kinds[q], plan.window, cfg)
+    rows = [make_row(q, prompt, answer, tops, lps, q < m, questions[q], plan.kinds[q], plan.window, cfg)
             for (q, prompt, answer), (tops, lps) in zip(samples, scored) if answer]
     info = {"question_s": t1 - t0, "rollout_s": t2 - t1, "teacher_s": time.perf_counter() - t2,
             "questions": questions, "samples": drawn}
     return rows, info
 
 
-def _ask(inference: Any, doc: list[int], step: int, ids: list[int],
-         cfg: DistillConfig) -> tuple[Plan, list[str], list[list[int]]]:
-    """A step's questions (synth's plan for batch `step`, written with the chunk in context) and their ids."""
-    tok = inference.tokenizer
-    plan = plan_batch(len(doc), step, ids, cfg.synth)
-    chunk = system_text(tok.decode(doc[plan.window[0]:plan.window[1]]), cfg.synth.template)
-    with ChunkContext(inference, chunk, f"__distill-chunk-{step}") as ctx:
-        questions = ask(ctx, plan, ids, cfg.synth, cfg.seed * 1_000_003 + step * 1009)
-    return plan, questions, [continuation_ids(tok, [{"role": "user", "content": q}]) for q in questions]
-
-
-def _row(q: int, prompt: list[int], answer: list[int], tops: list, lps: list[float], sampled: bool, question: str,
-         kind: str, window: tuple[int, int], cfg: DistillConfig) -> Conversation:
-    start = 1 if cfg.supervise == "all" else len(prompt)
-    tops, lps = tops[start - 1:], lps[start - 1:]
-    return Conversation(q, prompt, answer, [[t for t, _ in top] for top in tops],
-                        [[lp for _, lp in top] for top in tops], kind, question, "", window, start, None,
-                        sampled, lps)
-
-
-def run_step(run: Run, step: int, save: Callable[[Any], Path], init: dict | None = None) -> dict:
-    """One whole step: rows, the gradient step, the sync of the new cartridge. `init`: what a fresh `select`
-    initialisation did (its questions join the step's record, so a held-out set can be deduplicated against them)."""
+def run_step(run: Run, step: int, save: Callable[[Any], Path], first: dict | None = None) -> dict:
+    """One whole step: rows, the gradient step, the sync of the new cartridge. `first`: what a fresh run did
+    before its first step (the questions of its initialisation and validation set join the step's record, so a
+    held-out set can be deduplicated against them; and their seconds)."""
     rows, info = step_rows(run, step)
-    if init:
-        info = {**info, "init_s": init["init_s"], "questions": init["init_questions"] + info["questions"]}
+    if first:
+        info = {**info, **first, "questions": first["questions"] + info["questions"]}
     if not rows:
         raise CartridgeError(f"step {step + 1}: every answer was empty; raise --answer-tokens", field="answer_tokens")
     rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), run.cfg.updates, **info,
@@ -214,10 +199,12 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
             dtype: str = "auto", server: str | None = None, progress: bool = True,
             on_step: Callable[[dict, TrainableKV], None] | None = None,
             on_start: Callable[[int, TrainableKV], None] | None = None) -> list[dict]:
-    """Run (or resume) the loop for cfg.steps steps; the cartridge is at `out` after every step. Returns every
-    step's record (loss, forward_kl, reverse_kl, seconds per stage; the first step of a fresh `select` run also
-    lists the initialisation's questions and its seconds, init_s). on_start(steps done, cache) runs once before
-    the first step."""
+    """Run (or resume) the loop for cfg.steps steps; the cartridge is at `out` after every step, and at the end
+    the best one the validation set judged (the start included; the last step's when cfg.validate is 0). Returns
+    every step's record (loss, forward_kl, reverse_kl, seconds per stage, validation_kl at checkpoints, and in the
+    last one kept_step and kept_validation_kl: what OUT holds; a fresh
+    run's first record also lists the questions drawn before it, for the initialisation and the validation set,
+    and their seconds: init_s, validation_set_s). on_start(steps done, cache) runs once before the first step."""
     from tqdm import tqdm
 
     cfg.check()
@@ -229,8 +216,9 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
     save = _saver(out, model, cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with ChunkContext(inference, system_text(text, cfg.synth.template), "__distill-teacher") as teacher:
-        trainer, init = _trainer(inference, teacher, text, doc, out, cfg, model=model, device=device, dtype=dtype)
+        trainer, first = _trainer(inference, teacher, text, doc, out, cfg, model=model, device=device, dtype=dtype)
         done = trainer.resume(cfg.steps)
+        val = _validation(inference, teacher, doc, cfg, pad, trainer, first)
         if on_start is not None:
             on_start(done, trainer.cache)
         start = trainer.cache.cartridge()
@@ -242,34 +230,65 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
             bar = tqdm(range(done, cfg.steps), desc="distill", unit="step", disable=not progress, initial=done,
                        total=cfg.steps)
             for step in bar:
-                rec = run_step(run, step, save, init if step == done else None)
+                rec = run_step(run, step, save, first if step == done == 0 else None)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
-                bar.write(_line(rec, cfg.steps))
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    if val is not None:
+                        t0 = time.perf_counter()
+                        rec["validation_kl"] = trainer.validate(val)
+                        trainer.keep_if_best(rec["validation_kl"], step + 1)
+                        rec["validation_s"] = time.perf_counter() - t0
                     trainer.save()
+                bar.write(_line(rec, cfg.steps))
                 if on_step is not None:
                     on_step(rec, trainer.cache)
         finally:
             sampler.close()
+        if trainer.best is not None:
+            _keep_best(trainer, save)
     return trainer.history
 
 
+def _validation(inference: Any, teacher: ChunkContext, doc: list[int], cfg: DistillConfig, pad: int,
+                trainer: Trainer, first: dict) -> Any:
+    """The validation batch (None when cfg.validate is 0), the start judged as a candidate; for a fresh run,
+    `first` (what the first step's record adds) gets every question drawn before step 1 and the seconds."""
+    t0 = time.perf_counter()
+    asked, val = validation_rows(inference, teacher, doc, cfg, pad, trainer.student.device)
+    if not trainer.history:
+        first.update(questions=first.pop("init_questions", []) + asked, validation_set_s=time.perf_counter() - t0)
+    if val is not None and trainer.best is None:
+        trainer.keep_if_best(trainer.validate(val), len(trainer.history))
+        first["start_validation_kl"] = trainer.best["kl"]
+    return val
+
+
+def _keep_best(trainer: Trainer, save: Callable[..., Path]) -> None:
+    """OUT ends as the best cartridge validation judged (and the last record says which)."""
+    best = trainer.best
+    trainer.history[-1].update(kept_step=best["step"], kept_validation_kl=best["kl"])
+    if best["step"] != len(trainer.history):
+        save(trainer.best_cartridge(), kept_step=str(best["step"]), validation_kl=f"{best['kl']:.6f}")
+
+
 def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], out: Path, cfg: DistillConfig, *,
-             model: str, device: str, dtype: str) -> tuple[Trainer, dict | None]:
-    """The trainer around the initial cartridge: `prefix` (the document's first p tokens) or `select`
-    (final.distill.select, from init_questions teacher-answered conversations; skipped when a checkpoint will
-    replace it). Also what the initialisation did, for the first step's record (None when nothing ran)."""
+             model: str, device: str, dtype: str) -> tuple[Trainer, dict]:
+    """The trainer around the initial cartridge: `prefix` (the document's first p tokens), `select`
+    (final.distill.select, from init_questions teacher-answered conversations) or `match` (select, values fitted:
+    final.distill.match); select and match are skipped when a checkpoint will replace them. Also what the
+    initialisation did, for the first step's record (init_questions, init_s; empty when nothing ran)."""
     from final.models import resolve_model_path
 
     model_dir = resolve_model_path(model)
     student = Student(model_dir, device, dtype)
-    info = None
-    if cfg.init == "select" and not checkpoint_path(out).exists():
+    info: dict = {}
+    if cfg.init in ("select", "match") and not checkpoint_path(out).exists():
         from final.distill.select import select_init
 
         t0 = time.perf_counter()
         questions, rows = observe(inference, teacher, doc, cfg)
-        kv = select_init(student, model_dir, teacher.doc_ids, rows, cfg.tokens, cfg.frozen_tokens)
+        kv = select_init(student, model_dir, teacher.doc_ids, rows, cfg.tokens, cfg.frozen_tokens,
+                         fit=cfg.init == "match")
         info = {"init_questions": questions, "init_s": time.perf_counter() - t0}
     else:  # prefix; or a resume, where the checkpoint replaces the cache (its shape is the same)
         kv = student.prefill(initial_ids(inference.tokenizer, text, cfg.tokens))
@@ -280,25 +299,10 @@ def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], o
     return trainer, info
 
 
-def observe(inference: Any, teacher: ChunkContext, doc: list[int],
-            cfg: DistillConfig) -> tuple[list[str], list[list[int]]]:
-    """init_questions self-study questions (drawn as a step's, from batches -1, -2, ...: never a step's own) and
-    the teacher's greedy answers: (questions, prompt + answer ids per conversation)."""
-    questions: list[str] = []
-    rows: list[list[int]] = []
-    batch = 0
-    while len(rows) < cfg.init_questions:
-        batch -= 1
-        ids = list(range(min(cfg.questions, cfg.init_questions - len(rows))))
-        _, asked, prompts = _ask(inference, doc, batch, ids, cfg)
-        answers = teacher.generate(prompts, temperature=0.0, max_tokens=cfg.answer_tokens)
-        questions += asked
-        rows += [p + list(a) for p, a in zip(prompts, answers.token_ids)]
-    return questions, rows
-
-
 def _line(rec: dict, steps: int) -> str:
     rev = "" if rec["reverse_kl"] is None else f" reverse_kl {rec['reverse_kl']:.4f}"
+    if "validation_kl" in rec:
+        rev += f" validation_kl {rec['validation_kl']:.4f}"
     cost = " ".join(f"{k[:-2]} {rec[k]:.1f}s" for k in ("question_s", "rollout_s", "teacher_s", "gradient_s",
                                                           "sync_s"))
     return f"step {rec['step']}/{steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}{rev} | {cost}"
@@ -318,10 +322,10 @@ def _saver(out: Path, model: str, cfg: DistillConfig) -> Callable[[Any], Path]:
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
 
-    def save(cart: Any) -> Path:
+    def save(cart: Any, **extra: str) -> Path:
         path = save_cartridge(cart, out)
         labels = {"format": "chat", "method": f"on-policy distillation ({cfg.loss})", "init": cfg.init,
-                  "on_policy_fraction": str(cfg.on_policy_fraction)}
+                  "on_policy_fraction": str(cfg.on_policy_fraction), **extra}
         CartridgeManifest.describe(cart, path, cartridge_id=out.stem, model_id=model, labels=labels,
                                    positions="after_prefix").write(path)
         return path

@@ -125,12 +125,16 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
                                       "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")
-    d.add_argument("--init", help="the cartridge's start: prefix (the document's first P tokens) or select (each "
-                                  "KV head's P most attended positions of the whole document; default: "
-                                  "DistillConfig's)")
+    d.add_argument("--init", help="the cartridge's start: prefix (the document's first P tokens), select (each "
+                                  "KV head's P most attended positions of the whole document) or match (select's "
+                                  "positions, values fitted to the teacher's attention; default: DistillConfig's)")
     d.add_argument("--init-questions", type=int,
-                   help="select: how many teacher-answered self-study conversations' attention picks the positions "
+                   help="select/match: how many teacher-answered self-study conversations' attention picks the positions "
                         "(default: DistillConfig's)")
+    d.add_argument("--validate", type=int,
+                   help="teacher-answered conversations, never trained on, that judge the cartridge at each "
+                        "checkpoint; OUT ends as the best judged, the start included (0: the last step's; "
+                        "default: DistillConfig's)")
     d.add_argument("--frozen-tokens", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--checkpoint-every", type=int, default=5)
@@ -250,7 +254,7 @@ def _distill(args: argparse.Namespace) -> int:
     from final.distill.distill import DistillConfig, distill
 
     text = read_text(args.text)
-    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate") if getattr(args, k) is not None}
     cfg = DistillConfig(**given,  # a flag left out keeps DistillConfig's default (one place for them)
                         tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
@@ -268,6 +272,9 @@ def _distill(args: argparse.Namespace) -> int:
     first, last = history[0], history[-1]
     print(f"wrote {args.out} ({cfg.tokens} tokens): loss {first['loss']:.4f} -> {last['loss']:.4f}, KL "
           f"{first['forward_kl']:.4f} -> {last['forward_kl']:.4f} over {len(history)} steps")
+    if "kept_step" in last:
+        print(f"validation KL {first.get('start_validation_kl', float('nan')):.4f} at the start; {args.out} holds "
+              f"the best judged, after step {last['kept_step']} ({last['kept_validation_kl']:.4f})")
     return 0
 
 

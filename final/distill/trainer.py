@@ -34,6 +34,7 @@ class Trainer:
         cache.to(student.device)
         self.opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=lr)
         self.history: list[dict] = []
+        self.best: dict | None = None  # {"step", "kl", "cache": state_dict}: the best cartridge validation judged
 
     def resume(self, steps: int) -> int:
         """Load the checkpoint if there is one; returns the steps already done."""
@@ -72,9 +73,33 @@ class Trainer:
         self.history.append(rec)
         return rec
 
+    @torch.no_grad()
+    def validate(self, batch: Any) -> float:
+        """The cartridge's forward KL (the teacher's top-k) on a batch it is not trained on."""
+        from final.distill.train import distill_loss
+
+        return distill_loss(self.student, self.cache, batch, "forward_topk").forward_kl
+
+    def keep_if_best(self, kl: float, step: int) -> bool:
+        """Keep a copy of the cartridge as it is after `step` steps if `kl` is the lowest validation KL so far."""
+        if self.best is not None and not kl < self.best["kl"]:
+            return False
+        self.best = {"step": step, "kl": kl,
+                     "cache": {k: v.detach().cpu().clone() for k, v in self.cache.state_dict().items()}}
+        return True
+
+    def best_cartridge(self) -> Any:
+        """The kept cartridge (final.cartridges.format.CartridgeKV)."""
+        import copy
+
+        kept = copy.deepcopy(self.cache).cpu()
+        kept.load_state_dict(self.best["cache"])
+        return kept.cartridge()
+
     def save(self) -> None:
         state = {"cache": {k: v.detach().cpu() for k, v in self.cache.state_dict().items()},
-                 "optimizer": self.opt.state_dict(), "history": list(self.history), "config": self.key}
+                 "optimizer": self.opt.state_dict(), "history": list(self.history), "config": self.key,
+                 "best": self.best}
         tmp = self.ckpt.with_name(f".{self.ckpt.name}.tmp")
         torch.save(state, tmp)
         tmp.replace(self.ckpt)
@@ -90,6 +115,7 @@ class Trainer:
                                      "use the same settings", file=str(path), field="checkpoint")
             self.cache.load_state_dict(state["cache"])
             self.opt.load_state_dict(state["optimizer"])
+            self.best = state.get("best")
             return [dict(r) for r in state["history"]]
         except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as exc:
             if isinstance(exc, CartridgeError):
