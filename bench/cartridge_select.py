@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--observe", type=INTS, default=[16, 32])
     ap.add_argument("--ridge", type=lambda v: [float(x) for x in v.split(",") if x], default=[1e-3],
                     help="the `match` variant's ridge values (final.distill.match)")
+    ap.add_argument("--sequential", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                    help="ridge values of the sequential `match` variant (each layer fitted to the student's queries)")
     ap.add_argument("--unmoved", action="store_true", help="also the select keys left where they were")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -78,11 +80,13 @@ def main() -> int:
                 carts = [("select", CartridgeKV(kept_k, kept_v, 1))]
                 if args.unmoved:
                     carts.append(("select, keys not moved", CartridgeKV(*gather_kv(keys, values, positions), 1)))
-                for ridge in args.ridge:
+                for ridge, sequential in [(r, False) for r in args.ridge] + [(r, True) for r in args.sequential]:
                     t0 = time.perf_counter()
-                    fitted = fit_values(student, teacher.doc_ids, convs, positions, kept_v, 1, ridge)
+                    fitted = fit_values(student, teacher.doc_ids, convs, positions, kept_k, kept_v, 1, ridge,
+                                        sequential)
                     print(f"(fitting took {time.perf_counter() - t0:.1f} s)", flush=True)
-                    carts.append((f"match, ridge {ridge:g}", CartridgeKV(kept_k, fitted, 1)))
+                    name = f"match{', sequential' if sequential else ''}, ridge {ridge:g}"
+                    carts.append((name, CartridgeKV(kept_k, fitted, 1)))
                 for name, cart in carts:
                     kl = judge(inference, text, rows, cart)["cartridge"]
                     print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)

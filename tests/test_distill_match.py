@@ -8,7 +8,7 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.match import ATTN, _statistics, fit_values
+from final.distill.match import ATTN, _Recorder, fit_values
 from final.distill.select import attention_mass, select_init, select_kv, select_positions
 from final.distill.train import Student
 from final.models import resolve_model_path
@@ -44,8 +44,8 @@ def test_the_fitting_pass_leaves_the_models_output_unchanged(setup):
     student, doc, rows = setup
     model, L = student.model, len(doc)
     positions = select_positions(attention_mass(student, doc, rows), 8, 1)
-    attend, gram, rhs = _statistics(model, L, positions)
-    AttentionInterface.register(ATTN, attend)
+    recorder = _Recorder(model, L, positions)
+    AttentionInterface.register(ATTN, recorder)
 
     def logits(impl):
         cache = DynamicCache()
@@ -57,14 +57,14 @@ def test_the_fitting_pass_leaves_the_models_output_unchanged(setup):
             model.set_attn_implementation("sdpa")
 
     assert torch.allclose(logits(ATTN), logits("sdpa"), atol=1e-4)
-    assert gram.abs().sum() > 0 and rhs.abs().sum() > 0  # the row after the document was recorded
+    assert recorder.gram.abs().sum() > 0 and recorder.rhs.abs().sum() > 0  # the row after the document was recorded
 
 
 def test_fitting_every_position_gives_back_the_documents_own_values(setup):
     student, doc, rows = setup
     positions = select_positions(attention_mass(student, doc, rows), len(doc), 1)
     keys, values = student.prefill(doc)
-    fitted = fit_values(student, doc, rows, positions, values, 1, ridge=0.0)
+    fitted = fit_values(student, doc, rows, positions, keys, values, 1, ridge=0.0)
     assert all(torch.allclose(f, v, atol=1e-4) for f, v in zip(fitted, values))
 
 
@@ -81,3 +81,19 @@ def test_fitted_values_bring_the_cartridge_closer_to_the_teacher_and_keep_the_si
     selected = sum(_kl(student, doc, keys, values, r) for r in rows)
     matched = sum(_kl(student, doc, fk, fv, r) for r in rows)
     assert matched < selected
+
+
+def test_sequential_fitting_starts_as_the_independent_one_and_also_brings_the_cartridge_closer(setup):
+    """Layer 0's queries are the same in the teacher and the student (nothing below it differs), so its
+    sequential fit is the independent one; the layers above fit the student's own queries."""
+    student, doc, rows = setup
+    model_dir = resolve_model_path(TINY)
+    positions = select_positions(attention_mass(student, doc, rows), 8, 1)
+    keys, values = select_kv(*student.prefill(doc), positions, model_dir)
+    alone = fit_values(student, doc, rows, positions, keys, values, 1)
+    chained = fit_values(student, doc, rows, positions, keys, values, 1, sequential=True)
+    assert torch.allclose(chained[0], alone[0], atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(chained[-1], alone[-1], atol=1e-5)
+    assert student.model.config._attn_implementation == "sdpa"
+    assert sum(_kl(student, doc, keys, chained, r) for r in rows) < sum(_kl(student, doc, keys, values, r)
+                                                                        for r in rows)

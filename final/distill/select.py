@@ -102,5 +102,5 @@ def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int
     if fit:
         from final.distill.match import fit_values
 
-        values = fit_values(student, doc_ids, rows, positions, values, frozen)
+        values = fit_values(student, doc_ids, rows, positions, keys, values, frozen)
     return keys, values
