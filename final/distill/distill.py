@@ -60,8 +60,8 @@ class DistillConfig:
     init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.41x before training);
     # "select": final.distill.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
     init_questions: int = 16  # select/match: self-study conversations (teacher-answered) whose attention picks the KV
-    validate: int = 8  # teacher-answered conversations, never trained on, judging the cartridge at each checkpoint:
-    # the best one judged is what OUT holds at the end (0: the last step's)
+    validate: int = 12  # teacher-answered conversations (2 a chunk), never trained on, judging the cartridge at each
+    # checkpoint: the best one judged is what OUT holds at the end (0: the last step's)
     supervise: str = "all"  # "all": every token after the system turn (the repo's); "answer": the answer's only
     frozen_tokens: int = 1
     seed: int = 0

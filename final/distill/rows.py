@@ -17,6 +17,9 @@ from final.distill.train import Batch, make_batch
 from final.prompts import continuation_ids
 
 VALIDATION_BATCH = -1001  # the validation set's first plan batch (observe's are -1, -2, ...)
+# two questions a chunk: 8 from one chunk judged a run the opposite way to the 48 held-out rows from 6 chunks
+# (bench/RESULTS.md, sixth pass): a few of a chunk's facts carry most of a set's KL
+VALIDATION_PER_CHUNK = 2
 
 
 def ask_batch(inference: Any, doc: list[int], step: int, ids: list[int],
@@ -42,15 +45,15 @@ def make_row(q: int, prompt: list[int], answer: list[int], tops: list, lps: list
 
 
 def teacher_answered(inference: Any, teacher: ChunkContext, doc: list[int], cfg: Any, count: int,
-                     first_batch: int) -> tuple[list[str], list[list[int]], list[list[int]]]:
-    """`count` questions drawn as a step's (plan batches first_batch, first_batch - 1, ...) and the teacher's
-    greedy answers: (questions, prompt ids, answer ids)."""
+                     first_batch: int, per_batch: int) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """`count` questions drawn as a step's, `per_batch` from each plan batch (first_batch, first_batch - 1, ...:
+    each its own chunk of the document), and the teacher's greedy answers: (questions, prompt ids, answer ids)."""
     questions: list[str] = []
     prompts: list[list[int]] = []
     answers: list[list[int]] = []
     batch = first_batch
     while len(prompts) < count:
-        ids = list(range(min(cfg.questions, count - len(prompts))))
+        ids = list(range(min(per_batch, count - len(prompts))))
         _, asked, asked_ids = ask_batch(inference, doc, batch, ids, cfg)
         out = teacher.generate(asked_ids, temperature=0.0, max_tokens=cfg.answer_tokens)
         questions += asked
@@ -63,17 +66,19 @@ def teacher_answered(inference: Any, teacher: ChunkContext, doc: list[int], cfg:
 def observe(inference: Any, teacher: ChunkContext, doc: list[int], cfg: Any) -> tuple[list[str], list[list[int]]]:
     """init_questions self-study questions (from batches -1, -2, ...: never a step's own) and the teacher's greedy
     answers: (questions, prompt + answer ids per conversation)."""
-    questions, prompts, answers = teacher_answered(inference, teacher, doc, cfg, cfg.init_questions, -1)
+    questions, prompts, answers = teacher_answered(inference, teacher, doc, cfg, cfg.init_questions, -1,
+                                                   cfg.questions)
     return questions, [p + a for p, a in zip(prompts, answers)]
 
 
 def validation_rows(inference: Any, teacher: ChunkContext, doc: list[int], cfg: Any, pad_id: int,
                     device: Any) -> tuple[list[str], Batch | None]:
-    """cfg.validate teacher-answered conversations, never trained on, as a batch whose forward KL (answer tokens,
-    against the teacher's top-k) judges the cartridge between steps; None when cfg.validate is 0."""
+    """cfg.validate teacher-answered conversations (two a chunk), never trained on, as a batch whose forward KL
+    (answer tokens, against the teacher's top-k) judges the cartridge between steps; None when cfg.validate is 0."""
     if not cfg.validate:
         return [], None
-    questions, prompts, answers = teacher_answered(inference, teacher, doc, cfg, cfg.validate, VALIDATION_BATCH)
+    questions, prompts, answers = teacher_answered(inference, teacher, doc, cfg, cfg.validate, VALIDATION_BATCH,
+                                                   VALIDATION_PER_CHUNK)
     scored = teacher.teacher_scores(prompts, answers, cfg.top_k)
     answer_only = replace(cfg, supervise="answer")  # judged as the held-out rows are: on what the model says
     rows = [make_row(i, p, a, tops, lps, False, questions[i], "validation", (0, len(doc)), answer_only)

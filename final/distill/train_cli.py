@@ -254,7 +254,8 @@ def _distill(args: argparse.Namespace) -> int:
     from final.distill.distill import DistillConfig, distill
 
     text = read_text(args.text)
-    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate")
+             if getattr(args, k) is not None}
     cfg = DistillConfig(**given,  # a flag left out keeps DistillConfig's default (one place for them)
                         tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
