@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--answer-tokens", type=int, default=128)
-    ap.add_argument("--loss", default="forward_topk")
+    ap.add_argument("--loss", default=DistillConfig.loss)
     ap.add_argument("--updates", type=int, default=1)
     ap.add_argument("--validate", type=int, default=DistillConfig.validate,
                     help="validation conversations (0: OUT is the last step's); default: the loop's")

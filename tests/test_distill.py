@@ -185,6 +185,26 @@ def test_more_updates_per_step_move_the_cartridge_further_on_the_same_rows(infer
     assert moved[1] > moved[0] > 0
 
 
+def test_the_tail_bucket_kl_is_a_true_kl_where_the_top_k_one_goes_below_zero():
+    from final.distill.losses import Targets, forward_topk, forward_topk_tail, step_loss
+
+    teacher = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0]]), -1)
+    sharper = torch.log_softmax(torch.tensor([[4.0, 3.0, 2.0, -2.0, -2.0, -2.0]]), -1)  # the tail moved up top
+    full_kl = float((teacher.exp() * (teacher - sharper)).sum())
+
+    def targets(k):
+        top = teacher.topk(k, -1)
+        none = torch.zeros(1)
+        return Targets(top.indices, top.values, none.long(), none, none.bool())
+
+    assert float(forward_topk(sharper, targets(3))[1]) < 0 < float(forward_topk_tail(sharper, targets(3))[1])
+    assert float(forward_topk_tail(sharper, targets(3))[1]) <= full_kl + 1e-5  # the data processing inequality
+    assert float(forward_topk_tail(sharper, targets(6))[1]) == pytest.approx(full_kl, abs=1e-5)  # k = V: the KL
+    assert float(forward_topk_tail(teacher, targets(3))[1]) == pytest.approx(0.0, abs=1e-6)
+    out = step_loss("forward_topk_tail", sharper.requires_grad_(), targets(3))
+    assert out.loss.item() == pytest.approx(out.tail_kl) and out.tail_kl > 0 > out.forward_kl
+
+
 def test_out_holds_the_best_cartridge_validation_judged_and_the_best_survives_a_resume(inference, tmp_path):
     """A far too large lr makes every step worse on the validation set: OUT ends as the start, said so."""
     from final.cartridges.format import load_cartridge

@@ -3,7 +3,9 @@
 `forward_topk` is the cartridges repo's loss (`train.py`, loss_type="logits") and veRL 0.9's `forward_kl_topk`:
 -sum_k p_teacher(k) log q_student(k) over the teacher's top-k ids, not renormalised. Its value includes the
 teacher's entropy over those k, so the KL reported beside it is that cross-entropy minus the teacher's top-k
-entropy, sum_k p (log p - log q): 0 when the student equals the teacher on the top-k.
+entropy, sum_k p (log p - log q): 0 when the student equals the teacher on the top-k, and below 0 when the
+student moves the tail's mass onto them. `forward_topk_tail` adds the rest of the vocabulary as one bucket,
+which makes it a true KL (>= 0; validation judges by it).
 
 The reverse forms need the token to be the student's own sample (on-policy rows); the teacher gives log p of it:
 - `reverse_k1`: Thinking Machines' on-policy distillation / a policy gradient with per-token advantage
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSSES = ("forward_topk", "reverse_k1", "reverse_k3")
+LOSSES = ("forward_topk", "forward_topk_tail", "reverse_k1", "reverse_k3")
 
 
 @dataclass
@@ -42,6 +44,20 @@ def forward_topk(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Te
     return ce, (ce - entropy).detach()
 
 
+def forward_topk_tail(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (loss, KL) of the forward KL between the two distributions coarsened to the teacher's top-k ids
+    plus one bucket for every other token: sum_k p (log p - log q) + p_rest (log p_rest - log q_rest). A true KL
+    (>= 0, a lower bound of the full one), unlike forward_topk's: a student that moves the tail's mass onto the
+    top-k lowers forward_topk's KL below 0 while the full KL grows, and here pays for it."""
+    lq = logq.gather(1, t.top_ids)
+    lp = t.top_logprobs
+    p = lp.exp()
+    lp_rest = torch.log1p(-p.sum(-1).clamp(max=1 - 1e-6))
+    lq_rest = torch.log1p(-lq.exp().sum(-1).clamp(max=1 - 1e-6))
+    kl = (p * (lp - lq)).sum(-1) + lp_rest.exp() * (lp_rest - lq_rest)
+    return kl, kl.detach()
+
+
 def reverse_k1(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
     lq = logq.gather(1, t.token_ids[:, None])[:, 0]
     k1 = lq - t.token_logprobs
@@ -55,24 +71,30 @@ def reverse_k3(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tens
     return k3, k3.detach()
 
 
-_FORMS = {"forward_topk": forward_topk, "reverse_k1": reverse_k1, "reverse_k3": reverse_k3}
+_FORMS = {"forward_topk": forward_topk, "forward_topk_tail": forward_topk_tail, "reverse_k1": reverse_k1,
+          "reverse_k3": reverse_k3}
 
 
 @dataclass
 class StepLoss:
     loss: torch.Tensor  # the mean over target tokens, what backward() runs on
     forward_kl: float  # mean top-k forward KL over every target (comparable across losses and runs)
+    tail_kl: float  # mean forward_topk_tail KL over every target (a true KL: what validation judges by)
     reverse_kl: float | None  # mean k1 estimate of KL(student || teacher) on the student's own samples
     targets: int
 
 
 def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
-    """`name` on the student's own samples, forward_topk everywhere else (a reverse KL estimated on a token the
-    student did not sample, e.g. a question the teacher wrote or an off-policy answer, has no meaning)."""
+    """`name` on the student's own samples, a forward form everywhere else (forward_topk_tail if it is the name,
+    else forward_topk: a reverse KL estimated on a token the student did not sample, e.g. a question the teacher
+    wrote or an off-policy answer, has no meaning)."""
     loss, kl = forward_topk(logq, t)
+    if name == "forward_topk_tail":
+        loss = forward_topk_tail(logq, t)[0]
     reverse = None
     if bool(t.sampled.any()):
-        if name != "forward_topk":
+        if name not in ("forward_topk", "forward_topk_tail"):
             loss = torch.where(t.sampled, _FORMS[name](logq, t)[0], loss)
         reverse = float(reverse_k1(logq, t)[1][t.sampled].mean())
-    return StepLoss(loss.mean(), float(kl.mean()), reverse, int(loss.numel()))
+    tail = forward_topk_tail(logq.detach(), t)[1]
+    return StepLoss(loss.mean(), float(kl.mean()), float(tail.mean()), reverse, int(loss.numel()))

@@ -117,8 +117,8 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--n", type=int, default=1, help="student samples per question (default 1)")
     d.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature")
     d.add_argument("--answer-tokens", type=int, default=128)
-    d.add_argument("--loss", choices=("forward_topk", "reverse_k1", "reverse_k3"), default="forward_topk",
-                   help="on the student's own tokens (default forward_topk: see README for the measurement)")
+    d.add_argument("--loss", help="on the student's own tokens: forward_topk, forward_topk_tail, reverse_k1 or "
+                                  "reverse_k3 (default: DistillConfig's; see README for the measurement)")
     d.add_argument("--on-policy-fraction", type=float, default=1.0,
                    help="share of each step's questions the student answers; the rest the teacher (off-policy)")
     d.add_argument("--lr", type=float, help="Adam's learning rate (default: DistillConfig's, measured: see README)")
@@ -254,12 +254,12 @@ def _distill(args: argparse.Namespace) -> int:
     from final.distill.distill import DistillConfig, distill
 
     text = read_text(args.text)
-    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate")
+    given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate", "loss")
              if getattr(args, k) is not None}
     cfg = DistillConfig(**given,  # a flag left out keeps DistillConfig's default (one place for them)
                         tokens=args.tokens, steps=args.steps, questions=args.questions, n=args.n,
                         temperature=args.temperature, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                        updates=args.updates, loss=args.loss, on_policy_fraction=args.on_policy_fraction,
+                        updates=args.updates, on_policy_fraction=args.on_policy_fraction,
                         supervise=args.supervise, frozen_tokens=args.frozen_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollout=args.rollout,
                         synth=_synth_config(args, seed=args.seed))

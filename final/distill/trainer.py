@@ -67,6 +67,7 @@ class Trainer:
             if first is None:
                 first = out
         rec = {"step": len(self.history) + 1, "loss": first.loss.item(), "forward_kl": first.forward_kl,
+               "tail_kl": first.tail_kl,
                "reverse_kl": first.reverse_kl, "targets": first.targets, "lr": lr,
                "gradient_s": time.perf_counter() - t0,
                **extra}
@@ -75,10 +76,11 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, batch: Any) -> float:
-        """The cartridge's forward KL (the teacher's top-k) on a batch it is not trained on."""
+        """The cartridge's KL (the teacher's top-k plus a bucket for the rest: losses.forward_topk_tail) on a batch
+        it is not trained on."""
         from final.distill.train import distill_loss
 
-        return distill_loss(self.student, self.cache, batch, "forward_topk").forward_kl
+        return distill_loss(self.student, self.cache, batch, "forward_topk").tail_kl
 
     def keep_if_best(self, kl: float, step: int) -> bool:
         """Keep a copy of the cartridge as it is after `step` steps if `kl` is the lowest validation KL so far."""
