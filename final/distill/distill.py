@@ -52,10 +52,10 @@ class DistillConfig:
     temperature: float = 1.0  # the student's sampling temperature
     answer_tokens: int = 128
     top_k: int = 20
-    lr: float = 2e-3  # measured (bench/RESULTS.md): 2e-3 beat 5e-3 from a select start; 5e-3 beat 1e-2..6e-2 from prefix
+    lr: float = 2e-3  # measured (RESULTS): 2e-3 beat 5e-3 from a select start; 5e-3 beat 1e-2..6e-2 from prefix
     schedule: str = "cosine"  # the lr over the step budget (trainer.SCHEDULES); measured: constant's best was mid-run
     updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
-    loss: str = "forward_topk"
+    loss: str = "forward_topk_tail"  # measured (bench/RESULTS.md, sixth pass): forward_topk made a match start worse
     on_policy_fraction: float = 1.0
     init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.41x before training);
     # "select": final.distill.select's positions and own values (0.75x); "prefix": the first p tokens (1x)

@@ -129,7 +129,8 @@ def _register_distill(sub: Any) -> None:
                                   "KV head's P most attended positions of the whole document) or match (select's "
                                   "positions, values fitted to the teacher's attention; default: DistillConfig's)")
     d.add_argument("--init-questions", type=int,
-                   help="select/match: how many teacher-answered self-study conversations' attention picks the positions "
+                   help="select/match: how many teacher-answered self-study conversations' attention picks the "
+                        "positions "
                         "(default: DistillConfig's)")
     d.add_argument("--validate", type=int,
                    help="teacher-answered conversations, never trained on, that judge the cartridge at each "
