@@ -57,7 +57,7 @@ class DistillConfig:
     updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
     loss: str = "forward_topk_tail"  # measured (bench/RESULTS.md, sixth pass): forward_topk made a match start worse
     on_policy_fraction: float = 1.0
-    init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.41x before training);
+    init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.42x before training);
     # "select": final.distill.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
     init_questions: int = 16  # select/match: self-study conversations (teacher-answered) whose attention picks the KV
     validate: int = 12  # teacher-answered conversations (2 a chunk), never trained on, judging the cartridge at each
@@ -201,10 +201,10 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
             on_start: Callable[[int, TrainableKV], None] | None = None) -> list[dict]:
     """Run (or resume) the loop for cfg.steps steps; the cartridge is at `out` after every step, and at the end
     the best one the validation set judged (the start included; the last step's when cfg.validate is 0). Returns
-    every step's record (loss, forward_kl, reverse_kl, seconds per stage, validation_kl at checkpoints, and in the
-    last one kept_step and kept_validation_kl: what OUT holds; a fresh
-    run's first record also lists the questions drawn before it, for the initialisation and the validation set,
-    and their seconds: init_s, validation_set_s). on_start(steps done, cache) runs once before the first step."""
+    every step's record (loss, forward_kl, tail_kl, reverse_kl, seconds per stage, validation_kl at checkpoints,
+    and in the last one kept_step and kept_validation_kl: what OUT holds; a fresh run's first record also lists
+    the questions drawn before it, for the initialisation and the validation set, their seconds, init_s and
+    validation_set_s, and start_validation_kl). on_start(steps done, cache) runs once before the first step."""
     from tqdm import tqdm
 
     cfg.check()
