@@ -248,3 +248,25 @@ def test_a_trained_cartridge_serves_on_sglang_like_the_embedded_engine(engines, 
     finally:
         for eng in (local, sglang):
             eng.unload_cartridge("trained")
+
+
+def test_a_refused_flush_is_retried_until_the_scheduler_is_idle():
+    """SGLang's scheduler refuses a flush while a just-finished request is still in its running batch (seen under
+    load: "#running-req: 1" right after the answer came back); flush_until_idle asks again a few times."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from final.rollout.sglang.cartridges import FLUSH_TRIES, flush_until_idle
+
+    def scheduler(busy_for):
+        calls = []
+
+        async def flush():
+            calls.append(1)
+            return SimpleNamespace(success=len(calls) > busy_for)
+        return flush, calls
+
+    flush, calls = scheduler(2)
+    assert asyncio.run(flush_until_idle(flush)).success and len(calls) == 3
+    flush, calls = scheduler(99)  # requests really running: refused, as SGLang said, after FLUSH_TRIES asks
+    assert not asyncio.run(flush_until_idle(flush)).success and len(calls) == FLUSH_TRIES

@@ -18,13 +18,14 @@ one lock serialises this object's state and the RPC socket (ZMQ sockets are not 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
@@ -243,3 +244,20 @@ def check_prefix_hit(out: dict, plen: int) -> None:
     if meta.get("cached_tokens", 0) < plen and reason.get("type") != "abort":
         raise EngineError(f"a cartridge prefix of {plen} tokens was not served from SGLang's radix cache "
                           f"(cached_tokens={meta.get('cached_tokens')}); its KV was evicted or flushed")
+
+
+FLUSH_TRIES = 5
+
+
+async def flush_until_idle(flush: Callable[[], Awaitable[Any]]) -> Any:
+    """SGLang's flush_cache, retried up to FLUSH_TRIES times 50-200 ms apart. Its scheduler refuses a flush while
+    its running batch holds a request, and a request whose answer the caller already has can still be there for a
+    loop iteration: under load (CI beside benchmarks) veRL's flush right after a generate was refused, which left
+    an unloaded cartridge's reserved id retired. A flush refused every time (requests really running) is returned
+    as SGLang gave it."""
+    for attempt in range(FLUSH_TRIES):
+        out = await flush()
+        if out.success or attempt == FLUSH_TRIES - 1:
+            return out
+        await asyncio.sleep(0.05 * (attempt + 1))
+

@@ -28,7 +28,7 @@ import psutil
 
 from final.engine.messages import Submission
 from final.errors import EngineError, PromptError, SamplingError, UnsupportedError
-from final.rollout.sglang.cartridges import SGLangCartridges, check_prefix_hit, shift_starts
+from final.rollout.sglang.cartridges import SGLangCartridges, check_prefix_hit, flush_until_idle, shift_starts
 from final.rollout.sglang.config import check_sampling_key
 from final.rollout.sglang.procs import (POLL_S, ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
                                         new_children)
@@ -144,7 +144,8 @@ class DirectSGLangEngine:
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (SGLang refuses while requests run); the scheduler re-injects loaded cartridges."""
-        ok = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.flush_cache(), self.loop).result().success
+        flush = flush_until_idle(self.engine.tokenizer_manager.flush_cache)
+        ok = asyncio.run_coroutine_threadsafe(flush, self.loop).result().success
         if ok and self.cartridges is not None:
             self.cartridges.after_flush()
         return ok

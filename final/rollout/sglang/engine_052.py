@@ -35,7 +35,8 @@ from final.outputs import ROW_INFO, TRACE_KEY, row_infos
 from final.prompts import object_array
 from final.rollout.sglang import scheduler as sglang_scheduler
 from final.rollout.batch import logprob_request, row_cartridges
-from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges, check_prefix_hit, shift_starts
+from final.rollout.sglang.cartridges import (ModelDims, SGLangCartridges, check_prefix_hit, flush_until_idle,
+                                             shift_starts)
 from final.rollout.sglang.procs import kill_processes, new_children
 
 # Batch path: one tuple of cartridge ids per DataProto row. Multi-turn path: the tuple of the request's row.
@@ -145,7 +146,7 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
     async def flush_cache(self):
         # The tokenizer manager answers through its receive loop, which only a first request would create.
         self.tokenizer_manager.auto_create_handle_loop()
-        out = await super().flush_cache()
+        out = await flush_until_idle(super().flush_cache)
         if self.cartridges is not None and out.success:
             self.cartridges.after_flush()
         return out
