@@ -89,12 +89,12 @@ def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
     else forward_topk: a reverse KL estimated on a token the student did not sample, e.g. a question the teacher
     wrote or an off-policy answer, has no meaning)."""
     loss, kl = forward_topk(logq, t)
+    tail_loss, tail = forward_topk_tail(logq, t)  # once: the loss when it is the name, and the reported tail KL
     if name == "forward_topk_tail":
-        loss = forward_topk_tail(logq, t)[0]
+        loss = tail_loss
     reverse = None
     if bool(t.sampled.any()):
         if name not in ("forward_topk", "forward_topk_tail"):
             loss = torch.where(t.sampled, _FORMS[name](logq, t)[0], loss)
         reverse = float(reverse_k1(logq, t)[1][t.sampled].mean())
-    tail = forward_topk_tail(logq.detach(), t)[1]
     return StepLoss(loss.mean(), float(kl.mean()), float(tail.mean()), reverse, int(loss.numel()))
