@@ -47,10 +47,18 @@ def test_every_prep_and_epilogue_matches_torch(wdtype, threads, m, n, k):
     finally:
         torch.set_num_threads(before)
     w = w.float()  # a bf16 weight widens to fp32 exactly: the reference multiplies by that
-    want = [F.linear(x, w), res + F.linear(x, w, bias), F.linear(F.rms_norm(x, (k,), norm, 1e-5), w),
-            res + F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    inputs = [x, x, F.rms_norm(x, (k,), norm, 1e-5), F.silu(gu[:, :k]) * gu[:, k:]]
+    want = [F.linear(x, w), res + F.linear(x, w, bias), F.linear(inputs[2], w), res + F.linear(inputs[3], w)]
+    for a, b, inp in zip(got, want, inputs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 + bf16_dp_slack(wdtype, m, inp, w))
+
+
+def bf16_dp_slack(wdtype: torch.dtype, m: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | float:
+    """What an AVX512-BF16 build may differ by beyond fp32 rounding with bf16 weights at up to 4 rows (avx512.h): x
+    carried as two bf16 halves, each |x - hi - lo| <= 2^-18 |x|, so each product within 2^-18 |w x| (2^-16: room)."""
+    if wdtype != torch.bfloat16 or m > 4 or KERNEL.isa != "avx512bf16":
+        return 0.0
+    return (x.abs() @ w.abs().T).max().item() * 2.0**-16
 
 
 @needs_kernel
@@ -233,8 +241,9 @@ def test_bf16_is_weight_only_routes_by_rows_and_takes_updates(kernel):
     for m in (1, GEMV_ROWS, GEMV_ROWS + 1, 40):
         x, r = torch.randn(m, 1, 40, generator=g), torch.randn(m, 1, 48, generator=g)
         assert lin.fuses(m) == (kernel is not None and m <= GEMV_ROWS)
-        torch.testing.assert_close(lin(x), F.linear(x, ref, b), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lin.add_to(r, x), r + F.linear(x, ref, b), rtol=1e-5, atol=1e-5)
+        tol = 1e-5 + (bf16_dp_slack(torch.bfloat16, m, x[:, 0], ref) if kernel is not None else 0.0)
+        torch.testing.assert_close(lin(x), F.linear(x, ref, b), rtol=1e-5, atol=tol)
+        torch.testing.assert_close(lin.add_to(r, x), r + F.linear(x, ref, b), rtol=1e-5, atol=tol)
     address = lin.w16.data_ptr()
     new = torch.randn(8, 40, generator=g)
     lin.set_rows(8, 16, new)

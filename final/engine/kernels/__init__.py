@@ -8,6 +8,11 @@ builds it ahead (`python -m final.engine.kernels`, __main__.py) so a first engin
 ctypes (no torch headers, no ninja: a 1 s build), checked against torch on random data before first use. Anything unusual (no gcc, a
 failed build, a CPU without AVX2/FMA, a wrong answer, FINAL_GEMV=0) leaves `gemv_kernel()` None with the reason
 logged once, and the engine uses torch's kernels (final/engine/linear.py) as before.
+
+One build per instruction set (ISAS): the AVX2 loops everywhere, and where the CPU has AVX-512 (avx512.h) 512-bit
+int8 loops and, with AVX512-BF16, bf16 dot products. The best ISA the CPU lists is built and checked first; one
+that fails to build, load or check falls back to the next. FINAL_GEMV_ISA=<name> asks for one build only (tests
+and benchmarks compare them on one machine).
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-HEADERS = [Path(__file__).with_name("products.h")]  # what SOURCE includes: part of the build's key
+HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "avx512.h")]  # what SOURCE includes: in the key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# name -> (extra gcc flags, the /proc/cpuinfo flags it needs), best first; gemv.c's final_gemv_cpu_ok checks the same
+ISAS = {"avx512bf16": (_AVX512 + ["-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+        "avx512": (_AVX512, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+        "avx2": ([], {"avx2", "fma"})}
 ABI = 9  # final_gemv_abi() of the source this wrapper speaks to
 Q8_BLOCK = 32  # int8 weights one kernel scale covers (products.h); K must be a multiple
 KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # products.h's W_F32, W_Q8, W_BF16
@@ -48,44 +58,75 @@ def _compiler() -> str:
     return found
 
 
-def library_path(cc: str) -> Path:
+def flags(isa: str) -> list[str]:
+    return FLAGS + ISAS[isa][0]
+
+
+def library_path(cc: str, isa: str = "avx2") -> Path:
     from final.models import cache_dir
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     text = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
-    key = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"gemv-{key}.so"
+    key = hashlib.sha256(text + " ".join(flags(isa)).encode() + version.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"gemv-{isa}-{key}.so"
 
 
-def build() -> Path:
-    """The shared library for this source, flags and compiler, compiled if not cached yet."""
+def build(isa: str = "avx2") -> Path:
+    """The shared library for this source, instruction set and compiler, compiled if not cached yet."""
     cc = _compiler()
-    out = library_path(cc)
+    out = library_path(cc, isa)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True,
+    done = subprocess.run([cc, *flags(isa), "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise KernelError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        raise KernelError(f"{cc} could not build {SOURCE.name} for {isa}: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
-    for old in out.parent.glob("gemv-*.so"):  # earlier sources' builds (a process that loaded one keeps its map)
+    for old in out.parent.glob(f"gemv-{isa}-*.so"):  # earlier sources' builds (a loaded one keeps its map)
         if old != out:
             old.unlink(missing_ok=True)
+    for old in out.parent.glob("gemv-????????????????.so"):  # builds from before there was one per ISA
+        old.unlink(missing_ok=True)
     return out
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none: then only the library's own
+    check decides)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def candidate_isas() -> list[str]:
+    """The builds to try, best first: FINAL_GEMV_ISA's alone if set, else every ISA whose flags the CPU lists."""
+    forced = os.environ.get("FINAL_GEMV_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise KernelError(f"FINAL_GEMV_ISA={forced!r} is none of {sorted(ISAS)}")
+        return [forced]
+    have = cpu_flags()
+    return [isa for isa, (_, need) in ISAS.items() if not have or need <= have]
 
 
 class GemvKernel:
     """y = [res +] [bias +] prep(x) @ w.T for contiguous fp32 CPU tensors (see gemv.c for `prep`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, isa: str = "avx2"):
         lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for the call
         if lib.final_gemv_abi() != ABI:
             raise KernelError(f"{path} speaks ABI {lib.final_gemv_abi()}, this wrapper {ABI}")
         if not lib.final_gemv_cpu_ok():
-            raise KernelError("this CPU lacks AVX2/FMA")
+            raise KernelError(f"this CPU lacks what the {isa} build needs ({', '.join(sorted(ISAS[isa][1]))})")
+        self.isa = isa
         self._fn = lib.final_gemv
         self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
@@ -193,10 +234,26 @@ def _load() -> GemvKernel | None:
         logger.info("the engine's GEMV kernel needs AVX2/FMA (torch reports %s); using torch's kernels",
                     torch.backends.cpu.get_cpu_capability())
         return None
+    failures = []
     try:
-        kernel = GemvKernel(build())
-        kernel.self_check()
-        return kernel
-    except (KernelError, OSError) as exc:
-        logger.warning("the engine's GEMV kernel is unavailable (%s); using torch's kernels", exc)
-        return None
+        for isa in candidate_isas():
+            try:
+                kernel = load(isa)
+            except (KernelError, OSError) as exc:
+                failures.append(f"{isa}: {exc}")
+                continue
+            if failures:
+                logger.info("the engine's GEMV kernel runs the %s build (%s)", isa, "; ".join(failures))
+            return kernel
+    except KernelError as exc:  # a FINAL_GEMV_ISA that names no build
+        failures.append(str(exc))
+    logger.warning("the engine's GEMV kernel is unavailable (%s); using torch's kernels",
+                   "; ".join(failures) or "this CPU lists neither AVX2 nor FMA")
+    return None
+
+
+def load(isa: str) -> GemvKernel:
+    """The build for `isa`, compiled if needed, loaded and checked against torch (KernelError if any step fails)."""
+    kernel = GemvKernel(build(isa), isa)
+    kernel.self_check()
+    return kernel

@@ -7,4 +7,4 @@ from final.engine.kernels import gemv_kernel
 
 logging.basicConfig(level=logging.INFO)
 kernel = gemv_kernel()
-print(f"final GEMV kernel: {kernel.path if kernel else 'unavailable (torch kernels will be used)'}")
+print(f"final GEMV kernel: {f'{kernel.path} ({kernel.isa})' if kernel else 'unavailable (torch kernels will be used)'}")

@@ -20,9 +20,19 @@
 
 int final_gemv_abi(void) { return 9; }
 
+/* whether this CPU runs every instruction set this build was compiled for (a build for a larger set than the CPU
+   has is refused before any of its loops runs) */
 int final_gemv_cpu_ok(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#ifdef __AVX512BW__
+  ok = ok && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+#ifdef __AVX512BF16__
+  ok = ok && __builtin_cpu_supports("avx512bf16");
+#endif
+  return ok;
 }
 
 /* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] of `kind`: W_F32, W_BF16 (uint16 bit patterns), or W_Q8 (int8, with

@@ -22,6 +22,10 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the row being read */
 #endif
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 8192 /* int8: a byte is a weight, so the same time ahead is more bytes (measured 4096 -> 8192:
+                            +5-8% a batch-1 step when the host's memory was fast, the same when it was slow) */
+#endif
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -207,6 +211,17 @@ INLINE void row_dots8(const float *xs, int K, const void *wr, int bf, int m0, in
   finish_dots(a, x, P, k, K, wr, bf, dots);
 }
 
+static inline void store(const float *dots, int P, int m, int n, int N, const float *bias, const float *res,
+                         float *y) {
+  for (int p = 0; p < P; p++) {
+    const int64_t at = (int64_t)(m + p) * N + n;
+    float v = dots[p];
+    if (bias) v += bias[n];
+    if (res) v = res[at] + v;
+    y[at] = v;
+  }
+}
+
 /* int8 rows: one fp32 scale per block of Q8_BLOCK weights (llama.cpp's Q8_0 block; one scale a row was coarse on
    rows with outliers), K a multiple of Q8_BLOCK. The activations come as int16 with a scale per block too
    (quant16_team: 1/32767 of the block's largest magnitude, ~1e-5 relative, where fbgemm's 7-bit per-tensor
@@ -214,6 +229,9 @@ INLINE void row_dots8(const float *xs, int K, const void *wr, int bf, int m0, in
    vpmaddwd against the activations (|sum| <= 4 x 127 x 32767 < 2^31 per lane: no overflow), one convert and one
    FMA by the two scales. Widening each weight to fp32 instead cost 10 FP instructions a block and made one core
    compute-bound. P <= 4 activation rows. */
+#ifdef __AVX512BW__
+#include "avx512.h" /* q8_dots in 512-bit registers; bf16 dot products */
+#else
 static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int8_t *wr, const float *sr, int m0,
                            int P, float *dots) {
   __m256 a[4];
@@ -221,7 +239,7 @@ static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int
   const int blocks = K / Q8_BLOCK;
   for (int b = 0; b < blocks; b++) {
     const int k = b * Q8_BLOCK;
-    if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + Q8_PREFETCH, PFHINT);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k + 16)));
     for (int p = 0; p < P; p++) {
@@ -234,6 +252,7 @@ static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int
   }
   for (int p = 0; p < P; p++) dots[p] = hsum(a[p]);
 }
+#endif
 
 /* xs [M, K] fp32 -> xq int16 and xsc [M, K / Q8_BLOCK]: each block scaled to its largest magnitude at 32767 */
 static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc) {
@@ -256,17 +275,6 @@ static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc)
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
       _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
     }
-  }
-}
-
-static inline void store(const float *dots, int P, int m, int n, int N, const float *bias, const float *res,
-                         float *y) {
-  for (int p = 0; p < P; p++) {
-    const int64_t at = (int64_t)(m + p) * N + n;
-    float v = dots[p];
-    if (bias) v += bias[n];
-    if (res) v = res[at] + v;
-    y[at] = v;
   }
 }
 
@@ -373,6 +381,14 @@ static void product_team(const float *xs, int M, int K, const void *w, int kind,
     rows_q8(a.xq, a.xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
   } else if (kind == W_BF16) {
     float *xp = a.xp + a.stride * t;
+#ifdef __AVX512BF16__
+    if (M <= BF16_DP_ROWS) {
+      uint16_t *hi = (uint16_t *)xp, *lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
+      bf16_split(xs, M, K, hi, lo);
+      rows_bf16_dp(hi, lo, M, K, (const uint16_t *)w, n0, n1, N, bias, res, y);
+      return;
+    }
+#endif
     bf16_permute(xs, M, K, xp);
     rows(xp, M, K, w, 1, n0, n1, N, bias, res, y);
   } else {
