@@ -105,6 +105,67 @@ def test_final_gemv_0_turns_it_off(monkeypatch):
     assert gemv_enabled(torch.device("cpu"), torch.bfloat16) is None  # fp32 only, whatever the flag
 
 
+ISAS_HERE = kernels.candidate_isas() if KERNEL is not None else []
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", list(kernels.ISAS))
+def test_every_instruction_set_this_cpu_runs_matches_torch(isa):
+    """Each build the CPU can run (avx2 everywhere the kernel runs; avx512 and avx512bf16 where the CPU lists them)
+    against torch: fp32, bf16 and int8 weights, every activation-row pass width, one and two threads."""
+    if isa not in ISAS_HERE:
+        pytest.skip(f"this CPU does not list what the {isa} build needs")
+    k = kernels.load(isa)
+    assert k.isa == isa and f"gemv-{isa}-" in k.path.name
+    g = torch.Generator().manual_seed(7)
+    before = torch.get_num_threads()
+    try:
+        for threads, m, (n, kk) in [(t, m, s) for t in (1, 2) for m in (1, 2, 4, 5, 8) for s in ((37, 64), (70, 576))]:
+            torch.set_num_threads(threads)
+            x, w, bias = torch.randn(m, kk, generator=g), torch.randn(n, kk, generator=g), torch.randn(n, generator=g)
+            q, scale = kernels.quantize(w)
+            for weight, ref, kw in ((w, w, {}), (w.bfloat16(), w.bfloat16().float(), {}),
+                                    (q, dequantize(q, scale), {"scale": scale})):
+                want = F.linear(x, ref, bias)
+                slack = bf16_dp_slack(weight.dtype, m, x, ref) if isa == "avx512bf16" else 0.0
+                tol = (1e-4 * want.abs().max().item() if weight.dtype == torch.int8 else 1e-4) + slack
+                torch.testing.assert_close(k(x, weight, bias, **kw), want, rtol=1e-4, atol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_builds_tried_follow_the_cpus_flags_and_final_gemv_isa(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "sse4_2"})
+    assert kernels.candidate_isas() == ["avx2"]
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert kernels.candidate_isas() == ["avx512", "avx2"]
+    monkeypatch.setenv("FINAL_GEMV_ISA", "avx2")
+    assert kernels.candidate_isas() == ["avx2"]
+    monkeypatch.setenv("FINAL_GEMV_ISA", "sse9")
+    with pytest.raises(KernelError, match="FINAL_GEMV_ISA='sse9'"):
+        kernels.candidate_isas()
+    with caplog.at_level(logging.WARNING, logger="final.engine.kernels"):
+        assert kernels._load() is None
+    assert "FINAL_GEMV_ISA='sse9'" in caplog.text
+
+
+@needs_kernel
+def test_a_build_that_fails_falls_back_to_the_next(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "candidate_isas", lambda: ["avx512", "avx2"])
+    real = kernels.build
+
+    def build(isa="avx2"):
+        if isa == "avx512":
+            raise KernelError("gcc 9 has no -mavx512bf16 (a stand-in failure)")
+        return real(isa)
+
+    monkeypatch.setattr(kernels, "build", build)
+    with caplog.at_level(logging.INFO, logger="final.engine.kernels"):
+        kernel = kernels._load()
+    assert kernel is not None and kernel.isa == "avx2"
+    assert "runs the avx2 build" in caplog.text and "stand-in failure" in caplog.text
+
+
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
 def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
@@ -140,10 +201,19 @@ def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
     assert Int8Linear(torch.randn(4, 40), gemv=KERNEL).gemv is None  # 40 is no multiple of 32: fbgemm only
 
 
+def use_isa(isa: str | None, monkeypatch) -> None:
+    """Engines made after this run `isa`'s build (None: the default one), or the test skips where the CPU cannot."""
+    if isa is not None:
+        if isa not in ISAS_HERE:
+            pytest.skip(f"this CPU does not list what the {isa} build needs")
+        monkeypatch.setattr(kernels, "_loaded", [kernels.load(isa)])
+
+
 @needs_kernel
-@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen2", None), ("qwen3", None), ("llama", "bf16"),
-                                               ("qwen2", "bf16")])  # qwen2: the qkv bias; qwen3: qk-norm, not fused
-def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantization, monkeypatch):
+@pytest.mark.parametrize("arch,quantization,isa", [
+    ("llama", None, None), ("qwen2", None, None), ("qwen3", None, None),  # qwen2: the qkv bias; qwen3: qk-norm
+    ("llama", "bf16", None), ("qwen2", "bf16", None), ("llama", "bf16", "avx2"), ("llama", None, "avx2")])
+def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantization, isa, monkeypatch):
     """The kernel's whole-layer decode (RMSNorm, q|k|v, RoPE, the cache write, attention, o, SwiGLU, down) against
     the engine with torch's kernels on the same weights: log-probs of every generated token, rows of different
     lengths decoding together. bf16: the same bf16 weights, widened for F.linear without the kernel. (int8's
@@ -151,6 +221,7 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
     from final.engine import EmbeddedEngine
     from final.models import resolve_model_path
 
+    use_isa(isa, monkeypatch)
     path = resolve_model_path(f"builtin:tiny-random-{arch}")
     prompts = [[1, 5, 6, 7], [1] + list(range(30, 60))]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -160,6 +231,7 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
         engine = EmbeddedEngine(path, max_model_len=64, quantization=quantization)
         try:
             assert (engine.model.kernel is not None) == (flag == "1")
+            assert flag == "0" or isa is None or engine.model.kernel.isa == isa
             if quantization:
                 model = engine.model
                 assert isinstance(model.layers[0].wo, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
@@ -172,14 +244,15 @@ def test_whole_decode_layers_in_the_kernel_match_the_torch_forward(arch, quantiz
 
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, monkeypatch):
+@pytest.mark.parametrize("arch,isa", [("llama", None), ("qwen2", None), ("llama", "avx2")])
+def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, isa, monkeypatch):
     """int8's whole-layer decode against the same engine running the layer loop with one kernel call per product
     (torch between them)."""
     from final.engine import EmbeddedEngine
     from final.engine.attention import DecodePlan
     from final.models import resolve_model_path
 
+    use_isa(isa, monkeypatch)
     path = resolve_model_path(f"builtin:tiny-random-{arch}")
     prompts = [[1, 5, 6, 7], [1] + list(range(30, 60))]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -189,7 +262,7 @@ def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, monke
             monkeypatch.setattr(DecodePlan, "fuses_layers", property(lambda _plan: False))
         engine = EmbeddedEngine(path, max_model_len=64, quantization="int8")
         try:
-            assert engine.model.kernel is not None
+            assert engine.model.kernel is not None and (isa is None or engine.model.kernel.isa == isa)
             outs = engine.generate(prompts, params, return_logprob=True)
             got[whole] = tokens_and_logprobs(outs)
         finally:
