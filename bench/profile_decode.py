@@ -3,6 +3,8 @@
     python bench/profile_decode.py --dtype float32 --batch 8              # ms per decode step
     python bench/profile_decode.py --dtype bfloat16 --batch 32 --profile  # + torch.profiler table by op/shape
     python bench/profile_decode.py --no-gemm                              # the step without its matmuls
+    python bench/profile_decode.py --batch 1 --quantization int8 --isas avx2,avx512bf16 --roofline
+                                                  # the kernel's builds side by side (one engine each, alternating)
 
 Times are the engine thread's CPU time (time.thread_time), which other processes on a shared machine
 disturb far less than wall time; `--threads 1` makes them comparable across runs. `--no-gemm` swaps every
@@ -42,11 +44,15 @@ def main() -> None:
                     help="replace weight matmuls by preallocated outputs (on torch's path: FINAL_GEMV=0)")
     ap.add_argument("--quantization", default=None, help="int8 or bf16: the engine's weight-only modes")
     ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
+    ap.add_argument("--isas", default=None,
+                    help="comma-separated kernel builds (final.engine.kernels.ISAS) to time side by side")
+    ap.add_argument("--rounds", type=int, default=12, help="--isas: rounds, each every build in turn")
     args = ap.parse_args()
+    if args.isas:
+        return compare_isas(args)
 
     from final.engine import EmbeddedEngine
     from gemv import memory_rates  # bench/gemv.py, beside this file
-    from final.engine.sampler import sample
     from final.engine.sampling_params import SamplingParams
     from final.models import resolve_model_path
 
@@ -70,17 +76,7 @@ def main() -> None:
 
     def body(runner) -> tuple[float, float, str]:
         torch.set_num_threads(args.threads)
-        seqs = [engine._make_sequence(i, [1] + list(range(100, 130 + i)), params, 0, False, -1, None, ())
-                for i in range(args.batch)]
-        for slot, seq in enumerate(seqs):
-            seq.slot = slot
-
-        def append(logits) -> None:
-            tokens, _, _ = sample(logits, seqs)
-            for seq, tok in zip(seqs, tokens):
-                seq.append(tok, None, None)
-
-        append(runner.prefill(seqs))
+        seqs, append = fresh_rows(engine, runner, args.batch, params)
         for _ in range(5):  # warm-up
             append(runner.decode(seqs))
         table = ""
@@ -117,6 +113,77 @@ def main() -> None:
         print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {rate:.1f} GB/s streamed by the whole step; "
               f"this machine reads {read:.1f} GB/s (a 128 MB sum, median of {len(reads)} taken between the steps): "
               f"{rate / read:.0%} of it")
+
+def fresh_rows(engine, runner, batch: int, params) -> tuple[list, callable]:
+    """batch new rows prefilled (prompts of 31.. tokens) and the function that appends a step's sampled tokens."""
+    from final.engine.sampler import sample
+
+    seqs = [engine._make_sequence(i, [1] + list(range(100, 130 + i)), params, 0, False, -1, None, ())
+            for i in range(batch)]
+    for slot, seq in enumerate(seqs):
+        seq.slot = slot
+
+    def append(logits) -> None:
+        tokens, _, _ = sample(logits, seqs)
+        for seq, tok in zip(seqs, tokens):
+            seq.append(tok, None, None)
+
+    append(runner.prefill(seqs))
+    return seqs, append
+
+
+def compare_isas(args) -> None:
+    """One engine per kernel build; each round runs every build's steps in turn (rotated), on fresh rows, so each
+    build sees the same contexts and the host's drift falls on all of them."""
+    from final.engine import EmbeddedEngine, kernels
+    from final.engine.sampling_params import SamplingParams
+    from final.models import resolve_model_path
+    from gemv import memory_rates
+
+    params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})
+    engines = {}
+    for isa in args.isas.split(","):
+        kernels.use(isa)
+        engines[isa] = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype,
+                                      quantization=args.quantization)
+
+    def steps(engine, runner) -> list[float]:
+        torch.set_num_threads(args.threads)
+        seqs, append = fresh_rows(engine, runner, args.batch, params)
+        for _ in range(3):
+            append(runner.decode(seqs))
+        out = []
+        for _ in range(args.steps // 4 or 1):
+            t = time.perf_counter()
+            logits = runner.decode(seqs)
+            out.append(time.perf_counter() - t)
+            append(logits)
+        return out
+
+    times: dict[str, list[float]] = {isa: [] for isa in engines}
+    reads = []
+    names = list(engines)
+    try:
+        for r in range(args.rounds):
+            if args.roofline and r % 4 == 0:
+                reads.append(memory_rates(3)[1])
+            for isa in names[r % len(names):] + names[: r % len(names)]:
+                times[isa] += engines[isa].call(lambda runner, e=engines[isa]: steps(e, runner))
+        weight_bytes = streamed_bytes(engines[names[0]].model)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    base = statistics.median(times[names[0]])
+    read = statistics.median(reads) if reads else None
+    print(f"{args.dtype}{', ' + args.quantization if args.quantization else ''} batch {args.batch}, {args.threads} "
+          f"thread(s), {args.rounds} rounds: wall ms per decode step (median), by kernel build")
+    for isa in names:
+        step = statistics.median(times[isa])
+        line = f"  {isa:11s} {step * 1e3:.2f} ms  {base / step:.3f}x {names[0]}"
+        if read:
+            line += f"  {weight_bytes / step / 1e9:.1f} GB/s streamed, {weight_bytes / step / 1e9 / read:.0%} of {read:.1f}"
+        print(line)
+
 
 if __name__ == "__main__":
     main()

@@ -252,6 +252,15 @@ def _load() -> GemvKernel | None:
     return None
 
 
+def use(isa: str) -> GemvKernel:
+    """Load `isa`'s build and make it the kernel of engines made after this call (bench/profile_decode.py --isas
+    compares builds side by side in one process)."""
+    kernel = load(isa)
+    with _lock:
+        _loaded[:] = [kernel]
+    return kernel
+
+
 def load(isa: str) -> GemvKernel:
     """The build for `isa`, compiled if needed, loaded and checked against torch (KernelError if any step fails)."""
     kernel = GemvKernel(build(isa), isa)

@@ -18,6 +18,123 @@
    libgomp torch already loaded (same soname), so it shares torch's thread pool and torch.set_num_threads. */
 #include "products.h"
 
+/* a product's activations as its weight kind reads them, in buffers of one call: int8's [M, max K] int16 and block
+   scales, made by the team once per product (xq, xsc); and per thread (the next region's team, `stride` floats
+   each): bf16's x in the order its loop reads (xp), the thread's own normed rows (hp) and their int8 (xqp, xscp)
+   for products whose thread prepares its input itself (normed_product) */
+typedef struct {
+  int16_t *xq, *xqp;
+  float *xsc, *xp, *hp, *xscp;
+  int64_t stride;  /* M K: floats per thread in xp and hp, int16 per thread in xqp */
+} Acts;
+
+static Acts acts_alloc(int kind, int M, int K) {
+  const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K, blocks = (size_t)M * (K / Q8_BLOCK + 1);
+  Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n};
+  a.hp = malloc(sizeof(float) * n * T);
+  if (kind == W_Q8) {
+    a.xq = malloc(sizeof(int16_t) * n);
+    a.xsc = malloc(sizeof(float) * blocks);
+    a.xqp = malloc(sizeof(int16_t) * n * T);
+    a.xscp = malloc(sizeof(float) * (n / Q8_BLOCK + M) * T);  /* normed_product's per-thread stride */
+  } else if (kind == W_BF16) {
+    a.xp = malloc(sizeof(float) * n * T);
+  }
+  return a;
+}
+
+static void acts_free(Acts a) {
+  free(a.xq);
+  free(a.xqp);
+  free(a.xsc);
+  free(a.xp);
+  free(a.hp);
+  free(a.xscp);
+}
+
+/* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
+
+/* scratch = prep(x): RMSNorm of each row [M, K], or SwiGLU of gate|up [M, 2K] -> [M, K]; ends in a barrier. With
+   xq (int8 products: K a multiple of Q8_BLOCK) the SwiGLU's output is also quantized into xq/xsc as it is made, so
+   the product after it needs no quantizing phase (and no barrier) of its own. */
+static void prep_team(const float *x, int M, int K, int prep, const float *g, float eps, float *scratch,
+                      int16_t *xq, float *xsc) {
+  if (prep == PREP_NORM) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, scratch + (int64_t)m * K);
+  } else if (prep == PREP_GLU) {
+    const int chunks = (K + 63) / 64;
+#pragma omp for schedule(static) collapse(2)
+    for (int m = 0; m < M; m++)
+      for (int c = 0; c < chunks; c++) {
+        const int lo = c * 64, hi = lo + 64 < K ? lo + 64 : K;
+        prep_glu(x + (int64_t)m * 2 * K, x + (int64_t)m * 2 * K + K, lo, hi, scratch + (int64_t)m * K);
+        for (int k = lo; xq && k < hi; k += Q8_BLOCK) {  /* 64 is two whole blocks */
+          const int64_t at = (int64_t)m * K + k;
+          quant16_block(scratch + at, xq + at, xsc + at / Q8_BLOCK);
+        }
+      }
+  }
+}
+
+/* this thread's contiguous share of the N output rows of y = [res +] [bias +] xs @ w.T, w of `kind` (W_F32, W_BF16,
+   or W_Q8 with its block scales, reading xs as xq/xsc); xp: the thread's bf16 buffer. No barrier after (res may be
+   y: each element is read, then written, by the thread that owns its row). */
+static void product_rows(const float *xs, const int16_t *xq, const float *xsc, int M, int K, const void *w,
+                         int kind, const float *scale, int N, const float *bias, const float *res, float *y,
+                         float *xp) {
+  const int t = omp_get_thread_num(), T = omp_get_num_threads();
+  const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
+  if (n0 >= n1) return;
+  if (kind == W_Q8) {
+    rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
+  } else if (kind == W_BF16) {
+#ifdef __AVX512BF16__
+    if (M <= BF16_DP_ROWS) {
+      uint16_t *hi = (uint16_t *)xp, *lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
+      bf16_split(xs, M, K, hi, lo);
+      rows_bf16_dp(hi, lo, M, K, (const uint16_t *)w, n0, n1, N, bias, res, y);
+      return;
+    }
+#endif
+    bf16_permute(xs, M, K, xp);
+    rows(xp, M, K, w, 1, n0, n1, N, bias, res, y);
+  } else {
+    rows(xs, M, K, w, 0, n0, n1, N, bias, res, y);
+  }
+}
+
+/* the team's product of xs (the whole team's input, written before a barrier): int8 first quantizes xs into `a`
+   with the whole team (a barrier) unless `quantized` (prep_team did). The caller's barrier must come before `a`
+   is written again. */
+static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
+                         const float *bias, const float *res, float *y, Acts a, int quantized) {
+  if (kind == W_Q8 && !quantized) quant16_team(xs, M, K, a.xq, a.xsc);
+  product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, a.xp + a.stride * omp_get_thread_num());
+}
+
+#ifndef PRIVATE_ROWS
+#define PRIVATE_ROWS 4
+#endif
+/* y = [bias +] RMSNorm(x) @ w.T with each thread norming (and for int8 quantizing) all M rows itself, in its own
+   buffers: no barrier before its share of the product. For M <= PRIVATE_ROWS, doing a few rows' norm on every
+   thread costs less than the two barriers (norm, quantize) of preparing them once for the team. */
+static void normed_product(const float *x, int M, int K, const float *g, float eps, const void *w, int kind,
+                           const float *scale, int N, const float *bias, float *y, Acts a) {
+  const int t = omp_get_thread_num();
+  float *h = a.hp + a.stride * t;
+  for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, h + (int64_t)m * K);
+  int16_t *xq = NULL;
+  float *xsc = NULL;
+  if (kind == W_Q8) {
+    const int64_t blocks = (int64_t)M * (K / Q8_BLOCK);
+    xq = a.xqp + a.stride * t;
+    xsc = a.xscp + (a.stride / Q8_BLOCK + M) * t;
+    for (int64_t mb = 0; mb < blocks; mb++) quant16_block(h + mb * Q8_BLOCK, xq + mb * Q8_BLOCK, xsc + mb);
+  }
+  product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, a.xp ? a.xp + a.stride * t : NULL);
+}
+
 int final_gemv_abi(void) { return 9; }
 
 /* whether this CPU runs every instruction set this build was compiled for (a build for a larger set than the CPU
@@ -43,8 +160,8 @@ void final_gemv(const float *x, int M, int K, const void *w, int kind, const flo
   Acts q = acts_alloc(kind, M, K);
 #pragma omp parallel
   {
-    prep_team(x, M, K, prep, g, eps, scratch);  /* its barrier: every prepared row is written before any is read */
-    product_team(prep == PREP_NONE ? x : scratch, M, K, w, kind, scale, N, bias, res, y, q);
+    prep_team(x, M, K, prep, g, eps, scratch, NULL, NULL);  /* its barrier: each prepared row written before read */
+    product_team(prep == PREP_NONE ? x : scratch, M, K, w, kind, scale, N, bias, res, y, q, 0);
   }
   acts_free(q);
 }
@@ -201,19 +318,29 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
   for (int l = 0; l < layers; l++) {
     const int64_t *w = wtab + (int64_t)l * W_FIELDS;
 #define F(i) ((const float *)(intptr_t)w[i])
-    prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h);
-    product_team(h, M, hidden, (const void *)(intptr_t)w[W_QKV], kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q);
+#define W(i) ((const void *)(intptr_t)w[i])
+    if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
+      normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
+    } else {
+      prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h, NULL, NULL);
+      product_team(h, M, hidden, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q, 0);
+    }
 #pragma omp barrier
     attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
                 T, lengths, ptab, plens, layers, l, scale, att);
-    product_team(att, M, H * D, (const void *)(intptr_t)w[W_O], kind, F(S_O), hidden, NULL, x, x, q);
+    product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
 #pragma omp barrier
-    prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h);
-    product_team(h, M, hidden, (const void *)(intptr_t)w[W_GU], kind, F(S_GU), 2 * inter, NULL, NULL, gu, q);
+    if (M <= PRIVATE_ROWS) {
+      normed_product(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, q);
+    } else {
+      prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h, NULL, NULL);
+      product_team(h, M, hidden, W(W_GU), kind, F(S_GU), 2 * inter, NULL, NULL, gu, q, 0);
+    }
 #pragma omp barrier
-    prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h);
-    product_team(h, M, inter, (const void *)(intptr_t)w[W_D], kind, F(S_D), hidden, NULL, x, x, q);
+    prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc);  /* + int8's quantizing */
+    product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
 #pragma omp barrier
+#undef W
 #undef F
   }
   acts_free(q);

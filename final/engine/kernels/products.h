@@ -2,7 +2,8 @@
    y = [residual +] [bias +] prep(x) @ W.T with W fp32, bf16 or int8 (weight-only: the activations and sums stay
    fp32; int8 activations become int16 per block, ~1e-5 relative), and the preps fused before them (RMSNorm,
    SwiGLU). Each thread streams a contiguous run of W's rows front to back, each row once for up to 8 activation
-   rows (4 for int8). */
+   rows (4 for int8). gemv.c runs them as phases of a thread team (prep, product); avx512.h replaces the int8 loop
+   and adds bf16 dot products in an AVX-512 build. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -254,28 +255,30 @@ static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int
 }
 #endif
 
-/* xs [M, K] fp32 -> xq int16 and xsc [M, K / Q8_BLOCK]: each block scaled to its largest magnitude at 32767 */
-static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc) {
-  const int blocks = K / Q8_BLOCK;
+/* one block of Q8_BLOCK activations x -> q int16 and its scale: the block's largest magnitude at 32767 */
+static inline void quant16_block(const float *x, int16_t *q, float *sc) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-#pragma omp for schedule(static)
-  for (int mb = 0; mb < M * blocks; mb++) {
-    const float *x = xs + (int64_t)mb * Q8_BLOCK;  /* rows are contiguous, so block mb of the whole matrix */
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < Q8_BLOCK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
-    xsc[mb] = amax / 32767.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-    int16_t *q = xq + (int64_t)mb * Q8_BLOCK;
-    for (int i = 0; i < Q8_BLOCK; i += 16) {  /* round to nearest, pack 2 x 8 int32 -> 16 int16 in order */
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
-      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
-      _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
-    }
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < Q8_BLOCK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  *sc = amax / 32767.0f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+  for (int i = 0; i < Q8_BLOCK; i += 16) {  /* round to nearest, pack 2 x 8 int32 -> 16 int16 in order */
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
+    _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
   }
+}
+
+/* xs [M, K] fp32 -> xq int16 and xsc [M, K / Q8_BLOCK], the blocks shared out over the team (ends in a barrier);
+   rows are contiguous, so block mb is block mb of the whole matrix */
+static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc) {
+#pragma omp for schedule(static)
+  for (int mb = 0; mb < M * (K / Q8_BLOCK); mb++)
+    quant16_block(xs + (int64_t)mb * Q8_BLOCK, xq + (int64_t)mb * Q8_BLOCK, xsc + mb);
 }
 
 /* rows n0..n1 of y = [res +] [bias +] xs @ w.T, w fp32 or bf16 (bf: xs then in bf16_permute's order) [N, K] */
@@ -319,79 +322,5 @@ static void rows_q8(const int16_t *xq, const float *xsc, int M, int K, const int
       }
       store(dots, P, m, n, N, bias, res, y);
     }
-  }
-}
-
-/* a product's activations as its weight kind reads them, in buffers of one call: int8's [M, max K] int16 and block
-   scales, made by the team once per product; bf16's [M, max K] fp32 in the pair order, one copy per thread (each
-   thread permutes x for itself: a few KB, cheaper than the barrier a shared copy needs); fp32 needs none */
-typedef struct {
-  int16_t *xq;
-  float *xsc;
-  float *xp;
-  int64_t stride;  /* floats per thread in xp */
-} Acts;
-
-static Acts acts_alloc(int kind, int M, int K) {
-  Acts a = {NULL, NULL, NULL, (int64_t)M * K};
-  if (kind == W_Q8) {
-    a.xq = malloc(sizeof(int16_t) * (size_t)M * K);
-    a.xsc = malloc(sizeof(float) * (size_t)M * (K / Q8_BLOCK + 1));
-  } else if (kind == W_BF16) {
-    a.xp = malloc(sizeof(float) * (size_t)a.stride * omp_get_max_threads());  /* the next region's team */
-  }
-  return a;
-}
-
-static void acts_free(Acts a) {
-  free(a.xq);
-  free(a.xsc);
-  free(a.xp);
-}
-
-/* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
-
-/* scratch = prep(x): RMSNorm of each row [M, K], or SwiGLU of gate|up [M, 2K] -> [M, K]; ends in a barrier */
-static void prep_team(const float *x, int M, int K, int prep, const float *g, float eps, float *scratch) {
-  if (prep == PREP_NORM) {
-#pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, scratch + (int64_t)m * K);
-  } else if (prep == PREP_GLU) {
-    const int chunks = (K + 63) / 64;
-#pragma omp for schedule(static) collapse(2)
-    for (int m = 0; m < M; m++)
-      for (int c = 0; c < chunks; c++) {
-        const int lo = c * 64, hi = lo + 64 < K ? lo + 64 : K;
-        prep_glu(x + (int64_t)m * 2 * K, x + (int64_t)m * 2 * K + K, lo, hi, scratch + (int64_t)m * K);
-      }
-  }
-}
-
-/* y = [res +] [bias +] xs @ w.T, this thread's contiguous share of the N output rows, w of `kind` (W_F32, W_BF16,
-   or W_Q8 with its block scales); int8 first quantizes xs into `a` with the whole team (a barrier). No
-   barrier after (res may be y: each element is read, then written, by the thread that owns its row); the caller's
-   barrier must come before `a` is written again. */
-static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
-                         const float *bias, const float *res, float *y, Acts a) {
-  if (kind == W_Q8) quant16_team(xs, M, K, a.xq, a.xsc);
-  const int t = omp_get_thread_num(), T = omp_get_num_threads();
-  const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
-  if (n0 >= n1) return;
-  if (kind == W_Q8) {
-    rows_q8(a.xq, a.xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
-  } else if (kind == W_BF16) {
-    float *xp = a.xp + a.stride * t;
-#ifdef __AVX512BF16__
-    if (M <= BF16_DP_ROWS) {
-      uint16_t *hi = (uint16_t *)xp, *lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
-      bf16_split(xs, M, K, hi, lo);
-      rows_bf16_dp(hi, lo, M, K, (const uint16_t *)w, n0, n1, N, bias, res, y);
-      return;
-    }
-#endif
-    bf16_permute(xs, M, K, xp);
-    rows(xp, M, K, w, 1, n0, n1, N, bias, res, y);
-  } else {
-    rows(xs, M, K, w, 0, n0, n1, N, bias, res, y);
   }
 }
