@@ -168,6 +168,7 @@ def compare_isas(args) -> None:
             if args.roofline and r % 4 == 0:
                 reads.append(memory_rates(3)[1])
             for isa in names[r % len(names):] + names[: r % len(names)]:
+                time.sleep(0.05)  # each engine thread has its own OpenMP team: let the last one's stop spinning
                 times[isa] += engines[isa].call(lambda runner, e=engines[isa]: steps(e, runner))
         weight_bytes = streamed_bytes(engines[names[0]].model)
     finally:

@@ -274,6 +274,31 @@ def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, isa, 
 
 
 @needs_kernel
+@pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
+@pytest.mark.parametrize("quantization", [None, "int8", "bf16"])
+def test_whole_layers_give_the_same_bits_on_any_number_of_threads(quantization):
+    """Every output row of a product and every head's attention is one thread's work with the same loop, so the
+    team's size changes no bit; a phase that read its input before the kernel's barrier (products.h sync_team)
+    let every thread finish writing it would. 3 threads on this machine's cores oversubscribe them too."""
+    from final.engine import EmbeddedEngine
+    from final.models import resolve_model_path
+
+    engine = EmbeddedEngine(resolve_model_path("builtin:tiny-random-llama"), max_model_len=64,
+                            quantization=quantization)
+    outs = {}
+    try:
+        assert engine.model.kernel is not None
+        for threads in (1, 2, 3):
+            engine.call(lambda _runner, t=threads: torch.set_num_threads(t))
+            outs[threads] = tokens_and_logprobs(engine.generate([[1, 5, 6, 7], [1, 9, 8]],
+                                                               {"max_new_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True}, return_logprob=True))
+    finally:
+        engine.shutdown()
+    assert outs[1] == outs[2] == outs[3]
+
+
+@needs_kernel
 def test_rows_with_cartridges_decode_in_the_kernel_as_in_the_torch_forward(monkeypatch):
     """Rows with different cartridges (one, another, a composition of both) and a row with none decode together in
     the kernel's whole-layer path (each row's prefix attended before its own tokens in one softmax) as the torch

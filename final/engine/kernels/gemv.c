@@ -26,11 +26,12 @@ typedef struct {
   int16_t *xq, *xqp;
   float *xsc, *xp, *hp, *xscp;
   int64_t stride;  /* M K: floats per thread in xp and hp, int16 per thread in xqp */
+  Sync *sync;      /* the team's barrier */
 } Acts;
 
 static Acts acts_alloc(int kind, int M, int K) {
   const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K, blocks = (size_t)M * (K / Q8_BLOCK + 1);
-  Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n};
+  Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n, malloc(sizeof(Sync))};
   a.hp = malloc(sizeof(float) * n * T);
   if (kind == W_Q8) {
     a.xq = malloc(sizeof(int16_t) * n);
@@ -50,6 +51,7 @@ static void acts_free(Acts a) {
   free(a.xp);
   free(a.hp);
   free(a.xscp);
+  free(a.sync);
 }
 
 /* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
@@ -58,13 +60,14 @@ static void acts_free(Acts a) {
    xq (int8 products: K a multiple of Q8_BLOCK) the SwiGLU's output is also quantized into xq/xsc as it is made, so
    the product after it needs no quantizing phase (and no barrier) of its own. */
 static void prep_team(const float *x, int M, int K, int prep, const float *g, float eps, float *scratch,
-                      int16_t *xq, float *xsc) {
+                      int16_t *xq, float *xsc, Sync *s) {
   if (prep == PREP_NORM) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int m = 0; m < M; m++) prep_norm(x + (int64_t)m * K, g, eps, K, scratch + (int64_t)m * K);
+    sync_team(s);
   } else if (prep == PREP_GLU) {
     const int chunks = (K + 63) / 64;
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static) collapse(2) nowait
     for (int m = 0; m < M; m++)
       for (int c = 0; c < chunks; c++) {
         const int lo = c * 64, hi = lo + 64 < K ? lo + 64 : K;
@@ -74,6 +77,7 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
           quant16_block(scratch + at, xq + at, xsc + at / Q8_BLOCK);
         }
       }
+    sync_team(s);
   }
 }
 
@@ -109,7 +113,7 @@ static void product_rows(const float *xs, const int16_t *xq, const float *xsc, i
    is written again. */
 static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
                          const float *bias, const float *res, float *y, Acts a, int quantized) {
-  if (kind == W_Q8 && !quantized) quant16_team(xs, M, K, a.xq, a.xsc);
+  if (kind == W_Q8 && !quantized) quant16_team(xs, M, K, a.xq, a.xsc, a.sync);
   product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, a.xp + a.stride * omp_get_thread_num());
 }
 
@@ -160,7 +164,9 @@ void final_gemv(const float *x, int M, int K, const void *w, int kind, const flo
   Acts q = acts_alloc(kind, M, K);
 #pragma omp parallel
   {
-    prep_team(x, M, K, prep, g, eps, scratch, NULL, NULL);  /* its barrier: each prepared row written before read */
+    sync_init(q.sync);
+#pragma omp barrier
+    prep_team(x, M, K, prep, g, eps, scratch, NULL, NULL, q.sync);  /* its barrier: rows written before read */
     product_team(prep == PREP_NONE ? x : scratch, M, K, w, kind, scale, N, bias, res, y, q, 0);
   }
   acts_free(q);
@@ -255,9 +261,9 @@ static void weighted_sum(const float *w, const float *V, int64_t n, int D, float
 
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
                         float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
-                        const int64_t *plens, int layers, int l, float scale, float *out) {
+                        const int64_t *plens, int layers, int l, float scale, float *out, Sync *sync) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int task = 0; task < B * Hkv; task++) {
     const int b = task / Hkv, g = task % Hkv;
     const float *row = qkv + b * width;
@@ -265,10 +271,10 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
     rope_head(row + (int64_t)(H + g) * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, kc + at);
     for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
   }
-  /* the barrier above: every new K/V is in the cache before any row attends */
+  sync_team(sync);  /* every new K/V is in the cache before any row attends */
   float *q = malloc(sizeof(float) * D), *o = malloc(sizeof(float) * D), *s = NULL;
   int64_t s_len = 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int task = 0; task < B * H; task++) {
     /* head-major: a thread takes one head for row after row, so a shared cartridge's K/V of that head stays in its L2 */
     const int h = task / B, b = task % B, g = h / G;
@@ -297,6 +303,7 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
   free(q);
   free(o);
   free(s);
+  sync_team(sync);  /* every head's output is written before the o product reads it */
 }
 
 /* ---- whole decoder layers: every layer of a decode step in one call and one parallel region ----
@@ -315,33 +322,38 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
   Acts q = acts_alloc(kind, M, big > H * D ? big : H * D);  /* the largest input a product converts */
 #pragma omp parallel
-  for (int l = 0; l < layers; l++) {
-    const int64_t *w = wtab + (int64_t)l * W_FIELDS;
+  {
+    sync_init(q.sync);
+#pragma omp barrier
+    for (int l = 0; l < layers; l++) {
+      const int64_t *w = wtab + (int64_t)l * W_FIELDS;
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
-    if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
-      normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
-    } else {
-      prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h, NULL, NULL);
-      product_team(h, M, hidden, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q, 0);
-    }
-#pragma omp barrier
-    attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
-                T, lengths, ptab, plens, layers, l, scale, att);
-    product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
-#pragma omp barrier
-    if (M <= PRIVATE_ROWS) {
-      normed_product(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, q);
-    } else {
-      prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h, NULL, NULL);
-      product_team(h, M, hidden, W(W_GU), kind, F(S_GU), 2 * inter, NULL, NULL, gu, q, 0);
-    }
-#pragma omp barrier
-    prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc);  /* + int8's quantizing */
-    product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
-#pragma omp barrier
+      if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
+        normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
+      } else {
+        prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h, NULL, NULL, q.sync);
+        product_team(h, M, hidden, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q, 0);
+      }
+      sync_team(q.sync);
+      attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
+                  T, lengths, ptab, plens, layers, l, scale, att, q.sync);
+      product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
+      sync_team(q.sync);
+      if (M <= PRIVATE_ROWS) {
+        normed_product(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, q);
+      } else {
+        prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h, NULL, NULL, q.sync);
+        product_team(h, M, hidden, W(W_GU), kind, F(S_GU), 2 * inter, NULL, NULL, gu, q, 0);
+      }
+      sync_team(q.sync);
+      /* the SwiGLU, quantized as it is made for an int8 down product */
+      prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync);
+      product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
+      sync_team(q.sync);
 #undef W
 #undef F
+    }
   }
   acts_free(q);
 }

@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -27,6 +29,38 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
 #define Q8_PREFETCH 8192 /* int8: a byte is a weight, so the same time ahead is more bytes (measured 4096 -> 8192:
                             +5-8% a batch-1 step when the host's memory was fast, the same when it was slow) */
 #endif
+
+/* The barrier between the phases of a decode step (a few hundred a step). libgomp's own barrier sleeps in the
+   kernel after ~100 spins whenever the process holds more OpenMP threads than there are cores - which one torch
+   op on any other thread (the caller's, the HTTP server's) makes true for the life of the process, since each
+   thread keeps its own team. Each barrier then costs a futex wake-up, and a batch-1 step took 2.2x as long
+   (AGENTS.md). This one spins ~1 ms before yielding the core, so a phase that ends on time costs ~0.2 us, and a
+   thread that lost its core to another process does not make the others spin out their time slice. */
+typedef struct {
+  atomic_int arrived, phase;
+  int n;  /* threads in the team */
+} Sync;
+
+static inline void sync_init(Sync *s) {  /* by every thread of the team, once, then one omp barrier */
+  if (omp_get_thread_num() == 0) {
+    atomic_store(&s->arrived, 0);
+    atomic_store(&s->phase, 0);
+    s->n = omp_get_num_threads();
+  }
+}
+
+static inline void sync_team(Sync *s) {
+  const int phase = atomic_load_explicit(&s->phase, memory_order_relaxed);
+  if (atomic_fetch_add_explicit(&s->arrived, 1, memory_order_acq_rel) == s->n - 1) {  /* the last to arrive */
+    atomic_store_explicit(&s->arrived, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->phase, phase + 1, memory_order_release);
+    return;
+  }
+  for (int spins = 0; atomic_load_explicit(&s->phase, memory_order_acquire) == phase; spins++) {
+    if (spins < (1 << 14)) _mm_pause();
+    else sched_yield();
+  }
+}
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -275,10 +309,11 @@ static inline void quant16_block(const float *x, int16_t *q, float *sc) {
 
 /* xs [M, K] fp32 -> xq int16 and xsc [M, K / Q8_BLOCK], the blocks shared out over the team (ends in a barrier);
    rows are contiguous, so block mb is block mb of the whole matrix */
-static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc) {
-#pragma omp for schedule(static)
+static void quant16_team(const float *xs, int M, int K, int16_t *xq, float *xsc, Sync *s) {
+#pragma omp for schedule(static) nowait
   for (int mb = 0; mb < M * (K / Q8_BLOCK); mb++)
     quant16_block(xs + (int64_t)mb * Q8_BLOCK, xq + (int64_t)mb * Q8_BLOCK, xsc + mb);
+  sync_team(s);
 }
 
 /* rows n0..n1 of y = [res +] [bias +] xs @ w.T, w fp32 or bf16 (bf: xs then in bf16_permute's order) [N, K] */
