@@ -47,7 +47,12 @@ def main() -> None:
     ap.add_argument("--isas", default=None,
                     help="comma-separated kernel builds (final.engine.kernels.ISAS) to time side by side")
     ap.add_argument("--rounds", type=int, default=12, help="--isas: rounds, each every build in turn")
+    ap.add_argument("--other-team", action="store_true",
+                    help="first run one parallel torch op on this (the caller's) thread, as a user's own torch work "
+                         "does: its OpenMP team outlives it, so the process holds more OpenMP threads than cores")
     args = ap.parse_args()
+    if args.other_team:
+        torch.ones(2**24).sum()
     if args.isas:
         return compare_isas(args)
 
@@ -106,7 +111,8 @@ def main() -> None:
         engine.shutdown()
     if table:
         print(table)
-    print(f"{args.dtype} batch {args.batch}, {args.threads} thread(s){', no GEMM' if args.no_gemm else ''}: "
+    print(f"{args.dtype}{', ' + args.quantization if args.quantization else ''} batch {args.batch}, {args.threads} "
+          f"thread(s){', no GEMM' if args.no_gemm else ''}{', another OpenMP team' if args.other_team else ''}: "
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
     if args.roofline:  # every weight byte is read once a step: the step's streaming rate vs the machine's
         rate, read = weight_bytes / wall / 1e9, statistics.median(reads)
@@ -177,7 +183,8 @@ def compare_isas(args) -> None:
     base = statistics.median(times[names[0]])
     read = statistics.median(reads) if reads else None
     print(f"{args.dtype}{', ' + args.quantization if args.quantization else ''} batch {args.batch}, {args.threads} "
-          f"thread(s), {args.rounds} rounds: wall ms per decode step (median), by kernel build")
+          f"thread(s){', another OpenMP team' if args.other_team else ''}, {args.rounds} rounds: wall ms per decode "
+          "step (median), by kernel build")
     for isa in names:
         step = statistics.median(times[isa])
         line = f"  {isa:11s} {step * 1e3:.2f} ms  {base / step:.3f}x {names[0]}"
