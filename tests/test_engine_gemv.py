@@ -120,16 +120,16 @@ def test_every_instruction_set_this_cpu_runs_matches_torch(isa):
     g = torch.Generator().manual_seed(7)
     before = torch.get_num_threads()
     try:
-        for threads, m, (n, kk) in [(t, m, s) for t in (1, 2) for m in (1, 2, 4, 5, 8) for s in ((37, 64), (70, 576))]:
+        for threads, m, (n, kk) in [(t, m, s) for t in (1, 2) for m in (1, 2, 3, 4, 5, 8, 16) for s in ((37, 64), (70, 576))]:
             torch.set_num_threads(threads)
             x, w, bias = torch.randn(m, kk, generator=g), torch.randn(n, kk, generator=g), torch.randn(n, generator=g)
-            q, scale = kernels.quantize(w)
+            q, scale = kernels.quantize(w[: n - n % 16] if n % 16 else w)
             for weight, ref, kw in ((w, w, {}), (w.bfloat16(), w.bfloat16().float(), {}),
                                     (q, dequantize(q, scale), {"scale": scale})):
-                want = F.linear(x, ref, bias)
+                want = F.linear(x, ref, bias[: ref.shape[0]])
                 slack = bf16_dp_slack(weight.dtype, m, x, ref) if isa == "avx512bf16" else 0.0
                 tol = (1e-4 * want.abs().max().item() if weight.dtype == torch.int8 else 1e-4) + slack
-                torch.testing.assert_close(k(x, weight, bias, **kw), want, rtol=1e-4, atol=tol)
+                torch.testing.assert_close(k(x, weight, bias[: ref.shape[0]], **kw), want, rtol=1e-4, atol=tol)
     finally:
         torch.set_num_threads(before)
 
@@ -198,8 +198,25 @@ def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
     want = r + F.linear(F.silu(gate_up[..., :64]) * gate_up[..., 64:], deq, b)
     torch.testing.assert_close(lin.glu_add_to(r, gate_up), want, rtol=0, atol=1e-4 * want.abs().max().item())
     lin.set_rows(0, 8, torch.zeros(8, 64))  # a weight update: those rows change, the others keep their values
-    assert lin.q[:8].abs().max() == 0 and torch.equal(lin.dense()[8:], deq[8:])
+    assert lin.dense()[:8].abs().max() == 0 and torch.equal(lin.dense()[8:], deq[8:])
     assert Int8Linear(torch.randn(4, 40), gemv=KERNEL).gemv is None  # 40 is no multiple of 32: fbgemm only
+    assert Int8Linear(torch.randn(40, 64), gemv=KERNEL).gemv is None  # 40 rows are no whole groups of 16
+
+
+def test_int8_weights_are_stored_16_rows_side_by_side_and_read_back_exactly():
+    """quantize() interleaves 16 output rows with k in pairs (the kernel's vector lanes); dequantize() undoes it,
+    row for row against the plain per-row quantization."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g)
+    q, scale = kernels.quantize(w)
+    blocks = w.view(32, 2, 32)
+    plain_scale = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
+    plain = torch.round(blocks / plain_scale[..., None]).clamp(-127, 127).to(torch.int8).view(32, 64)
+    assert q.shape == (32, 64) and scale.shape == (32, 2)
+    assert torch.equal(q.view(2, 32, 16, 2)[1, 5, 3], plain[16 + 3, 10:12])  # group 1, pair 5, row 3 of the group
+    assert torch.equal(scale.view(2, 2, 16)[0, 1, 7], plain_scale[7, 1])
+    torch.testing.assert_close(kernels.dequantize(q, scale), (plain.view(32, 2, 32) * plain_scale[..., None]).view(32, 64),
+                               rtol=0, atol=0)
 
 
 def use_isa(isa: str | None, monkeypatch) -> None:

@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, GemvKernel, gemv_kernel
+from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, Q8_ROWS, GemvKernel, gemv_kernel
 from final.engine.kernels import dequantize, quantize as kernel_quantize
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,8 @@ class Int8Linear(_Gemv):
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         self.weight = None  # only the int8 matrix is kept
-        self.gemv = gemv if self.in_features % Q8_BLOCK == 0 else None  # the kernel's int8 blocks tile each row
+        # the kernel's int8 blocks tile each row, and its groups of Q8_ROWS rows the matrix
+        self.gemv = gemv if self.in_features % Q8_BLOCK == 0 and self.out_features % Q8_ROWS == 0 else None
         self.gemv_rows = INT8_GEMV_ROWS
         self.q = self.scale = self.packed = None
         self._quantize(weight, bias)

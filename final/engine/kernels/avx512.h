@@ -1,28 +1,37 @@
 /* The row loops an AVX-512 build of the kernel swaps in (included by products.h where the compiler targets
    AVX-512BW; final/engine/kernels/__init__.py builds one per instruction set the CPU has and loads the best).
    The AVX2 loops in products.h stay the reference: these compute the same products with fewer instructions, so
-   they pay where a core, not memory, is the limit (int8 at any row count, bf16 at 2-4 rows, one thread). */
+   they pay where a core, not memory, is the limit (int8 at several rows, bf16 at 1-4 rows, one thread). */
 #pragma once
 
-/* int8 (see products.h's AVX2 q8_dots): a 32-weight block is one 512-bit widening and one vpmaddwd per activation
-   row, half the AVX2 loop's instructions. The integer sums are exact, so only the fp32 order of the block sums
-   differs from the AVX2 loop (16 lanes of 2 products, not 8 of 4). */
-static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int8_t *wr, const float *sr, int m0,
-                           int P, float *dots) {
-  __m512 a[4];
-  for (int p = 0; p < 4; p++) a[p] = _mm512_setzero_ps();
+/* int8 (see products.h's q8_group): a pair of k for all 16 rows of a group is one 512-bit widening, and each
+   activation row one broadcast and one vpmaddwd; 4 activation rows a pass (AVX-512's 32 registers). */
+#define Q8_PASS 4
+
+static inline void q8_group(const int16_t *xq, const float *xsc, int K, const int8_t *wg, const float *sg, int m0,
+                            int P, float out[][Q8_ROWS]) {
+  __m512 acc[Q8_PASS];
+  for (int p = 0; p < Q8_PASS; p++) acc[p] = _mm512_setzero_ps();
   const int blocks = K / Q8_BLOCK;
   for (int b = 0; b < blocks; b++) {
-    const int k = b * Q8_BLOCK;
-    if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + Q8_PREFETCH, PFHINT);
-    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
+    const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
+    __m512i d[Q8_PASS];
+    for (int p = 0; p < Q8_PASS; p++) d[p] = _mm512_setzero_si512();
+    for (int j = 0; j < Q8_BLOCK / 2; j++) {
+      if ((j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + j * 32)));
+      for (int p = 0; p < P; p++) {
+        const __m512i x = _mm512_set1_epi32(q8_pair(xq + (int64_t)(m0 + p) * K, b * Q8_BLOCK + 2 * j));
+        d[p] = _mm512_add_epi32(d[p], _mm512_madd_epi16(w, x));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sg + b * Q8_ROWS);
     for (int p = 0; p < P; p++) {
-      const __m512i d = _mm512_madd_epi16(w, _mm512_loadu_si512((const void *)(xq + (int64_t)(m0 + p) * K + k)));
-      const __m512 s = _mm512_set1_ps(sr[b] * xsc[(int64_t)(m0 + p) * blocks + b]);
-      a[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, a[p]);
+      const __m512 xs = _mm512_set1_ps(xsc[(int64_t)(m0 + p) * blocks + b]);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[p]), _mm512_mul_ps(s, xs), acc[p]);
     }
   }
-  for (int p = 0; p < P; p++) dots[p] = _mm512_reduce_add_ps(a[p]);
+  for (int p = 0; p < P; p++) _mm512_storeu_ps(out[p], acc[p]);
 }
 
 #ifdef __AVX512BF16__

@@ -88,11 +88,14 @@ static void product_rows(const float *xs, const int16_t *xq, const float *xsc, i
                          int kind, const float *scale, int N, const float *bias, const float *res, float *y,
                          float *xp) {
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
+  if (kind == W_Q8) {  /* whole groups of Q8_ROWS rows */
+    const int groups = N / Q8_ROWS, g0 = (int)((int64_t)groups * t / T), g1 = (int)((int64_t)groups * (t + 1) / T);
+    if (g0 < g1) rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, g0, g1, N, bias, res, y);
+    return;
+  }
   const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
   if (n0 >= n1) return;
-  if (kind == W_Q8) {
-    rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, n0, n1, N, bias, res, y);
-  } else if (kind == W_BF16) {
+  if (kind == W_BF16) {
 #ifdef __AVX512BF16__
     if (M <= BF16_DP_ROWS) {
       uint16_t *hi = (uint16_t *)xp, *lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
@@ -157,8 +160,8 @@ int final_gemv_cpu_ok(void) {
 }
 
 /* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] of `kind`: W_F32, W_BF16 (uint16 bit patterns), or W_Q8 (int8, with
-   scale [N, K/32] fp32); bias [N] or NULL, res [M, N] or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when
-   prep != PREP_NONE. Contiguous. */
+   scale [N, K/32] fp32, both in products.h's interleaved order, N a multiple of 16); bias [N] or NULL, res [M, N]
+   or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, int kind, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
   Acts q = acts_alloc(kind, M, K);

@@ -258,34 +258,61 @@ static inline void store(const float *dots, int P, int m, int n, int N, const fl
 }
 
 /* int8 rows: one fp32 scale per block of Q8_BLOCK weights (llama.cpp's Q8_0 block; one scale a row was coarse on
-   rows with outliers), K a multiple of Q8_BLOCK. The activations come as int16 with a scale per block too
-   (quant16_team: 1/32767 of the block's largest magnitude, ~1e-5 relative, where fbgemm's 7-bit per-tensor
-   activations cost a KL of 0.24 from fp32), so a block is integer work: widen 32 weights to int16, two
-   vpmaddwd against the activations (|sum| <= 4 x 127 x 32767 < 2^31 per lane: no overflow), one convert and one
-   FMA by the two scales. Widening each weight to fp32 instead cost 10 FP instructions a block and made one core
-   compute-bound. P <= 4 activation rows. */
+   rows with outliers), K a multiple of Q8_BLOCK and N of Q8_ROWS. The activations come as int16 with a scale per
+   block too (quant16_team: 1/32767 of the block's largest magnitude, ~1e-5 relative, where fbgemm's 7-bit
+   per-tensor activations cost a KL of 0.24 from fp32), so a block is integer work.
+   The weights are stored interleaved (kernels/__init__.py quantize): Q8_ROWS output rows side by side, k in
+   pairs, [N / 16][K / 2][16 rows][2], and the scales [N / 16][K / 32][16]. One vector lane is one output row:
+   widen a pair of k for 16 rows to int16, multiply-add against the activation pair (x[k], x[k+1]) broadcast, and
+   a block's 16 pairs sum in int32 lanes (|sum| <= 32 x 127 x 32767 < 2^31); then one convert and one FMA by the
+   16 rows' scales times the activation block's scale. No horizontal sum, no per-row scale broadcast: about half
+   the instructions per weight of one row at a time (which left int8 short of the memory's rate). Each group is
+   one contiguous stream of 16 K bytes. */
+#define Q8_ROWS 16
+
+/* the activation pair (x[k], x[k+1]) as one int32, for a broadcast */
+static inline int32_t q8_pair(const int16_t *x, int k) {
+  int32_t v;
+  __builtin_memcpy(&v, x + k, sizeof v);
+  return v;
+}
+
 #ifdef __AVX512BW__
-#include "avx512.h" /* q8_dots in 512-bit registers; bf16 dot products */
+#include "avx512.h" /* q8_group in 512-bit registers (Q8_PASS 4); bf16 dot products */
 #else
-static inline void q8_dots(const int16_t *xq, const float *xsc, int K, const int8_t *wr, const float *sr, int m0,
-                           int P, float *dots) {
-  __m256 a[4];
-  for (int p = 0; p < 4; p++) a[p] = _mm256_setzero_ps();
+#define Q8_PASS 2 /* activation rows a pass over a group: 2 x 4 accumulators + weights fill AVX2's 16 registers */
+
+/* out[p][0..16) = the 16 rows of group wg (scales sg) . activation row m0 + p, for p < P <= Q8_PASS */
+static inline void q8_group(const int16_t *xq, const float *xsc, int K, const int8_t *wg, const float *sg, int m0,
+                            int P, float out[][Q8_ROWS]) {
+  __m256 lo[Q8_PASS], hi[Q8_PASS];
+  for (int p = 0; p < Q8_PASS; p++) lo[p] = hi[p] = _mm256_setzero_ps();
   const int blocks = K / Q8_BLOCK;
   for (int b = 0; b < blocks; b++) {
-    const int k = b * Q8_BLOCK;
-    if ((k & 63) == 0) _mm_prefetch((const char *)(wr + k) + Q8_PREFETCH, PFHINT);
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k + 16)));
+    const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
+    __m256i d0[Q8_PASS], d1[Q8_PASS];
+    for (int p = 0; p < Q8_PASS; p++) d0[p] = d1[p] = _mm256_setzero_si256();
+    for (int j = 0; j < Q8_BLOCK / 2; j++) {
+      if ((j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32)));       /* rows 0-7 */
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32 + 16)));  /* 8-15 */
+      for (int p = 0; p < P; p++) {
+        const __m256i x = _mm256_set1_epi32(q8_pair(xq + (int64_t)(m0 + p) * K, b * Q8_BLOCK + 2 * j));
+        d0[p] = _mm256_add_epi32(d0[p], _mm256_madd_epi16(w0, x));
+        d1[p] = _mm256_add_epi32(d1[p], _mm256_madd_epi16(w1, x));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(sg + b * Q8_ROWS), s1 = _mm256_loadu_ps(sg + b * Q8_ROWS + 8);
     for (int p = 0; p < P; p++) {
-      const int16_t *x = xq + (int64_t)(m0 + p) * K + k;
-      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-      const __m256 s = _mm256_set1_ps(sr[b] * xsc[(int64_t)(m0 + p) * blocks + b]);
-      a[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, a[p]);
+      const __m256 xs = _mm256_set1_ps(xsc[(int64_t)(m0 + p) * blocks + b]);
+      lo[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0[p]), _mm256_mul_ps(s0, xs), lo[p]);
+      hi[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1[p]), _mm256_mul_ps(s1, xs), hi[p]);
     }
   }
-  for (int p = 0; p < P; p++) dots[p] = hsum(a[p]);
+  for (int p = 0; p < P; p++) {
+    _mm256_storeu_ps(out[p], lo[p]);
+    _mm256_storeu_ps(out[p] + 8, hi[p]);
+  }
 }
 #endif
 
@@ -339,23 +366,29 @@ INLINE void rows(const float *xs, int M, int K, const void *w, int bf, int n0, i
   }
 }
 
-/* the same with w int8 [N, K] and scale [N, K / Q8_BLOCK], the activations quantized (quant16_team) */
-static void rows_q8(const int16_t *xq, const float *xsc, int M, int K, const int8_t *w, const float *scale, int n0,
-                    int n1, int N, const float *bias, const float *res, float *y) {
-  float dots[4];
-  const int blocks = K / Q8_BLOCK;
-  for (int n = n0; n < n1; n++) {
-    const int8_t *wr = w + (int64_t)n * K;
-    const float *sr = scale + (int64_t)n * blocks;
-    for (int m = 0; m < M; m += 4) {
-      const int P = M - m < 4 ? M - m : 4;
-      switch (P) {
-        case 1: q8_dots(xq, xsc, K, wr, sr, m, 1, dots); break;
-        case 2: q8_dots(xq, xsc, K, wr, sr, m, 2, dots); break;
-        case 3: q8_dots(xq, xsc, K, wr, sr, m, 3, dots); break;
-        default: q8_dots(xq, xsc, K, wr, sr, m, 4, dots); break;
+/* groups g0..g1 (Q8_ROWS output rows each) of y = [res +] [bias +] x @ w.T, w int8 interleaved (see q8_group) with
+   its scales, the activations quantized (quant16_team) */
+static void rows_q8(const int16_t *xq, const float *xsc, int M, int K, const int8_t *w, const float *scale, int g0,
+                    int g1, int N, const float *bias, const float *res, float *y) {
+  float out[Q8_PASS][Q8_ROWS];
+  for (int g = g0; g < g1; g++) {
+    const int8_t *wg = w + (int64_t)g * Q8_ROWS * K;
+    const float *sg = scale + (int64_t)g * Q8_ROWS * (K / Q8_BLOCK);
+    for (int m = 0; m < M; m += Q8_PASS) {  /* the first pass streams the group, the others find it in L1/L2 */
+      const int P = M - m < Q8_PASS ? M - m : Q8_PASS;
+      switch (P) {  /* a constant P per call: the compiler keeps the accumulators in registers */
+        case 1: q8_group(xq, xsc, K, wg, sg, m, 1, out); break;
+        case 2: q8_group(xq, xsc, K, wg, sg, m, 2, out); break;
+#if Q8_PASS > 2
+        case 3: q8_group(xq, xsc, K, wg, sg, m, 3, out); break;
+        default: q8_group(xq, xsc, K, wg, sg, m, 4, out); break;
+#endif
       }
-      store(dots, P, m, n, N, bias, res, y);
+      for (int i = 0; i < Q8_ROWS; i++) {
+        float dots[Q8_PASS];
+        for (int p = 0; p < P; p++) dots[p] = out[p][i];
+        store(dots, P, m, g * Q8_ROWS + i, N, bias, res, y);
+      }
     }
   }
 }
