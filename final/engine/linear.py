@@ -255,7 +255,7 @@ class Int8Linear(_Gemv):
         if self.fuses(m):
             return self._kernel(x)
         if self.gemv is not None:  # many rows: fp32 products on this call's dequantized weight (oneDNN)
-            w = dequantize(self.q, self.scale, out=_scratch(self.out_features, self.in_features))
+            w = self.gemv.dequantize(self.q, self.scale, _scratch(self.out_features, self.in_features))
             return _onednn_product(x, m, w, self.bias)
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
