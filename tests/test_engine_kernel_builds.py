@@ -1,0 +1,91 @@
+"""The kernel's builds (one per instruction set the CPU lists), how the loader picks among them, and int8's
+interleaved storage. The products and whole layers of the default build: test_engine_gemv.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from final.engine import kernels
+from final.engine.kernels import KernelError, dequantize
+from test_engine_gemv import ISAS_HERE, KERNEL, bf16_dp_slack, needs_kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", list(kernels.ISAS))
+def test_every_instruction_set_this_cpu_runs_matches_torch(isa):
+    """Each build the CPU can run (avx2 everywhere the kernel runs; avx512 and avx512bf16 where the CPU lists them)
+    against torch: fp32, bf16 and int8 weights, every activation-row pass width, one and two threads."""
+    if isa not in ISAS_HERE:
+        pytest.skip(f"this CPU does not list what the {isa} build needs")
+    k = kernels.load(isa)
+    assert k.isa == isa and f"gemv-{isa}-" in k.path.name
+    g = torch.Generator().manual_seed(7)
+    before = torch.get_num_threads()
+    try:
+        for threads, m, (n, kk) in [(t, m, s) for t in (1, 2) for m in (1, 2, 3, 4, 5, 8, 16) for s in ((37, 64), (70, 576))]:
+            torch.set_num_threads(threads)
+            x, w, bias = torch.randn(m, kk, generator=g), torch.randn(n, kk, generator=g), torch.randn(n, generator=g)
+            q, scale = kernels.quantize(w[: n - n % 16] if n % 16 else w)
+            for weight, ref, kw in ((w, w, {}), (w.bfloat16(), w.bfloat16().float(), {}),
+                                    (q, dequantize(q, scale), {"scale": scale})):
+                want = F.linear(x, ref, bias[: ref.shape[0]])
+                slack = bf16_dp_slack(weight.dtype, m, x, ref) if isa == "avx512bf16" else 0.0
+                tol = (1e-4 * want.abs().max().item() if weight.dtype == torch.int8 else 1e-4) + slack
+                torch.testing.assert_close(k(x, weight, bias[: ref.shape[0]], **kw), want, rtol=1e-4, atol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_builds_tried_follow_the_cpus_flags_and_final_gemv_isa(monkeypatch, caplog):
+    monkeypatch.delenv("FINAL_GEMV_ISA", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "sse4_2"})
+    assert kernels.candidate_isas() == ["avx2"]
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert kernels.candidate_isas() == ["avx512", "avx2"]
+    monkeypatch.setenv("FINAL_GEMV_ISA", "avx2")
+    assert kernels.candidate_isas() == ["avx2"]
+    monkeypatch.setenv("FINAL_GEMV_ISA", "sse9")
+    with pytest.raises(KernelError, match="FINAL_GEMV_ISA='sse9'"):
+        kernels.candidate_isas()
+    with caplog.at_level(logging.WARNING, logger="final.engine.kernels"):
+        assert kernels._load() is None
+    assert "FINAL_GEMV_ISA='sse9'" in caplog.text
+
+
+@needs_kernel
+def test_a_build_that_fails_falls_back_to_the_next(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "candidate_isas", lambda: ["avx512", "avx2"])
+    real = kernels.build
+
+    def build(isa="avx2"):
+        if isa == "avx512":
+            raise KernelError("gcc 9 has no -mavx512bf16 (a stand-in failure)")
+        return real(isa)
+
+    monkeypatch.setattr(kernels, "build", build)
+    with caplog.at_level(logging.INFO, logger="final.engine.kernels"):
+        kernel = kernels._load()
+    assert kernel is not None and kernel.isa == "avx2"
+    assert "runs the avx2 build" in caplog.text and "stand-in failure" in caplog.text
+
+
+def test_int8_weights_are_stored_16_rows_side_by_side_and_read_back_exactly():
+    """quantize() interleaves 16 output rows with k in pairs (the kernel's vector lanes); dequantize() undoes it,
+    row for row against the plain per-row quantization."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g)
+    q, scale = kernels.quantize(w)
+    blocks = w.view(32, 2, 32)
+    plain_scale = (blocks.abs().amax(-1) / 127).clamp_min(1e-12)
+    plain = torch.round(blocks / plain_scale[..., None]).clamp(-127, 127).to(torch.int8).view(32, 64)
+    assert q.shape == (32, 64) and scale.shape == (32, 2)
+    assert torch.equal(q.view(2, 32, 16, 2)[1, 5, 3], plain[16 + 3, 10:12])  # group 1, pair 5, row 3 of the group
+    assert torch.equal(scale.view(2, 2, 16)[0, 1, 7], plain_scale[7, 1])
+    want = (plain.view(32, 2, 32) * plain_scale[..., None]).view(32, 64)
+    torch.testing.assert_close(kernels.dequantize(q, scale), want, rtol=0, atol=0)
+    if KERNEL is not None:  # the kernel's own dequantization (long prompts' oneDNN products), bit for bit
+        assert torch.equal(KERNEL.dequantize(q, scale, torch.empty(32, 64)), want)
