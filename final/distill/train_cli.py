@@ -130,8 +130,7 @@ def _register_distill(sub: Any) -> None:
                                   "positions, values fitted to the teacher's attention; default: DistillConfig's)")
     d.add_argument("--init-questions", type=int,
                    help="select/match: how many teacher-answered self-study conversations' attention picks the "
-                        "positions "
-                        "(default: DistillConfig's)")
+                        "positions (default: DistillConfig's)")
     d.add_argument("--validate", type=int,
                    help="teacher-answered conversations, never trained on, that judge the cartridge at each "
                         "checkpoint; OUT ends as the best judged, the start included (0: the last step's; "

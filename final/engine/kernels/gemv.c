@@ -29,20 +29,28 @@ typedef struct {
   Sync *sync;      /* the team's barrier */
 } Acts;
 
-static Acts acts_alloc(int kind, int M, int K) {
-  const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K, blocks = (size_t)M * (K / Q8_BLOCK + 1);
+static int64_t scale_stride(Acts a, int M) { return a.stride / Q8_BLOCK + M; }  /* floats per thread in xscp */
+
+/* priv: the per-thread normed rows (and their int8) normed_product uses */
+static Acts acts_alloc(int kind, int M, int K, int priv) {
+  const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K;
   Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n, malloc(sizeof(Sync))};
-  a.hp = malloc(sizeof(float) * n * T);
+  if (priv) a.hp = malloc(sizeof(float) * n * T);
   if (kind == W_Q8) {
     a.xq = malloc(sizeof(int16_t) * n);
-    a.xsc = malloc(sizeof(float) * blocks);
-    a.xqp = malloc(sizeof(int16_t) * n * T);
-    a.xscp = malloc(sizeof(float) * (n / Q8_BLOCK + M) * T);  /* normed_product's per-thread stride */
+    a.xsc = malloc(sizeof(float) * M * (K / Q8_BLOCK + 1));
+    if (priv) {
+      a.xqp = malloc(sizeof(int16_t) * n * T);
+      a.xscp = malloc(sizeof(float) * scale_stride(a, M) * T);
+    }
   } else if (kind == W_BF16) {
     a.xp = malloc(sizeof(float) * n * T);
   }
   return a;
 }
+
+/* this thread's bf16 buffer (NULL for the other kinds) */
+static float *thread_xp(Acts a) { return a.xp ? a.xp + a.stride * omp_get_thread_num() : NULL; }
 
 static void acts_free(Acts a) {
   free(a.xq);
@@ -117,7 +125,7 @@ static void product_rows(const float *xs, const int16_t *xq, const float *xsc, i
 static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
                          const float *bias, const float *res, float *y, Acts a, int quantized) {
   if (kind == W_Q8 && !quantized) quant16_team(xs, M, K, a.xq, a.xsc, a.sync);
-  product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, a.xp + a.stride * omp_get_thread_num());
+  product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, thread_xp(a));
 }
 
 #ifndef PRIVATE_ROWS
@@ -136,10 +144,10 @@ static void normed_product(const float *x, int M, int K, const float *g, float e
   if (kind == W_Q8) {
     const int64_t blocks = (int64_t)M * (K / Q8_BLOCK);
     xq = a.xqp + a.stride * t;
-    xsc = a.xscp + (a.stride / Q8_BLOCK + M) * t;
+    xsc = a.xscp + scale_stride(a, M) * t;
     for (int64_t mb = 0; mb < blocks; mb++) quant16_block(h + mb * Q8_BLOCK, xq + mb * Q8_BLOCK, xsc + mb);
   }
-  product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, a.xp ? a.xp + a.stride * t : NULL);
+  product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, thread_xp(a));
 }
 
 int final_gemv_abi(void) { return 10; }
@@ -187,7 +195,7 @@ void final_q8_dequantize(const int8_t *q, const float *scale, int N, int K, floa
    or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
 void final_gemv(const float *x, int M, int K, const void *w, int kind, const float *scale, int N, const float *bias,
                 const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
-  Acts q = acts_alloc(kind, M, K);
+  Acts q = acts_alloc(kind, M, K, 0);
 #pragma omp parallel
   {
     sync_init(q.sync);
@@ -346,7 +354,7 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
                          float *work) {
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
-  Acts q = acts_alloc(kind, M, big > H * D ? big : H * D);  /* the largest input a product converts */
+  Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS);  /* the largest input converted */
 #pragma omp parallel
   {
     sync_init(q.sync);
