@@ -5,6 +5,8 @@
     python bench/profile_decode.py --no-gemm                              # the step without its matmuls
     python bench/profile_decode.py --batch 1 --quantization int8 --isas avx2,avx512bf16 --roofline
                                                   # the kernel's builds side by side (one engine each, alternating)
+    python bench/profile_decode.py --batch 1 --quantization int8 --phases
+                                                  # where the kernel's decode layers spend the step, per thread
 
 Times are the engine thread's CPU time (time.thread_time), which other processes on a shared machine
 disturb far less than wall time; `--threads 1` makes them comparable across runs. `--no-gemm` swaps every
@@ -50,7 +52,12 @@ def main() -> None:
     ap.add_argument("--other-team", action="store_true",
                     help="first run one parallel torch op on this (the caller's) thread, as a user's own torch work "
                          "does: its OpenMP team outlives it, so the process holds more OpenMP threads than cores")
+    ap.add_argument("--phases", action="store_true",
+                    help="build the kernel with -DFINAL_PHASES: the decode layers' time per phase and thread, and "
+                         "how much of it each thread waited in the team's barrier")
     args = ap.parse_args()
+    if args.phases:  # before the first engine loads the kernel: a build of its own (the flags are in its cache key)
+        os.environ["FINAL_GEMV_CFLAGS"] = os.environ.get("FINAL_GEMV_CFLAGS", "") + " -DFINAL_PHASES"
     if args.other_team:
         torch.ones(2**24).sum()
     if args.isas:
@@ -93,6 +100,7 @@ def main() -> None:
                     append(runner.decode(seqs))
             table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
         cpu, wall = [], []
+        layers = phase_clock(runner)
         for i in range(args.steps):
             if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
                 reads.append(memory_rates(3)[1])
@@ -100,6 +108,8 @@ def main() -> None:
             append(runner.decode(seqs))
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
+        if layers:
+            table += layers(sum(wall))
         return statistics.median(cpu), statistics.median(wall), table
 
     reads: list[float] = []
@@ -119,6 +129,45 @@ def main() -> None:
         print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {rate:.1f} GB/s streamed by the whole step; "
               f"this machine reads {read:.1f} GB/s (a 128 MB sum, median of {len(reads)} taken between the steps): "
               f"{rate / read:.0%} of it")
+
+PHASE_NAMES = ["norm + qkv", "attention", "o", "norm + gate|up", "SwiGLU", "down"]  # gemv.c's PHASE(i)
+
+
+def phase_clock(runner):
+    """With a -DFINAL_PHASES kernel: times its decode_layers calls from here on and returns the function that
+    prints the split of the steps' wall time (None without such a kernel)."""
+    from final.engine.kernels import gemv_kernel
+
+    kernel = gemv_kernel()
+    if kernel is None or kernel.phase_cycles() is None:  # the call also zeroes the counts
+        return None
+    spent = []
+    call = kernel.decode_layers
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        call(*a, **k)
+        spent.append(time.perf_counter() - t)
+
+    kernel.decode_layers = timed  # this engine's calls only: the instance attribute
+
+    def report(total: float) -> str:
+        del kernel.decode_layers
+        cycles = kernel.phase_cycles().double()
+        threads = int((cycles.sum(dim=(1, 2)) > 0).sum())
+        cycles = cycles[:threads]
+        per_ms = cycles[:, 0].sum(dim=1).max() / (sum(spent) * 1e3)  # the busiest thread's phases span the calls
+        steps = len(spent)
+        lines = [f"decode layers {sum(spent) / steps * 1e3:.3f} of {total / steps * 1e3:.3f} ms a step (the rest: "
+                 f"lm_head, Python, sampling); per phase, ms a step in it / of that waiting in a barrier, by thread:"]
+        for i, name in enumerate(PHASE_NAMES[:cycles.shape[2]]):
+            cols = "  ".join(f"{cycles[t, 0, i] / per_ms / steps:.3f} / {cycles[t, 1, i] / per_ms / steps:.3f}"
+                             for t in range(threads))
+            lines.append(f"  {name:15s} {cols}")
+        return "\n".join(lines) + "\n"
+
+    return report
+
 
 def fresh_rows(engine, runner, batch: int, params) -> tuple[list, callable]:
     """batch new rows prefilled (prompts of 31.. tokens) and the function that appends a step's sampled tokens."""

@@ -89,3 +89,32 @@ def test_int8_weights_are_stored_16_rows_side_by_side_and_read_back_exactly():
     torch.testing.assert_close(kernels.dequantize(q, scale), want, rtol=0, atol=0)
     if KERNEL is not None:  # the kernel's own dequantization (long prompts' oneDNN products), bit for bit
         assert torch.equal(KERNEL.dequantize(q, scale, torch.empty(32, 64)), want)
+
+
+@needs_kernel
+@pytest.mark.skipif(not ISAS_HERE, reason="no build of the kernel runs here")
+def test_a_phase_timing_build_counts_every_phase_and_decodes_the_same_bits(monkeypatch):
+    """FINAL_GEMV_CFLAGS=-DFINAL_PHASES (bench/profile_decode.py --phases) builds a kernel of its own that counts
+    each decode-layer phase's cycles per thread; the engine's build counts nothing, and both decode alike."""
+    from final.engine import EmbeddedEngine
+    from final.models import resolve_model_path
+
+    isa = ISAS_HERE[0]
+    plain = kernels.load(isa)
+    monkeypatch.setenv("FINAL_GEMV_CFLAGS", "-DFINAL_PHASES")
+    timed = kernels.load(isa)
+    assert plain.phase_cycles() is None and timed.path != plain.path
+    got = {}
+    for kernel in (plain, timed):
+        monkeypatch.setattr(kernels, "_loaded", [kernel])
+        engine = EmbeddedEngine(resolve_model_path("builtin:tiny-random-llama"), max_model_len=64)
+        try:
+            got[kernel.path] = engine.generate([[1, 5, 6, 7]], {"max_new_tokens": 6, "temperature": 0,
+                                                                "ignore_eos": True}, return_logprob=True)
+        finally:
+            engine.shutdown()
+    cycles = timed.phase_cycles()
+    assert cycles is not None and bool((cycles[0, 0] > 0).all())  # thread 0 ran every phase
+    assert bool((cycles[:, 1] <= cycles[:, 0]).all())  # waiting is part of a phase's time
+    want, have = (got[k.path][0]["meta_info"] for k in (plain, timed))
+    assert want["output_token_logprobs"] == have["output_token_logprobs"]

@@ -62,7 +62,9 @@ def _compiler() -> str:
 
 
 def flags(isa: str) -> list[str]:
-    return FLAGS + ISAS[isa][0]
+    """gcc's flags for `isa`'s build, and FINAL_GEMV_CFLAGS' (e.g. -DFINAL_PHASES for bench/profile_decode.py
+    --phases), which are in the cache key too."""
+    return FLAGS + ISAS[isa][0] + os.environ.get("FINAL_GEMV_CFLAGS", "").split()
 
 
 def library_path(cc: str, isa: str = "avx2") -> Path:
@@ -140,6 +142,8 @@ class GemvKernel:
         self._dequantize = lib.final_q8_dequantize
         self._dequantize.argtypes = [_P, _P, _I, _I, _P]
         self._dequantize.restype = None
+        self._phases = lib.final_phase_cycles
+        self._phases.argtypes = [_P]
         self.path = path
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -182,6 +186,13 @@ class GemvKernel:
         self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, KINDS[kind],
                      weights.data_ptr(), caches.data_ptr(), address(ptab), address(plens), cos.data_ptr(),
                      sin_signed.data_ptr(), tokens, lengths.data_ptr(), scale, eps, work.data_ptr())
+
+    def phase_cycles(self) -> torch.Tensor | None:
+        """A -DFINAL_PHASES build's TSC cycles since the last call, [threads, 2 (in the phase, of it waiting in a
+        barrier), phases of a decode layer] (gemv.c PHASE), then zeroed; None from a build without them."""
+        out = torch.zeros(64 * 2 * 16, dtype=torch.int64)  # products.h PHASE_THREADS, and room for its PHASES
+        n = self._phases(out.data_ptr())
+        return out[:64 * 2 * n].view(64, 2, n) if n else None
 
     def self_check(self) -> None:
         """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""

@@ -152,6 +152,19 @@ static void normed_product(const float *x, int M, int K, const float *g, float e
 
 int final_gemv_abi(void) { return 10; }
 
+/* out [PHASE_THREADS][2][PHASES]: the cycles FINAL_PHASES counted since the last call (then zeroed); returns
+   PHASES, or 0 in a build without them */
+int final_phase_cycles(uint64_t *out) {
+#ifdef FINAL_PHASES
+  __builtin_memcpy(out, phase_cycles, sizeof phase_cycles);
+  __builtin_memset(phase_cycles, 0, sizeof phase_cycles);
+  return PHASES;
+#else
+  (void)out;
+  return 0;
+#endif
+}
+
 /* whether this CPU runs every instruction set this build was compiled for (a build for a larger set than the CPU
    has is refused before any of its loops runs) */
 int final_gemv_cpu_ok(void) {
@@ -363,28 +376,37 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
       const int64_t *w = wtab + (int64_t)l * W_FIELDS;
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
-      if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
-        normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
-      } else {
-        prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h, NULL, NULL, q.sync);
-        product_team(h, M, hidden, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q, 0);
-      }
-      sync_team(q.sync);
-      attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l], (float *)(intptr_t)ctab[2 * l + 1],
-                  T, lengths, ptab, plens, layers, l, scale, att, q.sync);
-      product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
-      sync_team(q.sync);
-      if (M <= PRIVATE_ROWS) {
-        normed_product(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, q);
-      } else {
-        prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h, NULL, NULL, q.sync);
-        product_team(h, M, hidden, W(W_GU), kind, F(S_GU), 2 * inter, NULL, NULL, gu, q, 0);
-      }
-      sync_team(q.sync);
+      PHASE(0, {
+        if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
+          normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
+        } else {
+          prep_team(x, M, hidden, PREP_NORM, F(N_IN), eps, h, NULL, NULL, q.sync);
+          product_team(h, M, hidden, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), NULL, qkv, q, 0);
+        }
+        sync_team(q.sync);
+      });
+      PHASE(1, attend_team(qkv, M, H, Hkv, D, cos, sin, (float *)(intptr_t)ctab[2 * l],
+                           (float *)(intptr_t)ctab[2 * l + 1], T, lengths, ptab, plens, layers, l, scale, att,
+                           q.sync));
+      PHASE(2, {
+        product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
+        sync_team(q.sync);
+      });
+      PHASE(3, {
+        if (M <= PRIVATE_ROWS) {
+          normed_product(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, q);
+        } else {
+          prep_team(x, M, hidden, PREP_NORM, F(N_POST), eps, h, NULL, NULL, q.sync);
+          product_team(h, M, hidden, W(W_GU), kind, F(S_GU), 2 * inter, NULL, NULL, gu, q, 0);
+        }
+        sync_team(q.sync);
+      });
       /* the SwiGLU, quantized as it is made for an int8 down product */
-      prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync);
-      product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
-      sync_team(q.sync);
+      PHASE(4, prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync));
+      PHASE(5, {
+        product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
+        sync_team(q.sync);
+      });
 #undef W
 #undef F
     }

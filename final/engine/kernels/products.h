@@ -20,7 +20,8 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
 #endif
 #define Q8_BLOCK 32 /* int8 weights a scale covers */
 #ifndef PFHINT
-#define PFHINT _MM_HINT_T0
+#define PFHINT _MM_HINT_T1 /* into L2, not L1: a batch-1 step 1.15-1.24x (int8), 1.07-1.08x (fp32, bf16) faster than
+                              _MM_HINT_T0 on a Zen 4 EPYC (bench/RESULTS.md); T2 about as T1, NTA as T0 */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead of the row being read */
@@ -36,6 +37,33 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
    thread keeps its own team. Each barrier then costs a futex wake-up, and a batch-1 step took 2.2x as long
    (AGENTS.md). This one spins ~1 ms before yielding the core, so a phase that ends on time costs ~0.2 us, and a
    thread that lost its core to another process does not make the others spin out their time slice. */
+/* -DFINAL_PHASES (FINAL_GEMV_CFLAGS, bench/profile_decode.py --phases): TSC cycles per thread in each phase of
+   final_decode_layers (PHASE()), and of those the cycles spent waiting in the team's barrier; read and reset by
+   final_phase_cycles. Off in the engine's builds (PHASE is then the statement alone). */
+#define PHASES 6
+#define PHASE_THREADS 64
+#ifdef FINAL_PHASES
+#include <x86intrin.h>
+static uint64_t phase_cycles[PHASE_THREADS][2][PHASES];  /* [thread][in the phase, waiting][phase] */
+static __thread int phase_now = -1;  /* -1 outside PHASE (another entry point's barriers are not counted) */
+#define PHASE(i, stmt)                                                              \
+  do {                                                                              \
+    const int t_ = omp_get_thread_num() % PHASE_THREADS;                            \
+    const uint64_t c_ = __rdtsc();                                                  \
+    phase_now = (i);                                                                \
+    stmt;                                                                           \
+    phase_cycles[t_][0][i] += __rdtsc() - c_;                                       \
+    phase_now = -1;                                                                 \
+  } while (0)
+#define WAIT_BEGIN const uint64_t w_ = __rdtsc()
+#define WAIT_END \
+  if (phase_now >= 0) phase_cycles[omp_get_thread_num() % PHASE_THREADS][1][phase_now] += __rdtsc() - w_
+#else
+#define PHASE(i, stmt) stmt
+#define WAIT_BEGIN
+#define WAIT_END
+#endif
+
 typedef struct {
   atomic_int arrived, phase;
   int n;  /* threads in the team */
@@ -56,10 +84,12 @@ static inline void sync_team(Sync *s) {
     atomic_store_explicit(&s->phase, phase + 1, memory_order_release);
     return;
   }
+  WAIT_BEGIN;
   for (int spins = 0; atomic_load_explicit(&s->phase, memory_order_acquire) == phase; spins++) {
     if (spins < (1 << 14)) _mm_pause();
     else sched_yield();
   }
+  WAIT_END;
 }
 
 static inline float hsum(__m256 v) {
