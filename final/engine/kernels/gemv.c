@@ -306,6 +306,34 @@ static void weighted_sum(const float *w, const float *V, int64_t n, int D, float
     for (int d = 0; d < D; d++) o[d] += w[t] * V[t * D + d];
 }
 
+#ifndef KV_AHEAD
+#define KV_AHEAD (256 * 1024) /* bytes of K/V a thread asks for ahead of its attention (a cartridge's are more) */
+#endif
+/* Prefetch (into L2) the K/V lines this thread's attention tasks of layer l will read (attend_team's static split of
+   the B H head tasks), up to KV_AHEAD bytes: asked for before the qkv product, they arrive while it streams, so
+   attention does not wait on memory latency after it (its short reads are too short for the hardware's own
+   prefetcher to ramp up). */
+static void prefetch_kv(int B, int H, int Hkv, int D, const float *kc, const float *vc, int64_t T,
+                        const int64_t *lengths, const int64_t *ptab, const int64_t *plens, int layers, int l) {
+  const int t = omp_get_thread_num(), nt = omp_get_num_threads(), tasks = B * H, G = H / Hkv;
+  const int lo = (int)((int64_t)tasks * t / nt), hi = (int)((int64_t)tasks * (t + 1) / nt);
+  int64_t budget = KV_AHEAD, last = -1;
+  for (int task = lo; task < hi && budget > 0; task++) {
+    const int h = task / B, b = task % B, g = h / G;
+    if ((int64_t)b * Hkv + g == last) continue;  /* the heads of one group read the same K/V */
+    last = (int64_t)b * Hkv + g;
+    const int64_t p = ptab ? plens[b] : 0, n = lengths[b];
+    const int64_t *at = p ? ptab + ((int64_t)b * layers + l) * 2 : NULL;
+    const char *spans[4] = {(const char *)(kc + last * T * D), (const char *)(vc + last * T * D),
+                            at ? (const char *)(intptr_t)at[0] + g * p * D * 4 : NULL,
+                            at ? (const char *)(intptr_t)at[1] + g * p * D * 4 : NULL};
+    const int64_t bytes[4] = {n * D * 4, n * D * 4, p * D * 4, p * D * 4};
+    for (int i = 0; i < 4 && budget > 0; i++)
+      for (int64_t off = 0; spans[i] && off < bytes[i] && budget > 0; off += 64, budget -= 64)
+        _mm_prefetch(spans[i] + off, _MM_HINT_T1);
+  }
+}
+
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
                         float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
                         const int64_t *plens, int layers, int l, float scale, float *out, Sync *sync) {
@@ -377,6 +405,8 @@ void final_decode_layers(float *x, int M, int hidden, int inter, int H, int Hkv,
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
       PHASE(0, {
+        prefetch_kv(M, H, Hkv, D, (const float *)(intptr_t)ctab[2 * l], (const float *)(intptr_t)ctab[2 * l + 1], T,
+                    lengths, ptab, plens, layers, l);
         if (M <= PRIVATE_ROWS) {  /* each thread norms the few rows itself: no barrier until the product's */
           normed_product(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, q);
         } else {
