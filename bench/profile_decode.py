@@ -108,58 +108,74 @@ def main() -> None:
             append(runner.decode(seqs))
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
+        if args.roofline:
+            reads.append(memory_rates(3)[1])  # the last block's rate after it too
         if layers:
             table += layers(sum(wall))
-        return statistics.median(cpu), statistics.median(wall), table
+        return cpu, wall, table
 
     reads: list[float] = []
 
     weight_bytes = streamed_bytes(engine.model)
     try:
-        cpu, wall, table = engine.call(body)
+        cpus, walls, table = engine.call(body)
     finally:
         engine.shutdown()
     if table:
         print(table)
+    cpu, wall = statistics.median(cpus), statistics.median(walls)
     print(f"{args.dtype}{', ' + args.quantization if args.quantization else ''} batch {args.batch}, {args.threads} "
           f"thread(s){', no GEMM' if args.no_gemm else ''}{', another OpenMP team' if args.other_team else ''}: "
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
-    if args.roofline:  # every weight byte is read once a step: the step's streaming rate vs the machine's
-        rate, read = weight_bytes / wall / 1e9, statistics.median(reads)
-        print(f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {rate:.1f} GB/s streamed by the whole step; "
-              f"this machine reads {read:.1f} GB/s (a 128 MB sum, median of {len(reads)} taken between the steps): "
-              f"{rate / read:.0%} of it")
+    if args.roofline:
+        print(roofline(weight_bytes, walls, reads))
 
-PHASE_NAMES = ["norm + qkv", "attention", "o", "norm + gate|up", "SwiGLU", "down"]  # gemv.c's PHASE(i)
+
+def roofline(weight_bytes: int, walls: list[float], reads: list[float]) -> str:
+    """Every weight byte is read once a step: the step's streaming rate against the machine's read rate (a 128 MB
+    sum), each block of 10 steps against the mean of the rates taken just before and after it, since the host's
+    memory speed drifts within a run (30-48 GB/s within minutes here); the median of the blocks' shares."""
+    shares, rates = [], []
+    for j, lo in enumerate(range(0, len(walls), 10)):
+        rate = weight_bytes / statistics.median(walls[lo:lo + 10]) / 1e9
+        rates.append(rate)
+        shares.append(rate / ((reads[j] + reads[min(j + 1, len(reads) - 1)]) / 2))
+    return (f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {statistics.median(rates):.1f} GB/s streamed "
+            f"by the whole step; this machine reads {statistics.median(reads):.1f} GB/s (a 128 MB sum, median of "
+            f"{len(reads)} taken between blocks of 10 steps, {min(reads):.1f}-{max(reads):.1f}): "
+            f"{statistics.median(shares):.0%} of it (each block against the reads beside it; blocks "
+            f"{min(shares):.0%}-{max(shares):.0%})")
+
+PHASE_NAMES = ["norm + qkv", "attention", "o", "norm + gate|up", "SwiGLU", "down", "norm + lm_head"]  # PHASE(i)
 
 
 def phase_clock(runner):
-    """With a -DFINAL_PHASES kernel: times its decode_layers calls from here on and returns the function that
-    prints the split of the steps' wall time (None without such a kernel)."""
+    """With a -DFINAL_PHASES kernel: times its decode_step calls from here on and returns the function that
+    prints the split of the steps' wall time (None without such a kernel). Phases 0-5 are summed over the layers."""
     from final.engine.kernels import gemv_kernel
 
     kernel = gemv_kernel()
     if kernel is None or kernel.phase_cycles() is None:  # the call also zeroes the counts
         return None
     spent = []
-    call = kernel.decode_layers
+    call = kernel.decode_step
 
     def timed(*a, **k):
         t = time.perf_counter()
         call(*a, **k)
         spent.append(time.perf_counter() - t)
 
-    kernel.decode_layers = timed  # this engine's calls only: the instance attribute
+    kernel.decode_step = timed  # this engine's calls only: the instance attribute
 
     def report(total: float) -> str:
-        del kernel.decode_layers
+        del kernel.decode_step
         cycles = kernel.phase_cycles().double()
         threads = int((cycles.sum(dim=(1, 2)) > 0).sum())
         cycles = cycles[:threads]
         per_ms = cycles[:, 0].sum(dim=1).max() / (sum(spent) * 1e3)  # the busiest thread's phases span the calls
         steps = len(spent)
-        lines = [f"decode layers {sum(spent) / steps * 1e3:.3f} of {total / steps * 1e3:.3f} ms a step (the rest: "
-                 f"lm_head, Python, sampling); per phase, ms a step in it / of that waiting in a barrier, by thread:"]
+        lines = [f"the kernel's call {sum(spent) / steps * 1e3:.3f} of {total / steps * 1e3:.3f} ms a step (the rest: "
+                 f"Python); per phase, ms a step in it / of that waiting in a barrier, by thread:"]
         for i, name in enumerate(PHASE_NAMES[:cycles.shape[2]]):
             cols = "  ".join(f"{cycles[t, 0, i] / per_ms / steps:.3f} / {cycles[t, 1, i] / per_ms / steps:.3f}"
                              for t in range(threads))

@@ -308,8 +308,9 @@ def test_the_weight_arena_aligns_copies_and_refuses_overflow():
 
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
-def test_a_weight_update_moves_the_kernels_int8_addresses(tiny_dir):
-    """load_hf_weight quantizes an int8 matrix anew (a new tensor): the whole-layer call must read the new one."""
+def test_a_weight_update_reaches_the_kernels_int8_weights(tiny_dir):
+    """load_hf_weight quantizes an int8 matrix anew (into its place in the weight arena): the whole-step call must
+    read the new values."""
     from final.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(tiny_dir, quantization="int8", max_model_len=64)
@@ -353,3 +354,29 @@ def test_a_model_with_one_product_off_the_kernel_runs_none_fused():
     again = CausalLM(model.spec, model.embed, model.lm_head, model.norm, model.layers, model.cos, model.sin,
                      tied=model.tied)
     assert again.kernel is None
+
+
+@needs_kernel
+def test_the_kernels_decode_step_refuses_an_id_or_position_past_its_tables():
+    """The one-call decode step reads the embedding and rope rows itself: an id or position past them is an
+    IndexError naming the row before anything runs (torch's indexing would raise too), and the model decodes on."""
+    from final.engine.attention import DecodePlan
+    from final.engine.kv_cache import KVCache
+    from final.engine.model import CausalLM
+    from final.models import resolve_model_path
+
+    model = CausalLM.from_pretrained(resolve_model_path("builtin:tiny-random-llama"), torch.float32)
+    spec = model.spec
+    cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, torch.device("cpu"), 8)
+    cache.reserve(2, 8)
+
+    def decode(ids: list[int], positions: list[int]) -> torch.Tensor:
+        rows = torch.tensor([ids, positions, [0, 0]], dtype=torch.long)
+        return model.decode(rows, DecodePlan(cache, rows[2], [], spec.head_dim ** -0.5))
+
+    with pytest.raises(IndexError, match="decode row 1: token id 99999"):
+        decode([3, 99999], [0, 0])
+    with pytest.raises(IndexError, match="decode row 0: .* position 1000000"):
+        decode([3, 4], [1_000_000, 0])
+    logits = decode([3, 4], [0, 0])
+    assert logits.shape == (2, model.lm_head.out_features) and bool(torch.isfinite(logits).all())

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, Q8_ROWS, GemvKernel, gemv_kernel
+from final.engine.arena import WeightArena
 from final.engine.kernels import dequantize, quantize as kernel_quantize
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,13 @@ class Int8Linear(_Gemv):
     takes 4x fp32's time with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None,
+                 arena: WeightArena | None = None):
+        """arena: where the kernel's int8 values and scales live (2 MB pages: a batch-1 step 1.02x), for good - a
+        weight update quantizes into the same place."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError("int8 weights need a float32 model on CPU")
+        self._arena = arena
         self.out_features, self.in_features = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
         self.weight = None  # only the int8 matrix is kept
@@ -241,7 +246,14 @@ class Int8Linear(_Gemv):
     def _quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
         if self.gemv is not None:
-            self.q, self.scale = kernel_quantize(weight)
+            q, scale = kernel_quantize(weight)
+            if self.q is not None:  # an update: into the same tensors (the kernel's addresses stay valid)
+                self.q.copy_(q)
+                self.scale.copy_(scale)
+            elif self._arena is not None:
+                self.q, self.scale = self._arena.take(q), self._arena.take(scale)
+            else:
+                self.q, self.scale = q, scale
             return
         scale = (weight.abs().amax(dim=1).double() / 127).clamp_min(1e-12)
         zero = torch.zeros(self.out_features, dtype=torch.long)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
-from final.engine.kernels import address
+from final.engine.kernels import Q8_BLOCK, address
 from final.engine.kv_cache import KVCache
 from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
@@ -97,15 +97,17 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
         raise ConfigError("int8 needs torch's fbgemm quantized engine (an x86 CPU with AVX2)", key=key)
 
 
-def _arena_for(hf, tied: bool, itemsize: int) -> WeightArena:
-    """An arena holding every matrix a model's products read (the tied embedding is its lm_head), itemsize bytes a
-    weight. Sized by the HF projections one by one: a fused q|k|v or gate|up needs no more than its parts' rounded
-    sizes."""
+def _arena_for(hf, tied: bool, quantization: str | None) -> WeightArena:
+    """An arena holding every matrix a model's products read (the tied embedding is its lm_head): fp32, bf16, or
+    int8 with its fp32 scale per Q8_BLOCK weights. Sized by the HF projections one by one: a fused q|k|v or gate|up
+    needs no more than its parts' rounded sizes."""
     head = hf.model.embed_tokens.weight if tied else hf.lm_head.weight
     mats = [head] + [p.weight for layer in hf.model.layers
                      for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    return WeightArena(WeightArena.size([w.numel() * itemsize for w in mats]))
+    if quantization == "int8":
+        return WeightArena(WeightArena.size([n for w in mats for n in (w.numel(), w.numel() // Q8_BLOCK * 4)]))
+    return WeightArena(WeightArena.size([w.numel() * (2 if quantization == "bf16" else 4) for w in mats]))
 
 
 def _rope_tables(rotary, positions: int, dtype: torch.dtype, device: torch.device
@@ -169,6 +171,7 @@ class CausalLM:
         mats = [lm_head] + [m for layer in layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         # the gemv kernel, where every product here runs on it (int8 needs rows of 32s); None: torch's kernels
         self.kernel = lm_head.gemv if all(m.gemv is not None for m in mats) else None
+        self._kind = lm_head._gemv_weight().dtype if self.kernel is not None else None  # fp32, bf16 or int8: all
         self._weights_version, self._table = 0, None  # _layer_table's cache, keyed by load_hf_weight's count
 
     @property
@@ -201,9 +204,9 @@ class CausalLM:
         gemv = gemv_enabled(device, dtype)  # fp32 on CPU (which int8 and bf16 need too): the kernel takes all three
         base = hf.model
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
-        # the fp32 or bf16 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
+        # the fp32, bf16 or int8 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
         bf16 = quantization == "bf16"
-        arena = _arena_for(hf, tied, 2 if bf16 else 4) if gemv is not None and quantization != "int8" else None
+        arena = _arena_for(hf, tied, quantization) if gemv is not None else None
 
         def dense(w: torch.Tensor) -> torch.Tensor:
             return arena.take(w.detach()) if arena is not None else t(w)
@@ -211,7 +214,7 @@ class CausalLM:
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Matrix:
             b = t(b) if b is not None else None
             if quantization == "int8":
-                return Int8Linear(t(w), b, gemv=gemv)
+                return Int8Linear(t(w), b, gemv=gemv, arena=arena)
             if bf16:
                 return Bf16Linear(dense(w.detach().to(torch.bfloat16)), b, gemv=gemv)
             return Linear(dense(w), b, pack=pack, gemv=gemv)
@@ -250,9 +253,6 @@ class CausalLM:
         sin = self.sin_signed[positions].unsqueeze(2)
         # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
         fused = self.kernel is not None and self.layers[0].wqkv.fuses(B * T)
-        if fused and plan.fuses_layers and not spec.qk_norm:  # (Qwen3's qk-norm comes before RoPE: not fused)
-            x = self._decode_layers(x, plan, cos, sin)
-            return rms_norm(x, self.norm, spec.rms_norm_eps) if final_norm else x
         for i, layer in enumerate(self.layers):
             if fused:
                 qkv = layer.wqkv.normed(x, layer.in_norm, spec.rms_norm_eps)
@@ -275,23 +275,30 @@ class CausalLM:
             x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps) if final_norm else x
 
-    def _decode_layers(self, x: torch.Tensor, plan: AttentionPlan, cos: torch.Tensor, sin: torch.Tensor
-                       ) -> torch.Tensor:
-        """Every layer of a decode step in one kernel call (gemv.c's final_decode_layers): what the loop in
-        forward does, x [B,1,hidden] updated in place."""
-        B, spec = x.shape[0], self.spec
-        cache = plan.cache
-        kind = self.layers[0].wqkv._gemv_weight().dtype  # fp32, bf16 or int8: one for every matrix
-        self.kernel.decode_layers(x.view(B, -1), kind, self._layer_table(), cache.addresses(),
-                                  (cache.num_kv_heads, cache.tokens, cache.head_dim), cos.reshape(B, -1),
-                                  sin.reshape(B, -1), plan.lengths, spec.num_heads,
-                                  self.layers[0].w_down.in_features, plan.scale, spec.rms_norm_eps, plan.prefixes)
-        return x
+    def decode(self, rows: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """One new token per row: rows [3, B] int64 (token ids, positions, and the cached lengths plan.lengths views)
+        -> logits [B, V] in the model dtype. Where the kernel runs the whole step (fp32 cache on CPU, no qk-norm,
+        rows it takes), one call from embedding to logits (gemv.c final_decode_step); else forward + logits."""
+        B = rows.shape[1]
+        if (self.kernel is not None and plan.fuses_layers and not self.spec.qk_norm and self.lm_head.fuses(B)
+                and self.lm_head.bias is None):
+            logits = torch.empty(B, self.lm_head.out_features)
+            cache, spec = plan.cache, self.spec
+            self.kernel.decode_step(rows, self.embed, self.cos, self.sin_signed, self._kind, self._layer_table(),
+                                    cache.addresses(), (cache.num_kv_heads, cache.tokens, cache.head_dim),
+                                    spec.num_heads, self.layers[0].w_down.in_features, plan.scale,
+                                    spec.rms_norm_eps, self._head_table(), logits, plan.prefixes)
+            return logits
+        hidden = self.forward(rows[0, :, None], rows[1, :, None], plan, final_norm=False)
+        return self.logits(hidden[:, 0], upcast=False, normed=False)
 
     def _layer_table(self) -> torch.Tensor:
         """[layers, 11] int64 addresses of what each layer's kernel call reads (gemv.c's W_* order), rebuilt when a
         weight update may have moved a tensor (an int8 matrix is quantized anew)."""
         if self._table is None or self._table[0] != self._weights_version:
+            head = self.lm_head
+            self._head = torch.tensor([address(head._gemv_weight()), address(head._gemv_scale()),
+                                       address(self.norm)], dtype=torch.int64)
             rows = []
             for layer in self.layers:
                 mats = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
@@ -299,6 +306,12 @@ class CausalLM:
                             + [address(layer.wqkv.bias), address(layer.in_norm), address(layer.post_norm)])
             self._table = (self._weights_version, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
+
+    def _head_table(self) -> torch.Tensor:
+        """[3] int64: the lm_head's weight and int8 scales (or 0) and the final norm (gemv.c final_decode_step),
+        rebuilt with _layer_table."""
+        self._layer_table()
+        return self._head
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True, normed: bool = True) -> torch.Tensor:
         """Hidden states [N,hidden] -> logits [N,vocab], computed in the model dtype like HF, then fp32 (or left in

@@ -66,18 +66,17 @@ class ModelRunner:
         """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""
         B = len(seqs)
         cached = [s.cached_len for s in seqs]
-        lengths = self._long(cached)
-        ids = self._long([[s.output_ids[-1]] for s in seqs])
-        positions = self._long([[n + s.prefix_len] for n, s in zip(cached, seqs)])
+        # one tensor for the step's ids, positions and cached lengths: each torch op here runs cold (the step has
+        # just streamed the weights through every cache)
+        rows = self._long([[s.output_ids[-1] for s in seqs], [n + s.prefix_len for n, s in zip(cached, seqs)], cached])
         self.cache.reserve(B, max(cached) + 1)
         groups: dict[int, tuple[list[int], PrefixKV]] = {}
         for row, seq in enumerate(seqs):
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
-        plan = DecodePlan(self.cache, lengths, [(self._long(rows), p) for rows, p in groups.values()], self.scale,
+        plan = DecodePlan(self.cache, rows[2], [(self._long(r), p) for r, p in groups.values()], self.scale,
                           flash=self.flash)
-        hidden = self.model.forward(ids, positions, plan, final_norm=False)
-        return self.model.logits(hidden[:, 0], upcast=False, normed=False)
+        return self.model.decode(rows, plan)
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

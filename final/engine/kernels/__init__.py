@@ -1,7 +1,7 @@
 """The engine's own CPU kernel (gemv.c: decode at memory bandwidth), built and loaded here.
 
 gemv.c has two entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm
-or SwiGLU before and bias/residual after), and `final_decode_layers`, every decoder layer of a decode step in one
+or SwiGLU before and bias/residual after), and `final_decode_step`, a whole decode step (embedding to logits) in one
 call; products.h holds their row loops. Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels,
 named by a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh
 builds it ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "avx512.h")]  # what SOURCE includes: in the key
+HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "team.h", "avx512.h", "attention.h")]  # what SOURCE includes: in the key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # 512-bit where avx512.h asks for it; gcc's own vectorizing stays 256-bit (its zmm loops made a bf16 batch-1 step
 # 4-6% slower on Zen 4, measured against the same build with this flag)
@@ -41,7 +41,7 @@ _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vect
 ISAS = {"avx512bf16": (_AVX512 + ["-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
         "avx512": (_AVX512, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
         "avx2": ([], {"avx2", "fma"})}
-ABI = 10  # final_gemv_abi() of the source this wrapper speaks to
+ABI = 11  # final_gemv_abi() of the source this wrapper speaks to
 Q8_BLOCK = 32  # int8 weights one kernel scale covers (products.h); K must be a multiple
 Q8_ROWS = 16  # int8 output rows the kernel stores side by side (products.h q8_group); N must be a multiple
 KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # products.h's W_F32, W_Q8, W_BF16
@@ -135,10 +135,13 @@ class GemvKernel:
         self._fn = lib.final_gemv
         self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
         self._fn.restype = None
-        self._layers = lib.final_decode_layers
-        self._layers.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int64, _P,
-                                 _F, _F, _P]
-        self._layers.restype = None
+        self._step = lib.final_decode_step
+        self._step.argtypes = [_P, _I, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, _I, _I, _I, _I, _I, _I, _I, _P,
+                               _P, _P, _P, ctypes.c_int64, _F, _F, _P, _I, _P, _P, _P]
+        self._step.restype = _I
+        self._step_floats = lib.final_decode_step_floats
+        self._step_floats.argtypes = [_I] * 6
+        self._step_floats.restype = ctypes.c_int64
         self._dequantize = lib.final_q8_dequantize
         self._dequantize.argtypes = [_P, _P, _I, _I, _P]
         self._dequantize.restype = None
@@ -166,26 +169,36 @@ class GemvKernel:
         self._dequantize(q.data_ptr(), scale.data_ptr(), n, k, out.data_ptr())
         return out
 
-    def decode_layers(self, x: torch.Tensor, kind: torch.dtype, weights: torch.Tensor, caches: torch.Tensor,
-                      cache_shape: tuple[int, int, int], cos: torch.Tensor, sin_signed: torch.Tensor,
-                      lengths: torch.Tensor, heads: int, inter: int, scale: float, eps: float,
-                      prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Every decoder layer of a decode step (one new token per row), x [M, hidden] updated in place: RMSNorm,
-        q|k|v, RoPE, the K/V cache write at lengths[b], attention over each row's lengths[b] + 1 tokens, o +
-        residual, RMSNorm, gate|up, SwiGLU, down + residual. kind: the matrices' dtype (fp32, bf16 or int8, one for
-        all). weights [L, 11] int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv
-        bias or 0, the two norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows,
-        *cache_shape]; cos/sin_signed [M, D]; lengths [M] int64. prefixes: the rows' cartridges, ([M, L, 2] int64
-        K/V addresses of [Hkv, p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before each row's
-        own tokens. Contiguous fp32."""
-        m, hidden = x.shape
+    def decode_step(self, rows: torch.Tensor, embed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                    kind: torch.dtype, weights: torch.Tensor, caches: torch.Tensor, cache_shape: tuple[int, int, int],
+                    heads: int, inter: int, scale: float, eps: float, head: torch.Tensor, logits: torch.Tensor,
+                    prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One decode step (one new token per row) into logits [M, V]: the embedding rows, every decoder layer
+        (RMSNorm, q|k|v, RoPE, the K/V cache write at the row's length, attention over its length + 1 tokens, o +
+        residual, RMSNorm, gate|up, SwiGLU, down + residual), the final norm and the lm_head. rows [3, M] int64:
+        token ids, positions, cached lengths. embed [vocab, hidden]; cos/sin_signed [positions, D] (the rope
+        tables). kind: the matrices' dtype (fp32, bf16 or int8, one for all, the lm_head's too). weights [L, 11]
+        int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv bias or 0, the two
+        norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; head [3]
+        int64: the lm_head's weight, its int8 scales or 0, the final norm. prefixes: the rows' cartridges, ([M, L,
+        2] int64 K/V addresses of [Hkv, p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before
+        each row's own tokens. Contiguous fp32. IndexError for a token id or position past the tables (nothing
+        runs then)."""
+        m = rows.shape[1]
+        vocab, hidden = embed.shape
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
-        work = torch.empty(m * ((heads + 2 * kv_heads) * dim + heads * dim + max(hidden, inter) + 2 * inter))
+        x = torch.empty(m, hidden)
+        work = torch.empty(self._step_floats(m, hidden, inter, heads, kv_heads, dim))
         ptab, plens = prefixes if prefixes is not None else (None, None)
-        self._layers(x.data_ptr(), m, hidden, inter, heads, kv_heads, dim, layers, KINDS[kind],
-                     weights.data_ptr(), caches.data_ptr(), address(ptab), address(plens), cos.data_ptr(),
-                     sin_signed.data_ptr(), tokens, lengths.data_ptr(), scale, eps, work.data_ptr())
+        bad = self._step(rows.data_ptr(), m, embed.data_ptr(), vocab, cos.data_ptr(), sin_signed.data_ptr(),
+                         cos.shape[0], hidden, inter, heads, kv_heads, dim, layers, KINDS[kind], weights.data_ptr(),
+                         caches.data_ptr(), address(ptab), address(plens), tokens, scale, eps, head.data_ptr(),
+                         logits.shape[1], x.data_ptr(), logits.data_ptr(), work.data_ptr())
+        if bad:
+            row = bad - 1
+            raise IndexError(f"decode row {row}: token id {int(rows[0, row])} (vocabulary {vocab}) or position "
+                             f"{int(rows[1, row])} (rope tables {cos.shape[0]}) out of range")
 
     def phase_cycles(self) -> torch.Tensor | None:
         """A -DFINAL_PHASES build's TSC cycles since the last call, [threads, 2 (in the phase, of it waiting in a
