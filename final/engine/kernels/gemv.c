@@ -92,17 +92,41 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
 /* this thread's contiguous share of the N output rows of y = [res +] [bias +] xs @ w.T, w of `kind` (W_F32, W_BF16,
    or W_Q8 with its block scales, reading xs as xq/xsc); xp: the thread's bf16 buffer. No barrier after (res may be
    y: each element is read, then written, by the thread that owns its row). */
+static void thread_share(int kind, int N, int *n0, int *n1) {  /* this thread's rows [n0, n1) of a product */
+  const int t = omp_get_thread_num(), T = omp_get_num_threads();
+  const int unit = kind == W_Q8 ? Q8_ROWS : 1, units = N / unit;  /* int8: whole groups of Q8_ROWS rows */
+  *n0 = (int)((int64_t)units * t / T) * unit;
+  *n1 = (int)((int64_t)units * (t + 1) / T) * unit;
+}
+
+#ifndef LEAD
+#define LEAD 8192
+#endif
+/* Prefetch the first LEAD bytes of this thread's share of a product's weights (and of its int8 scales), called
+   as the thread finishes its share of the product before: they arrive while it waits in the barrier, and the
+   product's own prefetch (running PREFETCH ahead of its reads) starts past them. */
+static void lead_in(const void *w, int kind, const float *scale, int N, int K) {
+  int n0, n1;
+  thread_share(kind, N, &n0, &n1);
+  const int64_t item = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1, all = (int64_t)(n1 - n0) * K * item;
+  const char *p = (const char *)w + (int64_t)n0 * K * item;
+  for (int64_t off = 0; off < all && off < LEAD; off += 64) _mm_prefetch(p + off, PFHINT);
+  if (kind == W_Q8) {
+    const char *sp = (const char *)(scale + (int64_t)n0 * (K / Q8_BLOCK));
+    for (int64_t off = 0; off < all / 8 && off < LEAD / 8; off += 64) _mm_prefetch(sp + off, PFHINT);
+  }
+}
+
 static void product_rows(const float *xs, const int16_t *xq, const float *xsc, int M, int K, const void *w,
                          int kind, const float *scale, int N, const float *bias, const float *res, float *y,
                          float *xp) {
-  const int t = omp_get_thread_num(), T = omp_get_num_threads();
-  if (kind == W_Q8) {  /* whole groups of Q8_ROWS rows */
-    const int groups = N / Q8_ROWS, g0 = (int)((int64_t)groups * t / T), g1 = (int)((int64_t)groups * (t + 1) / T);
-    if (g0 < g1) rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, g0, g1, N, bias, res, y);
+  int n0, n1;
+  thread_share(kind, N, &n0, &n1);
+  if (n0 >= n1) return;
+  if (kind == W_Q8) {
+    rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, n0 / Q8_ROWS, n1 / Q8_ROWS, N, bias, res, y);
     return;
   }
-  const int n0 = (int)((int64_t)N * t / T), n1 = (int)((int64_t)N * (t + 1) / T);
-  if (n0 >= n1) return;
   if (kind == W_BF16) {
 #ifdef __AVX512BF16__
     if (M <= BF16_DP_ROWS) {
@@ -232,7 +256,7 @@ void final_gemv(const float *x, int M, int K, const void *w, int kind, const flo
 enum { W_QKV, W_O, W_GU, W_D, S_QKV, S_O, S_GU, S_D, B_QKV, N_IN, N_POST, W_FIELDS };
 
 /* y = [bias +] RMSNorm(x) @ w.T by the team: each thread norms the rows itself at M <= PRIVATE_ROWS, else the
-   team norms them once into h; ends in a barrier */
+   team norms them once into h. No barrier after (as product_team). */
 static void normed_team(const float *x, int M, int K, const float *g, float eps, const void *w, int kind,
                         const float *scale, int N, const float *bias, float *y, float *h, Acts q) {
   if (M <= PRIVATE_ROWS) {
@@ -241,7 +265,6 @@ static void normed_team(const float *x, int M, int K, const float *g, float eps,
     prep_team(x, M, K, PREP_NORM, g, eps, h, NULL, NULL, q.sync);
     product_team(h, M, K, w, kind, scale, N, bias, NULL, y, q, 0);
   }
-  sync_team(q.sync);
 }
 
 int64_t final_decode_step_floats(int M, int hidden, int inter, int H, int Hkv, int D) {
@@ -282,25 +305,35 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
     sync_init(q.sync);
 #pragma omp barrier
     for (int l = 0; l < layers; l++) {
-      const int64_t *w = wtab + (int64_t)l * W_FIELDS;
+      const int64_t *w = wtab + (int64_t)l * W_FIELDS, *wn = l + 1 < layers ? w + W_FIELDS : NULL;
       float *kc = (float *)(intptr_t)ctab[2 * l], *vc = (float *)(intptr_t)ctab[2 * l + 1];
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
+      /* each product's thread asks for the start of its share of the next one (lead_in) before the barrier */
       PHASE(0, {
         prefetch_kv(M, H, Hkv, D, kc, vc, T, lengths, ptab, plens, layers, l);
         normed_team(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, h, q);
+        lead_in(W(W_O), kind, F(S_O), hidden, H * D);
+        sync_team(q.sync);
       });
       PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
                            scale, att, q.sync));
       PHASE(2, {
         product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
+        lead_in(W(W_GU), kind, F(S_GU), 2 * inter, hidden);
         sync_team(q.sync);
       });
-      PHASE(3, normed_team(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, h, q));
+      PHASE(3, {
+        normed_team(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, h, q);
+        lead_in(W(W_D), kind, F(S_D), hidden, inter);
+        sync_team(q.sync);
+      });
       /* the SwiGLU, quantized as it is made for an int8 down product */
       PHASE(4, prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync));
       PHASE(5, {
         product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
+        if (wn) lead_in((const void *)(intptr_t)wn[W_QKV], kind, (const float *)(intptr_t)wn[S_QKV], nqkv, hidden);
+        else lead_in((const void *)(intptr_t)head[0], kind, (const float *)(intptr_t)head[1], V, hidden);
         sync_team(q.sync);
       });
 #undef W
