@@ -4,6 +4,7 @@ fallbacks."""
 from __future__ import annotations
 
 import logging
+from array import array
 
 import pytest
 import torch
@@ -371,8 +372,7 @@ def test_the_kernels_decode_step_refuses_an_id_or_position_past_its_tables():
     cache.reserve(2, 8)
 
     def decode(ids: list[int], positions: list[int]) -> torch.Tensor:
-        rows = torch.tensor([ids, positions, [0, 0]], dtype=torch.long)
-        return model.decode(rows, DecodePlan(cache, rows[2], [], spec.head_dim ** -0.5))
+        return model.decode(DecodePlan(cache, array("q", ids + positions + [0, 0]), [], spec.head_dim ** -0.5))
 
     with pytest.raises(IndexError, match="decode row 1: token id 99999"):
         decode([3, 99999], [0, 0])

@@ -11,6 +11,7 @@ as [B,Hkv,G*T,D] so K/V are never repeated per query head.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -189,16 +190,30 @@ class PrefillPlan:
 
 @dataclass
 class DecodePlan:
-    """One new token for each running row; row i is slot i and has `lengths[i]` tokens cached already."""
+    """One new token for each running row; row i is slot i and has `lengths[i]` tokens cached already.
+
+    `step` holds the rows' token ids, positions and cached lengths as one int64 array [3 B]: the kernel's whole-step
+    call reads it where it lies, and the tensors below are made only for the torch path (each torch op of a step
+    runs cold, after the weights have streamed through the caches: ~20-70 us)."""
 
     cache: KVCache
-    lengths: torch.Tensor  # [B] long
+    step: array  # 'q': B token ids, B positions, B cached lengths
     groups: list[tuple[torch.Tensor, PrefixKV]]  # (row indices, shared prefix) for rows with cartridges
     scale: float
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
 
     def __post_init__(self) -> None:
         self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
+        self.batch = len(self.step) // 3
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """step as a [3, B] tensor on the cache's device."""
+        return torch.frombuffer(self.step, dtype=torch.int64).view(3, self.batch).to(self.cache.device)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:  # [B] long
+        return self.rows[2]
 
     @property
     def fuses_layers(self) -> bool:
@@ -212,7 +227,7 @@ class DecodePlan:
         """The kernel's view of the rows' cartridges: [B, layers, 2] K/V addresses and [B] lengths (0: none)."""
         if not self.groups:
             return None
-        B, layers = self.lengths.shape[0], len(self.cache.k)
+        B, layers = self.batch, len(self.cache.k)
         table, lengths = torch.zeros(B, layers, 2, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         for rows, prefix in self.groups:
             table[rows] = prefix.addresses()
@@ -220,8 +235,8 @@ class DecodePlan:
         return table, lengths
 
     @cached_property
-    def rows(self) -> torch.Tensor:
-        return torch.arange(self.lengths.shape[0], device=self.lengths.device)
+    def row_index(self) -> torch.Tensor:
+        return torch.arange(self.batch, device=self.lengths.device)
 
     @cached_property
     def span(self) -> int:
@@ -248,8 +263,8 @@ class DecodePlan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B = q.shape[0]
         ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.rows, :, self.lengths] = k[:, 0]
-        cv[self.rows, :, self.lengths] = v[:, 0]
+        ck[self.row_index, :, self.lengths] = k[:, 0]
+        cv[self.row_index, :, self.lengths] = v[:, 0]
         if not self.groups and self.flash is not None:  # reads the slot cache in place: [S,T,Hkv,D] strides
             return self.flash.flash_attn_with_kvcache(q, ck.transpose(1, 2), cv.transpose(1, 2),
                                                       cache_seqlens=self.seqlens, softmax_scale=self.scale,

@@ -9,7 +9,7 @@ Numerics follow HF exactly (RMSNorm in fp32, RoPE tables from HF's own inv_freq 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,8 @@ from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
 from final.engine.kernels import Q8_BLOCK, address
 from final.engine.kv_cache import KVCache
+if TYPE_CHECKING:
+    from final.engine.attention import DecodePlan
 from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
 
@@ -173,6 +175,7 @@ class CausalLM:
         self.kernel = lm_head.gemv if all(m.gemv is not None for m in mats) else None
         self._kind = lm_head._gemv_weight().dtype if self.kernel is not None else None  # fp32, bf16 or int8: all
         self._weights_version, self._table = 0, None  # _layer_table's cache, keyed by load_hf_weight's count
+        self._buffers: tuple[int, torch.Tensor, torch.Tensor] | None = None  # _step_buffers' (rows, x, work)
 
     @property
     def nbytes(self) -> int:
@@ -275,22 +278,34 @@ class CausalLM:
             x = layer.w_down.add_to(x, F.silu(gate) * up)
         return rms_norm(x, self.norm, spec.rms_norm_eps) if final_norm else x
 
-    def decode(self, rows: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """One new token per row: rows [3, B] int64 (token ids, positions, and the cached lengths plan.lengths views)
-        -> logits [B, V] in the model dtype. Where the kernel runs the whole step (fp32 cache on CPU, no qk-norm,
-        rows it takes), one call from embedding to logits (gemv.c final_decode_step); else forward + logits."""
-        B = rows.shape[1]
+    def decode(self, plan: DecodePlan) -> torch.Tensor:
+        """One new token per row (plan.step: token ids, positions, cached lengths) -> logits [B, V] in the model
+        dtype. Where the kernel runs the whole step (fp32 cache on CPU, no qk-norm, rows it takes), one call from
+        embedding to logits (gemv.c final_decode_step) and one torch op (the logits); else forward + logits."""
+        B = plan.batch
         if (self.kernel is not None and plan.fuses_layers and not self.spec.qk_norm and self.lm_head.fuses(B)
                 and self.lm_head.bias is None):
             logits = torch.empty(B, self.lm_head.out_features)
             cache, spec = plan.cache, self.spec
-            self.kernel.decode_step(rows, self.embed, self.cos, self.sin_signed, self._kind, self._layer_table(),
+            self.kernel.decode_step(plan.step, self.embed, self.cos, self.sin_signed, self._kind, self._layer_table(),
                                     cache.addresses(), (cache.num_kv_heads, cache.tokens, cache.head_dim),
                                     spec.num_heads, self.layers[0].w_down.in_features, plan.scale,
-                                    spec.rms_norm_eps, self._head_table(), logits, plan.prefixes)
+                                    spec.rms_norm_eps, self._head_table(), logits, self._step_buffers(B),
+                                    plan.prefixes)
             return logits
+        rows = plan.rows
         hidden = self.forward(rows[0, :, None], rows[1, :, None], plan, final_norm=False)
         return self.logits(hidden[:, 0], upcast=False, normed=False)
+
+    def _step_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's decode-step buffers for `rows` rows (the residual stream and its work area), kept between
+        steps: two torch ops fewer a step."""
+        if self._buffers is None or self._buffers[0] != rows:
+            spec = self.spec
+            floats = self.kernel.step_floats(rows, spec.hidden_size, self.layers[0].w_down.in_features,
+                                             spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            self._buffers = (rows, torch.empty(rows, spec.hidden_size), torch.empty(floats))
+        return self._buffers[1], self._buffers[2]
 
     def _layer_table(self) -> torch.Tensor:
         """[layers, 11] int64 addresses of what each layer's kernel call reads (gemv.c's W_* order), rebuilt when a

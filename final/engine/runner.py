@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from final.engine.attention import DecodePlan, PrefillPlan, flash_attn_for
@@ -66,17 +68,15 @@ class ModelRunner:
         """One token for every running row (seqs[i] lives in slot i). Returns logits [B,V] in the model dtype."""
         B = len(seqs)
         cached = [s.cached_len for s in seqs]
-        # one tensor for the step's ids, positions and cached lengths: each torch op here runs cold (the step has
-        # just streamed the weights through every cache)
-        rows = self._long([[s.output_ids[-1] for s in seqs], [n + s.prefix_len for n, s in zip(cached, seqs)], cached])
+        step = array("q", [s.output_ids[-1] for s in seqs] + [n + s.prefix_len for n, s in zip(cached, seqs)] + cached)
         self.cache.reserve(B, max(cached) + 1)
         groups: dict[int, tuple[list[int], PrefixKV]] = {}
         for row, seq in enumerate(seqs):
             if seq.prefix is not None:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
-        plan = DecodePlan(self.cache, rows[2], [(self._long(r), p) for r, p in groups.values()], self.scale,
+        plan = DecodePlan(self.cache, step, [(self._long(r), p) for r, p in groups.values()], self.scale,
                           flash=self.flash)
-        return self.model.decode(rows, plan)
+        return self.model.decode(plan)
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

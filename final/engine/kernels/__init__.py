@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from array import array
 import logging
 import os
 import shutil
@@ -169,36 +170,40 @@ class GemvKernel:
         self._dequantize(q.data_ptr(), scale.data_ptr(), n, k, out.data_ptr())
         return out
 
-    def decode_step(self, rows: torch.Tensor, embed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+    def step_floats(self, m: int, hidden: int, inter: int, heads: int, kv_heads: int, dim: int) -> int:
+        """The floats decode_step's work buffer needs for m rows."""
+        return self._step_floats(m, hidden, inter, heads, kv_heads, dim)
+
+    def decode_step(self, step: array, embed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                     kind: torch.dtype, weights: torch.Tensor, caches: torch.Tensor, cache_shape: tuple[int, int, int],
                     heads: int, inter: int, scale: float, eps: float, head: torch.Tensor, logits: torch.Tensor,
+                    buffers: tuple[torch.Tensor, torch.Tensor],
                     prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One decode step (one new token per row) into logits [M, V]: the embedding rows, every decoder layer
         (RMSNorm, q|k|v, RoPE, the K/V cache write at the row's length, attention over its length + 1 tokens, o +
-        residual, RMSNorm, gate|up, SwiGLU, down + residual), the final norm and the lm_head. rows [3, M] int64:
-        token ids, positions, cached lengths. embed [vocab, hidden]; cos/sin_signed [positions, D] (the rope
-        tables). kind: the matrices' dtype (fp32, bf16 or int8, one for all, the lm_head's too). weights [L, 11]
-        int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv bias or 0, the two
-        norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; head [3]
-        int64: the lm_head's weight, its int8 scales or 0, the final norm. prefixes: the rows' cartridges, ([M, L,
-        2] int64 K/V addresses of [Hkv, p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before
-        each row's own tokens. Contiguous fp32. IndexError for a token id or position past the tables (nothing
-        runs then)."""
-        m = rows.shape[1]
+        residual, RMSNorm, gate|up, SwiGLU, down + residual), the final norm and the lm_head. step: int64 array
+        [3 M]: token ids, positions, cached lengths. embed [vocab, hidden]; cos/sin_signed [positions, D] (the
+        rope tables). kind: the matrices' dtype (fp32, bf16 or int8, one for all, the lm_head's too). weights [L,
+        11] int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv bias or 0, the
+        two norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape];
+        head [3] int64: the lm_head's weight, its int8 scales or 0, the final norm. buffers: x [M, hidden] and
+        work [step_floats(...)] floats. prefixes: the rows' cartridges, ([M, L, 2] int64 K/V addresses of [Hkv,
+        p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before each row's own tokens. Contiguous
+        fp32. IndexError for a token id or position past the tables (nothing runs then)."""
+        m = len(step) // 3
         vocab, hidden = embed.shape
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
-        x = torch.empty(m, hidden)
-        work = torch.empty(self._step_floats(m, hidden, inter, heads, kv_heads, dim))
+        x, work = buffers
         ptab, plens = prefixes if prefixes is not None else (None, None)
-        bad = self._step(rows.data_ptr(), m, embed.data_ptr(), vocab, cos.data_ptr(), sin_signed.data_ptr(),
+        bad = self._step(step.buffer_info()[0], m, embed.data_ptr(), vocab, cos.data_ptr(), sin_signed.data_ptr(),
                          cos.shape[0], hidden, inter, heads, kv_heads, dim, layers, KINDS[kind], weights.data_ptr(),
                          caches.data_ptr(), address(ptab), address(plens), tokens, scale, eps, head.data_ptr(),
                          logits.shape[1], x.data_ptr(), logits.data_ptr(), work.data_ptr())
         if bad:
             row = bad - 1
-            raise IndexError(f"decode row {row}: token id {int(rows[0, row])} (vocabulary {vocab}) or position "
-                             f"{int(rows[1, row])} (rope tables {cos.shape[0]}) out of range")
+            raise IndexError(f"decode row {row}: token id {step[row]} (vocabulary {vocab}) or position "
+                             f"{step[m + row]} (rope tables {cos.shape[0]}) out of range")
 
     def phase_cycles(self) -> torch.Tensor | None:
         """A -DFINAL_PHASES build's TSC cycles since the last call, [threads, 2 (in the phase, of it waiting in a
