@@ -117,9 +117,20 @@ static void prefetch_kv(int B, int H, int Hkv, int D, const float *kc, const flo
   }
 }
 
+/* floats a thread's attention scratch takes: q, o, and a score for each of the longest row's prefix + tokens */
+static int64_t attend_floats(int B, int D, const int64_t *lengths, const int64_t *ptab, const int64_t *plens) {
+  int64_t longest = 0;
+  for (int b = 0; b < B; b++) {
+    const int64_t n = (ptab ? plens[b] : 0) + lengths[b] + 1;
+    longest = n > longest ? n : longest;
+  }
+  return 2 * D + longest;
+}
+
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
                         float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
-                        const int64_t *plens, int layers, int l, float scale, float *out, Sync *sync) {
+                        const int64_t *plens, int layers, int l, float scale, float *out, float *scratch,
+                        Sync *sync) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
 #pragma omp for schedule(static) nowait
   for (int task = 0; task < B * Hkv; task++) {
@@ -130,18 +141,13 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
     for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
   }
   sync_team(sync);  /* every new K/V is in the cache before any row attends */
-  float *q = malloc(sizeof(float) * D), *o = malloc(sizeof(float) * D), *s = NULL;
-  int64_t s_len = 0;
+  /* this thread's q, o and scores (attend_floats(): the longest row's prefix + tokens) */
+  float *q = scratch + attend_floats(B, D, lengths, ptab, plens) * omp_get_thread_num(), *o = q + D, *s = o + D;
 #pragma omp for schedule(static) nowait
   for (int task = 0; task < B * H; task++) {
     /* head-major: a thread takes one head for row after row, so a shared cartridge's K/V of that head stays in its L2 */
     const int h = task / B, b = task % B, g = h / G;
     const int64_t p = ptab ? plens[b] : 0, n = lengths[b] + 1;
-    if (p + n > s_len) {
-      free(s);
-      s = malloc(sizeof(float) * (p + n));
-      s_len = p + n;
-    }
     rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
     const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
     const float *Kp = NULL, *Vp = NULL;
@@ -158,8 +164,5 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
     weighted_sum(s + p, V, n, D, o);
     for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d] * inv;
   }
-  free(q);
-  free(o);
-  free(s);
   sync_team(sync);  /* every head's output is written before the o product reads it */
 }

@@ -300,6 +300,7 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
   const int bad = step_inputs(rows, M, embed, vocab, hidden, cos, sin, span, D, x, cs);
   if (bad) return bad;
   Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS);  /* the largest input converted */
+  float *scratch = malloc(sizeof(float) * attend_floats(M, D, lengths, ptab, plens) * omp_get_max_threads());
 #pragma omp parallel
   {
     sync_init(q.sync);
@@ -317,7 +318,7 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
         sync_team(q.sync);
       });
       PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
-                           scale, att, q.sync));
+                           scale, att, scratch, q.sync));
       PHASE(2, {
         product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
         lead_in(W(W_GU), kind, F(S_GU), 2 * inter, hidden);
@@ -343,5 +344,6 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
                          (const float *)(intptr_t)head[1], V, NULL, logits, h, q));
   }
   acts_free(q);
+  free(scratch);
   return 0;
 }
