@@ -23,6 +23,22 @@ def tokens_and_logprobs(outs: list[dict]) -> list[tuple[list[int], list[float]]]
     return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
 
+def assert_same_or_tied(got: list[dict], want: list[dict], tol: float) -> None:
+    """Greedy rows from two computations of the same product that may round apart (~1e-4): the same tokens with
+    log-probs within tol, up to a step where the top two were tied within tol in both (there either may win;
+    the rows' continuations then differ). Asks the rows for top_logprobs_num >= 2."""
+    for a, b in zip(got, want):
+        tops_a, tops_b = a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
+        for step, (ta, tb) in enumerate(zip(a["output_ids"], b["output_ids"])):
+            (la, _, _), (lb, _, _) = tops_a[step][0], tops_b[step][0]
+            assert abs(la - lb) <= tol, (step, tops_a[step], tops_b[step])
+            if ta != tb:
+                assert {t for _, t, _ in tops_a[step][:2]} == {t for _, t, _ in tops_b[step][:2]}
+                assert tops_a[step][0][0] - tops_a[step][1][0] <= tol, (step, tops_a[step])
+                assert tops_b[step][0][0] - tops_b[step][1][0] <= tol, (step, tops_b[step])
+                break
+
+
 def assert_same_tokens(got: list, want: list, tol: float) -> None:
     """The same greedy tokens, row by row, and their log-probs within tol."""
     for (ids, lps), (ids0, lps0) in zip(got, want):
@@ -112,9 +128,9 @@ ISAS_HERE = kernels.candidate_isas() if KERNEL is not None else []
 @needs_kernel
 @pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm quantized engine here")
 def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
-    """With the kernel, int8 has a scale per 32 weights and near-exact activations (int16 per 32-block on the
-    kernel, ~1e-5 of the block's largest; fp32 through oneDNN above INT8_GEMV_ROWS rows): every row count matches
-    the dequantized weight to ~1e-4 of the output's scale, and an outlier costs only its own block's precision."""
+    """With the kernel, int8 has a scale per 32 weights and near-exact activations (int16 per 32-block, ~1e-5 of
+    the block's largest) at every row count (a prompt's too): each matches the dequantized weight to ~1e-4 of the
+    output's scale, and an outlier costs only its own block's precision."""
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     w[:, 5] *= 30  # an outlier column
@@ -124,9 +140,10 @@ def test_int8_is_weight_only_with_a_scale_per_32_and_takes_updates():
     assert torch.equal(lin.dense(), deq)
     per_row = (w.abs().amax(dim=1, keepdim=True) / 127)
     assert (deq - w)[:, 32:].abs().max() < (torch.round(w / per_row) * per_row - w)[:, 32:].abs().max() / 4
-    for m in (1, INT8_GEMV_ROWS, INT8_GEMV_ROWS + 3):
+    assert INT8_GEMV_ROWS is None
+    for m in (1, 5, 16, 37):  # one pass of activation rows, a part pass, several passes
         x, r = torch.randn(m, 1, 64, generator=g), torch.randn(m, 1, 48, generator=g)
-        assert lin.fuses(m) == (m <= INT8_GEMV_ROWS)
+        assert lin.fuses(m)
         want = F.linear(x, deq, b)
         tol = 1e-4 * want.abs().max().item()
         torch.testing.assert_close(lin(x), want, rtol=0, atol=tol)
@@ -207,13 +224,12 @@ def test_int8_whole_layers_match_the_kernels_product_by_product_path(arch, isa, 
         engine = EmbeddedEngine(path, max_model_len=64, quantization="int8")
         try:
             assert engine.model.kernel is not None and (isa is None or engine.model.kernel.isa == isa)
-            outs = engine.generate(prompts, params, return_logprob=True)
-            got[whole] = tokens_and_logprobs(outs)
+            got[whole] = engine.generate(prompts, params, return_logprob=True, top_logprobs_num=2)
         finally:
             engine.shutdown()
     # 1e-3: the two paths' attention differs in fp32 rounding, which can move an activation across an int16
-    # rounding step (2.7e-4 on llama's second row)
-    assert_same_tokens(got[True], got[False], 1e-3)
+    # rounding step (2.7e-4 on llama's second row; qwen2's second row has two tokens tied within 6e-5 at step 4)
+    assert_same_or_tied(got[True], got[False], 1e-3)
 
 
 @needs_kernel
@@ -326,19 +342,6 @@ def test_a_weight_update_reaches_the_kernels_int8_weights(tiny_dir):
         assert len(engine.generate([1, 5, 6], params)["output_ids"]) == 4  # and it serves on the new weights
     finally:
         engine.shutdown()
-
-
-@needs_kernel
-def test_int8_prefill_products_sharing_one_scratch_buffer_stay_distinct():
-    """Every int8 matrix of one shape dequantizes into the same buffer for long prompts: each product must still
-    be its own matrix's (nothing cached by address between them)."""
-    g = torch.Generator().manual_seed(5)
-    a, b = (Int8Linear(torch.randn(48, 64, generator=g), gemv=KERNEL) for _ in range(2))
-    x = torch.randn(INT8_GEMV_ROWS + 9, 64, generator=g)
-    for _ in range(2):
-        for lin in (a, b):
-            want = F.linear(x, lin.dense())
-            torch.testing.assert_close(lin(x), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
 @needs_kernel

@@ -87,8 +87,6 @@ def test_int8_weights_are_stored_16_rows_side_by_side_and_read_back_exactly():
     assert torch.equal(scale.view(2, 2, 16)[0, 1, 7], plain_scale[7, 1])
     want = (plain.view(32, 2, 32) * plain_scale[..., None]).view(32, 64)
     torch.testing.assert_close(kernels.dequantize(q, scale), want, rtol=0, atol=0)
-    if KERNEL is not None:  # the kernel's own dequantization (long prompts' oneDNN products), bit for bit
-        assert torch.equal(KERNEL.dequantize(q, scale, torch.empty(32, 64)), want)
 
 
 @needs_kernel

@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH = 32  # oneDNN's layout hint; measured flat across M in 1..32 for these shapes
 _EXACT_ROWS = 32  # up to here every row count has its own kernel: decode batches, no padding
 GEMV_ROWS = 8  # rows the gemv kernel takes; above, oneDNN is ahead (bench/gemv.py: 8 rows even, 16 rows 0.7x)
-INT8_GEMV_ROWS = 16  # int8: above, oneDNN on the dequantized weight (2 threads: 22 vs 32 ms at 16 rows, 44 vs 37 at 24)
+# int8 runs every row count on the kernel: it was ahead of oneDNN on the weight dequantized per call at every prompt
+# length measured (2-core EPYC, SmolLM2 prefill: 2.6x at 31 tokens, 1.3x at 1024; 1.9x and 1.1x on the AVX2 build)
+INT8_GEMV_ROWS = None
 
 
 def padded_rows(m: int) -> int:
@@ -73,13 +75,13 @@ class _Gemv:
     rows at most, on the weight each class's `_gemv_weight()` names (and `_gemv_scale()`)."""
 
     gemv: GemvKernel | None
-    gemv_rows: int
+    gemv_rows: int | None  # None: any
     bias: torch.Tensor | None
     out_features: int
 
     def fuses(self, m: int) -> bool:
         """Whether a product of m rows runs on the gemv kernel (so normed/glu_add_to may be used)."""
-        return self.gemv is not None and m <= self.gemv_rows
+        return self.gemv is not None and (self.gemv_rows is None or m <= self.gemv_rows)
 
     def _kernel(self, x: torch.Tensor, res: torch.Tensor | None = None, prep: int = PREP_NONE,
                 norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
@@ -218,9 +220,8 @@ class Int8Linear(_Gemv):
     """y ~= x @ W.T (+ b) with W held as int8.
 
     With the gemv kernel (and rows a multiple of 32 long): int8 with one fp32 scale per 32 weights (llama.cpp's
-    Q8_0 block), weight-only: the activations stay fp32, so a row's result does not depend on the other rows. Up
-    to INT8_GEMV_ROWS rows run on the kernel; more (long prompts) on oneDNN over the weight dequantized for that
-    call. Without the kernel: fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too,
+    Q8_0 block), weight-only: the activations stay near fp32 (int16 per 32-block, ~1e-5), so a row's result does not
+    depend on the other rows. Every row count runs on the kernel (INT8_GEMV_ROWS). Without the kernel: fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too,
     per call (one 7-bit scale over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19
     from fp32 (80% argmax agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed
     mode. Measured first (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm`
@@ -266,9 +267,6 @@ class Int8Linear(_Gemv):
         m = x.numel() // x.shape[-1]
         if self.fuses(m):
             return self._kernel(x)
-        if self.gemv is not None:  # many rows: fp32 products on this call's dequantized weight (oneDNN)
-            w = self.gemv.dequantize(self.q, self.scale, _scratch(self.out_features, self.in_features))
-            return _onednn_product(x, m, w, self.bias)
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
         return y if self.bias is None else y + self.bias
 

@@ -174,7 +174,7 @@ static void normed_product(const float *x, int M, int K, const float *g, float e
   product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, thread_xp(a));
 }
 
-int final_gemv_abi(void) { return 11; }
+int final_gemv_abi(void) { return 12; }
 
 /* out [PHASE_THREADS][2][PHASES]: the cycles FINAL_PHASES counted since the last call (then zeroed); returns
    PHASES, or 0 in a build without them */
@@ -202,29 +202,6 @@ int final_gemv_cpu_ok(void) {
   ok = ok && __builtin_cpu_supports("avx512bf16");
 #endif
   return ok;
-}
-
-/* int8 weights in the interleaved order (products.h q8_group) -> the fp32 [N, K] row-major weight they stand for,
-   for products with more rows than the kernel takes (oneDNN over it). Each group's 16 K bytes stay in L1 while its
-   16 rows are written; the same product as torch's (an int8 widens exactly; one rounding), bit for bit. */
-void final_q8_dequantize(const int8_t *q, const float *scale, int N, int K, float *out) {
-  const int groups = N / Q8_ROWS, blocks = K / Q8_BLOCK;
-#pragma omp parallel for schedule(static)
-  for (int g = 0; g < groups; g++) {
-    const int8_t *wg = q + (int64_t)g * Q8_ROWS * K;
-    const float *sg = scale + (int64_t)g * Q8_ROWS * blocks;
-    for (int r = 0; r < Q8_ROWS; r++) {
-      float *o = out + ((int64_t)g * Q8_ROWS + r) * K;
-      for (int b = 0; b < blocks; b++) {
-        const float s = sg[b * Q8_ROWS + r];
-        const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS + 2 * r;
-        for (int j = 0; j < Q8_BLOCK / 2; j++) {
-          o[b * Q8_BLOCK + 2 * j] = (float)wb[j * 2 * Q8_ROWS] * s;
-          o[b * Q8_BLOCK + 2 * j + 1] = (float)wb[j * 2 * Q8_ROWS + 1] * s;
-        }
-      }
-    }
-  }
 }
 
 /* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] of `kind`: W_F32, W_BF16 (uint16 bit patterns), or W_Q8 (int8, with
