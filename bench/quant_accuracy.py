@@ -10,7 +10,7 @@ bfloat16`: every tensor bf16, HF's bf16 model).
 Two figures per mode, both against fp32 greedy decoding of the same prompts:
 - greedy agreement: the mode's own greedy tokens vs fp32's (rows identical, mean common prefix);
 - teacher-forced: fp32's tokens fed to the mode one decode step at a time (the path generation takes: for int8
-  the gemv kernel's weight-only products, fbgemm only for the prompt), mean KL(fp32 || mode) of the next-token
+  the gemv kernel's weight-only products, the prompt's too), mean KL(fp32 || mode) of the next-token
   distribution over every generated position, and how often the mode's argmax is fp32's token.
 """
 
