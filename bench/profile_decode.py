@@ -5,6 +5,8 @@
     python bench/profile_decode.py --no-gemm                              # the step without its matmuls
     python bench/profile_decode.py --batch 1 --quantization int8 --isas avx2,avx512bf16 --roofline
                                                   # the kernel's builds side by side (one engine each, alternating)
+    python bench/profile_decode.py --batch 1 --quantization int8 --cflags "|-DPFHINT=_MM_HINT_T0|-DLEAD=0"
+                                                  # the same for gcc flags (gemv.c's #ifndef knobs) on one build
     python bench/profile_decode.py --batch 1 --quantization int8 --phases
                                                   # where the kernel's decode layers spend the step, per thread
 
@@ -48,7 +50,10 @@ def main() -> None:
     ap.add_argument("--roofline", action="store_true", help="also the GB/s the step streams vs the machine's")
     ap.add_argument("--isas", default=None,
                     help="comma-separated kernel builds (final.engine.kernels.ISAS) to time side by side")
-    ap.add_argument("--rounds", type=int, default=12, help="--isas: rounds, each every build in turn")
+    ap.add_argument("--cflags", default=None,
+                    help="'|'-separated extra gcc flags (FINAL_GEMV_CFLAGS), each a build of the --isas one (default: "
+                         "the best this CPU runs), timed side by side; '' is the build as shipped")
+    ap.add_argument("--rounds", type=int, default=12, help="--isas/--cflags: rounds, each every build in turn")
     ap.add_argument("--other-team", action="store_true",
                     help="first run one parallel torch op on this (the caller's) thread, as a user's own torch work "
                          "does: its OpenMP team outlives it, so the process holds more OpenMP threads than cores")
@@ -60,7 +65,7 @@ def main() -> None:
         os.environ["FINAL_GEMV_CFLAGS"] = os.environ.get("FINAL_GEMV_CFLAGS", "") + " -DFINAL_PHASES"
     if args.other_team:
         torch.ones(2**24).sum()
-    if args.isas:
+    if args.isas or args.cflags is not None:
         return compare_isas(args)
 
     from final.engine import EmbeddedEngine
@@ -213,10 +218,13 @@ def compare_isas(args) -> None:
 
     params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})
     engines = {}
-    for isa in args.isas.split(","):
+    isas = args.isas.split(",") if args.isas else kernels.candidate_isas()[:1]
+    builds = [(isa, "") for isa in isas] if args.cflags is None else [(isas[0], c) for c in args.cflags.split("|")]
+    for isa, cflags in builds:
+        os.environ["FINAL_GEMV_CFLAGS"] = cflags  # read by the build (its cache key too)
         kernels.use(isa)
-        engines[isa] = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype,
-                                      quantization=args.quantization)
+        engines[f"{isa} {cflags}".strip()] = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype,
+                                                            quantization=args.quantization)
 
     def steps(engine, runner) -> list[float]:
         torch.set_num_threads(args.threads)
@@ -252,7 +260,7 @@ def compare_isas(args) -> None:
           "step (median), by kernel build")
     for isa in names:
         step = statistics.median(times[isa])
-        line = f"  {isa:11s} {step * 1e3:.2f} ms  {base / step:.3f}x {names[0]}"
+        line = f"  {isa:30s} {step * 1e3:.2f} ms  {base / step:.3f}x {names[0]}"
         if read:
             line += f"  {weight_bytes / step / 1e9:.1f} GB/s streamed, {weight_bytes / step / 1e9 / read:.0%} of {read:.1f}"
         print(line)
