@@ -18,7 +18,7 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     __m512i d[Q8_PASS];
     for (int p = 0; p < Q8_PASS; p++) d[p] = _mm512_setzero_si512();
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if ((j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      if (Q8_PREFETCH && (j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + j * 32)));
       for (int p = 0; p < P; p++) {
         const __m512i x = _mm512_set1_epi32(q8_pair(xq + (int64_t)(m0 + p) * K, b * Q8_BLOCK + 2 * j));

@@ -28,7 +28,8 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
 #endif
 #ifndef Q8_PREFETCH
 #define Q8_PREFETCH 8192 /* int8: a byte is a weight, so the same time ahead is more bytes (measured 4096 -> 8192:
-                            +5-8% a batch-1 step when the host's memory was fast, the same when it was slow) */
+                            +5-8% a batch-1 step when the host's memory was fast, the same when it was slow); 0: none,
+                            the hardware's prefetcher alone */
 #endif
 
 #include "team.h" /* the team's barrier (sync_team) and the phase counters of a -DFINAL_PHASES build */
@@ -264,7 +265,7 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     __m256i d0[Q8_PASS], d1[Q8_PASS];
     for (int p = 0; p < Q8_PASS; p++) d0[p] = d1[p] = _mm256_setzero_si256();
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if ((j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      if (Q8_PREFETCH && (j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32)));       /* rows 0-7 */
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32 + 16)));  /* 8-15 */
       for (int p = 0; p < P; p++) {
