@@ -60,7 +60,11 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="build the kernel with -DFINAL_PHASES: the decode layers' time per phase and thread, and "
                          "how much of it each thread waited in the team's barrier")
+    ap.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
+                    help="instead: ms to prefill --batch prompts of TOKENS tokens (best of --steps)")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_times(args)
     if args.phases:  # before the first engine loads the kernel: a build of its own (the flags are in its cache key)
         os.environ["FINAL_GEMV_CFLAGS"] = os.environ.get("FINAL_GEMV_CFLAGS", "") + " -DFINAL_PHASES"
     if args.other_team:
@@ -206,6 +210,37 @@ def fresh_rows(engine, runner, batch: int, params) -> tuple[list, callable]:
 
     append(runner.prefill(seqs))
     return seqs, append
+
+
+def prefill_times(args) -> None:
+    """The prompt's side of a call: one prefill of --batch rows of --prefill tokens each, best of --steps."""
+    from final.engine import EmbeddedEngine
+    from final.engine.sampling_params import SamplingParams
+    from final.models import resolve_model_path
+
+    engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype, quantization=args.quantization)
+    params = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0})
+
+    def body(runner) -> list[float]:
+        torch.set_num_threads(args.threads)
+        out = []
+        for i in range(args.steps + 1):
+            seqs = [engine._make_sequence(r, [1] + [100 + (r + i + t) % 1000 for t in range(args.prefill - 1)],
+                                          params, 0, False, -1, None, ()) for r in range(args.batch)]
+            for slot, seq in enumerate(seqs):
+                seq.slot = slot
+            t = time.perf_counter()
+            runner.prefill(seqs)
+            out.append(time.perf_counter() - t)
+        return out[1:]  # the first builds oneDNN's kernels for the shape
+
+    try:
+        times = engine.call(body)
+    finally:
+        engine.shutdown()
+    print(f"{args.dtype}{', ' + args.quantization if args.quantization else ''}: prefill of {args.batch} x "
+          f"{args.prefill} tokens, {args.threads} thread(s): {min(times) * 1e3:.1f} ms (best of {len(times)}), "
+          f"median {statistics.median(times) * 1e3:.1f} ms")
 
 
 def compare_isas(args) -> None:
