@@ -99,24 +99,6 @@ static void thread_share(int kind, int N, int *n0, int *n1) {  /* this thread's 
   *n1 = (int)((int64_t)units * (t + 1) / T) * unit;
 }
 
-#ifndef LEAD
-#define LEAD 8192
-#endif
-/* Prefetch the first LEAD bytes of this thread's share of a product's weights (and of its int8 scales), called
-   as the thread finishes its share of the product before: they arrive while it waits in the barrier, and the
-   product's own prefetch (running PREFETCH ahead of its reads) starts past them. */
-static void lead_in(const void *w, int kind, const float *scale, int N, int K) {
-  int n0, n1;
-  thread_share(kind, N, &n0, &n1);
-  const int64_t item = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1, all = (int64_t)(n1 - n0) * K * item;
-  const char *p = (const char *)w + (int64_t)n0 * K * item;
-  for (int64_t off = 0; off < all && off < LEAD; off += 64) _mm_prefetch(p + off, PFHINT);
-  if (kind == W_Q8) {
-    const char *sp = (const char *)(scale + (int64_t)n0 * (K / Q8_BLOCK));
-    for (int64_t off = 0; off < all / 8 && off < LEAD / 8; off += 64) _mm_prefetch(sp + off, PFHINT);
-  }
-}
-
 static void product_rows(const float *xs, const int16_t *xq, const float *xsc, int M, int K, const void *w,
                          int kind, const float *scale, int N, const float *bias, const float *res, float *y,
                          float *xp) {
@@ -283,35 +265,29 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
     sync_init(q.sync);
 #pragma omp barrier
     for (int l = 0; l < layers; l++) {
-      const int64_t *w = wtab + (int64_t)l * W_FIELDS, *wn = l + 1 < layers ? w + W_FIELDS : NULL;
+      const int64_t *w = wtab + (int64_t)l * W_FIELDS;
       float *kc = (float *)(intptr_t)ctab[2 * l], *vc = (float *)(intptr_t)ctab[2 * l + 1];
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
-      /* each product's thread asks for the start of its share of the next one (lead_in) before the barrier */
       PHASE(0, {
         prefetch_kv(M, H, Hkv, D, kc, vc, T, lengths, ptab, plens, layers, l);
         normed_team(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, h, q);
-        lead_in(W(W_O), kind, F(S_O), hidden, H * D);
         sync_team(q.sync);
       });
       PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
                            scale, att, scratch, q.sync));
       PHASE(2, {
         product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
-        lead_in(W(W_GU), kind, F(S_GU), 2 * inter, hidden);
         sync_team(q.sync);
       });
       PHASE(3, {
         normed_team(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, h, q);
-        lead_in(W(W_D), kind, F(S_D), hidden, inter);
         sync_team(q.sync);
       });
       /* the SwiGLU, quantized as it is made for an int8 down product */
       PHASE(4, prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync));
       PHASE(5, {
         product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
-        if (wn) lead_in((const void *)(intptr_t)wn[W_QKV], kind, (const float *)(intptr_t)wn[S_QKV], nqkv, hidden);
-        else lead_in((const void *)(intptr_t)head[0], kind, (const float *)(intptr_t)head[1], V, hidden);
         sync_team(q.sync);
       });
 #undef W
