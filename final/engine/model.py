@@ -18,10 +18,11 @@ from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
 from final.engine.kernels import Q8_BLOCK, address
 from final.engine.kv_cache import KVCache
-if TYPE_CHECKING:
-    from final.engine.attention import DecodePlan
 from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
 from final.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from final.engine.attention import DecodePlan
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
