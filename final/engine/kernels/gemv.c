@@ -34,7 +34,7 @@ static int64_t scale_stride(Acts a, int M) { return a.stride / Q8_BLOCK + M; }  
 /* priv: the per-thread normed rows (and their int8) normed_product uses */
 static Acts acts_alloc(int kind, int M, int K, int priv) {
   const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K;
-  Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n, malloc(sizeof(Sync))};
+  Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n, sync_alloc((int)T)};
   if (priv) a.hp = malloc(sizeof(float) * n * T);
   if (kind == W_Q8) {
     a.xq = malloc(sizeof(int16_t) * n);
@@ -59,7 +59,7 @@ static void acts_free(Acts a) {
   free(a.xp);
   free(a.hp);
   free(a.xscp);
-  free(a.sync);
+  sync_free(a.sync);
 }
 
 /* ---- the phases, each run by every thread of an enclosing parallel region (worksharing inside) ---- */
@@ -89,39 +89,33 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
   }
 }
 
-/* this thread's contiguous share of the N output rows of y = [res +] [bias +] xs @ w.T, w of `kind` (W_F32, W_BF16,
-   or W_Q8 with its block scales, reading xs as xq/xsc); xp: the thread's bf16 buffer. No barrier after (res may be
-   y: each element is read, then written, by the thread that owns its row). */
-static void thread_share(int kind, int N, int *n0, int *n1) {  /* this thread's rows [n0, n1) of a product */
-  const int t = omp_get_thread_num(), T = omp_get_num_threads();
-  const int unit = kind == W_Q8 ? Q8_ROWS : 1, units = N / unit;  /* int8: whole groups of Q8_ROWS rows */
-  *n0 = (int)((int64_t)units * t / T) * unit;
-  *n1 = (int)((int64_t)units * (t + 1) / T) * unit;
-}
-
+#ifndef CHUNK_ROWS
+#define CHUNK_ROWS 32 /* output rows a claim takes (two int8 groups) */
+#endif
+/* this thread's rows of y = [res +] [bias +] xs @ w.T, w of `kind` (W_F32, W_BF16, or W_Q8 with its block scales,
+   reading xs as xq/xsc), in chunks of CHUNK_ROWS shared out by claim(); xp: the thread's bf16 buffer. No barrier
+   after (res may be y: each element is read, then written, by the thread that takes its row). */
 static void product_rows(const float *xs, const int16_t *xq, const float *xsc, int M, int K, const void *w,
                          int kind, const float *scale, int N, const float *bias, const float *res, float *y,
-                         float *xp) {
-  int n0, n1;
-  thread_share(kind, N, &n0, &n1);
-  if (n0 >= n1) return;
-  if (kind == W_Q8) {
-    rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, n0 / Q8_ROWS, n1 / Q8_ROWS, N, bias, res, y);
-    return;
-  }
+                         float *xp, Sync *s) {
+  claim_init(s, (N + CHUNK_ROWS - 1) / CHUNK_ROWS);
+  uint16_t *hi = NULL, *lo = NULL;
   if (kind == W_BF16) {
 #ifdef __AVX512BF16__
     if (M <= BF16_DP_ROWS) {
-      uint16_t *hi = (uint16_t *)xp, *lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
+      hi = (uint16_t *)xp, lo = hi + (int64_t)M * K;  /* 2 M K bf16: the M K floats xp holds */
       bf16_split(xs, M, K, hi, lo);
-      rows_bf16_dp(hi, lo, M, K, (const uint16_t *)w, n0, n1, N, bias, res, y);
-      return;
     }
 #endif
-    bf16_permute(xs, M, K, xp);
-    rows(xp, M, K, w, 1, n0, n1, N, bias, res, y);
-  } else {
-    rows(xs, M, K, w, 0, n0, n1, N, bias, res, y);
+    if (!hi) bf16_permute(xs, M, K, xp);
+  }
+  for (int c; claim(s, &c);) {
+    const int n0 = c * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS < N ? n0 + CHUNK_ROWS : N;
+    if (kind == W_Q8) rows_q8(xq, xsc, M, K, (const int8_t *)w, scale, n0 / Q8_ROWS, n1 / Q8_ROWS, N, bias, res, y);
+#ifdef __AVX512BF16__
+    else if (hi) rows_bf16_dp(hi, lo, M, K, (const uint16_t *)w, n0, n1, N, bias, res, y);
+#endif
+    else rows(kind == W_BF16 ? xp : xs, M, K, w, kind == W_BF16, n0, n1, N, bias, res, y);
   }
 }
 
@@ -131,7 +125,7 @@ static void product_rows(const float *xs, const int16_t *xq, const float *xsc, i
 static void product_team(const float *xs, int M, int K, const void *w, int kind, const float *scale, int N,
                          const float *bias, const float *res, float *y, Acts a, int quantized) {
   if (kind == W_Q8 && !quantized) quant16_team(xs, M, K, a.xq, a.xsc, a.sync);
-  product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, thread_xp(a));
+  product_rows(xs, a.xq, a.xsc, M, K, w, kind, scale, N, bias, res, y, thread_xp(a), a.sync);
 }
 
 #ifndef PRIVATE_ROWS
@@ -153,7 +147,7 @@ static void normed_product(const float *x, int M, int K, const float *g, float e
     xsc = a.xscp + scale_stride(a, M) * t;
     for (int64_t mb = 0; mb < blocks; mb++) quant16_block(h + mb * Q8_BLOCK, xq + mb * Q8_BLOCK, xsc + mb);
   }
-  product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, thread_xp(a));
+  product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, thread_xp(a), a.sync);
 }
 
 int final_gemv_abi(void) { return 12; }

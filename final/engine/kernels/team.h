@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* -DFINAL_PHASES (FINAL_GEMV_CFLAGS, bench/profile_decode.py --phases): TSC cycles per thread in each phase of
    final_decode_step (PHASE()), and of those the cycles spent waiting in the team's barrier; read and reset by
@@ -41,16 +42,76 @@ static __thread int phase_now = -1;  /* -1 outside PHASE (another entry point's 
    (AGENTS.md). This one spins ~1 ms before yielding the core, so a phase that ends on time costs ~0.2 us, and a
    thread that lost its core to another process does not make the others spin out their time slice. */
 typedef struct {
+  _Alignas(64) _Atomic uint64_t left;  /* a thread's unclaimed chunks of the product: first | last + 1 << 32 */
+} Share;
+
+typedef struct {
   atomic_int arrived, phase;
   int n;  /* threads in the team */
+  Share *share;  /* one per thread of the team (sync_alloc), claim() */
 } Sync;
 
+/* a team's Sync for up to `threads` threads (omp_get_max_threads() outside the region) */
+static Sync *sync_alloc(int threads) {
+  Sync *s = malloc(sizeof(Sync));
+  s->share = aligned_alloc(64, sizeof(Share) * (size_t)threads);
+  return s;
+}
+
+static void sync_free(Sync *s) {
+  if (s) free(s->share);
+  free(s);
+}
+
 static inline void sync_init(Sync *s) {  /* by every thread of the team, once, then one omp barrier */
+  atomic_store(&s->share[omp_get_thread_num()].left, 0);
   if (omp_get_thread_num() == 0) {
     atomic_store(&s->arrived, 0);
     atomic_store(&s->phase, 0);
     s->n = omp_get_num_threads();
   }
+}
+
+/* A product's rows in chunks: each thread owns a contiguous run (so it streams front to back), claims its own
+   chunks from the front, and once they are done takes chunks from the back of the run with the most left, so a
+   thread whose stream ran slower (its core interrupted, its memory farther) hands its tail to the team instead
+   of making the team wait in the barrier. Every run is empty when a product ends (owners empty their own), so a
+   thief that reads a run its owner has not set for this product yet finds nothing to take. The caller sets its
+   run (claim_init), then claims until claim() returns 0. */
+static inline void claim_init(Sync *s, int chunks) {
+  const int t = omp_get_thread_num(), T = s->n;
+  const uint64_t lo = (uint64_t)chunks * t / T, hi = (uint64_t)chunks * (t + 1) / T;
+  atomic_store_explicit(&s->share[t].left, lo | hi << 32, memory_order_release);
+}
+
+static inline int claim(Sync *s, int *chunk) {
+  _Atomic uint64_t *mine = &s->share[omp_get_thread_num()].left;
+  uint64_t v = atomic_load_explicit(mine, memory_order_relaxed);
+  while ((uint32_t)v < (uint32_t)(v >> 32))  /* own chunks, front first */
+    if (atomic_compare_exchange_weak(mine, &v, v + 1)) {
+      *chunk = (int)(uint32_t)v;
+      return 1;
+    }
+#ifndef NO_STEAL
+  for (;;) {  /* the back of the run with the most left */
+    int most = 0;
+    _Atomic uint64_t *from = NULL;
+    for (int u = 0; u < s->n; u++) {
+      const uint64_t w = atomic_load_explicit(&s->share[u].left, memory_order_acquire);
+      const int left = (int)((uint32_t)(w >> 32) - (uint32_t)w);
+      if ((uint32_t)w < (uint32_t)(w >> 32) && left > most) most = left, from = &s->share[u].left;
+    }
+    if (!from) return 0;
+    uint64_t w = atomic_load_explicit(from, memory_order_acquire);
+    const uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> 32);
+    if (lo < hi && atomic_compare_exchange_strong(from, &w, (uint64_t)lo | (uint64_t)(hi - 1) << 32)) {
+      *chunk = (int)(hi - 1);
+      return 1;
+    }
+  }
+#else
+  return 0;
+#endif
 }
 
 static inline void sync_team(Sync *s) {
