@@ -5,7 +5,7 @@
     python bench/profile_decode.py --no-gemm                              # the step without its matmuls
     python bench/profile_decode.py --batch 1 --quantization int8 --isas avx2,avx512bf16 --roofline
                                                   # the kernel's builds side by side (one engine each, alternating)
-    python bench/profile_decode.py --batch 1 --quantization int8 --cflags "|-DPFHINT=_MM_HINT_T0|-DLEAD=0"
+    python bench/profile_decode.py --batch 1 --quantization int8 --cflags "|-DPFHINT=_MM_HINT_T0|-DNO_STEAL"
                                                   # the same for gcc flags (gemv.c's #ifndef knobs) on one build
     python bench/profile_decode.py --batch 1 --quantization int8 --phases
                                                   # where the kernel's decode layers spend the step, per thread
