@@ -338,7 +338,7 @@ def test_a_weight_update_reaches_the_kernels_int8_weights(tiny_dir):
         down = model.layers[0].w_down
         engine.call(lambda _r: model.load_hf_weight("model.layers.0.mlp.down_proj.weight",
                                                    torch.zeros(down.out_features, down.in_features)))
-        assert int(model._layer_table()[0, 3]) == down.q.data_ptr() and down.q.abs().max() == 0
+        assert int(model._kernel_tables()[0][0, 3]) == down.q.data_ptr() and down.q.abs().max() == 0
         assert len(engine.generate([1, 5, 6], params)["output_ids"]) == 4  # and it serves on the new weights
     finally:
         engine.shutdown()

@@ -22,8 +22,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, Q8_ROWS, GemvKernel, gemv_kernel
 from final.engine.arena import WeightArena
+from final.engine.kernels import PREP_GLU, PREP_NONE, PREP_NORM, Q8_BLOCK, Q8_ROWS, GemvKernel, gemv_kernel
 from final.engine.kernels import dequantize, quantize as kernel_quantize
 
 logger = logging.getLogger(__name__)
@@ -220,11 +220,11 @@ class Int8Linear(_Gemv):
     """y ~= x @ W.T (+ b) with W held as int8.
 
     With the gemv kernel (and rows a multiple of 32 long): int8 with one fp32 scale per 32 weights (llama.cpp's
-    Q8_0 block), weight-only: the activations stay near fp32 (int16 per 32-block, ~1e-5), so a row's result does not
-    depend on the other rows. Every row count runs on the kernel (INT8_GEMV_ROWS). Without the kernel: fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too,
-    per call (one 7-bit scale over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19
-    from fp32 (80% argmax agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed
-    mode. Measured first (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm`
+    Q8_0 block), weight-only: the activations stay near fp32 (int16 per 32-block, ~1e-5), so a row's result does
+    not depend on the other rows. Every row count runs on the kernel (INT8_GEMV_ROWS). Without the kernel:
+    fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too, per call (one 7-bit scale
+    over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19 from fp32 (80% argmax
+    agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed mode. Measured first (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm`
     takes 4x fp32's time with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
     """
 

@@ -175,7 +175,7 @@ class CausalLM:
         # the gemv kernel, where every product here runs on it (int8 needs rows of 32s); None: torch's kernels
         self.kernel = lm_head.gemv if all(m.gemv is not None for m in mats) else None
         self._kind = lm_head._gemv_weight().dtype if self.kernel is not None else None  # fp32, bf16 or int8: all
-        self._weights_version, self._table = 0, None  # _layer_table's cache, keyed by load_hf_weight's count
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # _kernel_tables' (layers, head)
         self._buffers: tuple[int, torch.Tensor, torch.Tensor] | None = None  # _step_buffers' (rows, x, work)
 
     @property
@@ -288,11 +288,11 @@ class CausalLM:
                 and self.lm_head.bias is None):
             logits = torch.empty(B, self.lm_head.out_features)
             cache, spec = plan.cache, self.spec
-            self.kernel.decode_step(plan.step, self.embed, self.cos, self.sin_signed, self._kind, self._layer_table(),
+            layer_table, head_table = self._kernel_tables()
+            self.kernel.decode_step(plan.step, self.embed, self.cos, self.sin_signed, self._kind, layer_table,
                                     cache.addresses(), (cache.num_kv_heads, cache.tokens, cache.head_dim),
                                     spec.num_heads, self.layers[0].w_down.in_features, plan.scale,
-                                    spec.rms_norm_eps, self._head_table(), logits, self._step_buffers(B),
-                                    plan.prefixes)
+                                    spec.rms_norm_eps, head_table, logits, self._step_buffers(B), plan.prefixes)
             return logits
         rows = plan.rows
         hidden = self.forward(rows[0, :, None], rows[1, :, None], plan, final_norm=False)
@@ -308,26 +308,21 @@ class CausalLM:
             self._buffers = (rows, torch.empty(rows, spec.hidden_size), torch.empty(floats))
         return self._buffers[1], self._buffers[2]
 
-    def _layer_table(self) -> torch.Tensor:
-        """[layers, 11] int64 addresses of what each layer's kernel call reads (gemv.c's W_* order), rebuilt when a
-        weight update may have moved a tensor (an int8 matrix is quantized anew)."""
-        if self._table is None or self._table[0] != self._weights_version:
-            head = self.lm_head
-            self._head = torch.tensor([address(head._gemv_weight()), address(head._gemv_scale()),
-                                       address(self.norm)], dtype=torch.int64)
+    def _kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the kernel's decode step reads, as int64 addresses: [layers, 11] per layer (gemv.c's W_* order) and
+        [3] the lm_head's weight, its int8 scales (or 0) and the final norm. Built once: every weight update writes
+        into these tensors in place (load_hf_weight; int8 quantizes into its own place too)."""
+        if self._tables is None:
             rows = []
             for layer in self.layers:
                 mats = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
                 rows.append([address(m._gemv_weight()) for m in mats] + [address(m._gemv_scale()) for m in mats]
                             + [address(layer.wqkv.bias), address(layer.in_norm), address(layer.post_norm)])
-            self._table = (self._weights_version, torch.tensor(rows, dtype=torch.int64))
-        return self._table[1]
-
-    def _head_table(self) -> torch.Tensor:
-        """[3] int64: the lm_head's weight and int8 scales (or 0) and the final norm (gemv.c final_decode_step),
-        rebuilt with _layer_table."""
-        self._layer_table()
-        return self._head
+            head = self.lm_head
+            self._tables = (torch.tensor(rows, dtype=torch.int64),
+                            torch.tensor([address(head._gemv_weight()), address(head._gemv_scale()),
+                                          address(self.norm)], dtype=torch.int64))
+        return self._tables
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True, normed: bool = True) -> torch.Tensor:
         """Hidden states [N,hidden] -> logits [N,vocab], computed in the model dtype like HF, then fp32 (or left in
@@ -347,7 +342,6 @@ class CausalLM:
         """
         spec = self.spec
         tensor = tensor.detach().to(device=self.device, dtype=self.dtype)
-        self._weights_version += 1  # an int8 matrix is quantized anew: the kernel's address table is rebuilt
         parts = name.split(".")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name.startswith("model.") or self.tied:

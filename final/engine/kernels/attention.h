@@ -129,7 +129,7 @@ static int64_t attend_floats(int B, int D, const int64_t *lengths, const int64_t
 
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
                         float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
-                        const int64_t *plens, int layers, int l, float scale, float *out, float *scratch,
+                        const int64_t *plens, int layers, int l, float scale, float *out, float *mine,
                         Sync *sync) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
 #pragma omp for schedule(static) nowait
@@ -141,8 +141,8 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
     for (int d = 0; d < D; d++) vc[at + d] = row[(int64_t)(H + Hkv + g) * D + d];
   }
   sync_team(sync);  /* every new K/V is in the cache before any row attends */
-  /* this thread's q, o and scores (attend_floats(): the longest row's prefix + tokens) */
-  float *q = scratch + attend_floats(B, D, lengths, ptab, plens) * omp_get_thread_num(), *o = q + D, *s = o + D;
+  /* mine: this thread's q, o and scores (attend_floats(): the longest row's prefix + tokens) */
+  float *q = mine, *o = q + D, *s = o + D;
 #pragma omp for schedule(static) nowait
   for (int task = 0; task < B * H; task++) {
     /* head-major: a thread takes one head for row after row, so a shared cartridge's K/V of that head stays in its L2 */

@@ -253,11 +253,13 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
   const int bad = step_inputs(rows, M, embed, vocab, hidden, cos, sin, span, D, x, cs);
   if (bad) return bad;
   Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS);  /* the largest input converted */
-  float *scratch = malloc(sizeof(float) * attend_floats(M, D, lengths, ptab, plens) * omp_get_max_threads());
+  const int64_t att_floats = attend_floats(M, D, lengths, ptab, plens);  /* a thread's attention scratch */
+  float *scratch = malloc(sizeof(float) * att_floats * omp_get_max_threads());
 #pragma omp parallel
   {
     sync_init(q.sync);
 #pragma omp barrier
+    float *mine = scratch + att_floats * omp_get_thread_num();
     for (int l = 0; l < layers; l++) {
       const int64_t *w = wtab + (int64_t)l * W_FIELDS;
       float *kc = (float *)(intptr_t)ctab[2 * l], *vc = (float *)(intptr_t)ctab[2 * l + 1];
@@ -269,7 +271,7 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
         sync_team(q.sync);
       });
       PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
-                           scale, att, scratch, q.sync));
+                           scale, att, mine, q.sync));
       PHASE(2, {
         product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
         sync_team(q.sync);

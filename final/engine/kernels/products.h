@@ -1,9 +1,10 @@
 /* The row loops of the engine's CPU kernel (included by gemv.c, the one compiled unit): small-M products
    y = [residual +] [bias +] prep(x) @ W.T with W fp32, bf16 or int8 (weight-only: the activations and sums stay
    fp32; int8 activations become int16 per block, ~1e-5 relative), and the preps fused before them (RMSNorm,
-   SwiGLU). Each thread streams a contiguous run of W's rows front to back, each row once for up to 8 activation
-   rows (int8: groups of 16 rows, 2 activation rows a pass, 4 in an AVX-512 build). gemv.c runs them as phases of a thread team (prep, product); avx512.h replaces the int8 loop
-   and adds bf16 dot products in an AVX-512 build. */
+   SwiGLU). Each thread streams a contiguous run of W's rows front to back (chunks of it, team.h claim), each row
+   once for up to 8 activation rows (int8: groups of 16 rows, 2 activation rows a pass, 4 in an AVX-512 build).
+   gemv.c runs them as phases of a thread team (prep, product); avx512.h replaces the int8 loop and adds bf16 dot
+   products in an AVX-512 build. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
