@@ -17,8 +17,13 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
     __m512i d[Q8_PASS];
     for (int p = 0; p < Q8_PASS; p++) d[p] = _mm512_setzero_si512();
+    if (PF_PAGE && P <= PF_PAGE_ROWS) {
+      prefetch_page((const char *)wb + Q8_PREFETCH, Q8_BLOCK * Q8_ROWS);
+      prefetch_page((const char *)(sg + b * Q8_ROWS) + Q8_PREFETCH / 8, Q8_ROWS * 4);
+    }
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if (Q8_PREFETCH && (j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      if (!(PF_PAGE && P <= PF_PAGE_ROWS) && Q8_PREFETCH && (j & 1) == 0)
+        _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + j * 32)));
       for (int p = 0; p < P; p++) {
         const __m512i x = _mm512_set1_epi32(q8_pair(xq + (int64_t)(m0 + p) * K, b * Q8_BLOCK + 2 * j));
@@ -69,7 +74,7 @@ INLINE void bf16_dots(const uint16_t *hi, const uint16_t *lo, int K, const uint1
   __m512 ah[BF16_DP_ROWS], al[BF16_DP_ROWS];
   for (int p = 0; p < BF16_DP_ROWS; p++) ah[p] = al[p] = _mm512_setzero_ps();
   for (int k = 0; k < K; k += 32) {
-    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
+    prefetch_w(wr, k, 1, P);
     const __m512bh w = bh_load(wr + k, K - k);
     for (int p = 0; p < P; p++) {
       const int64_t at = (int64_t)(m0 + p) * K + k;
@@ -85,8 +90,8 @@ INLINE float bf16_dot1(const uint16_t *hi, const uint16_t *lo, int K, const uint
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int k = 0;
   for (; k + 64 <= K; k += 64) {
-    _mm_prefetch((const char *)(wr + k) + PREFETCH, PFHINT);
-    _mm_prefetch((const char *)(wr + k + 32) + PREFETCH, PFHINT);
+    prefetch_w(wr, k, 1, 1);
+    prefetch_w(wr, k + 32, 1, 1);
     const __m512bh w0 = bh_load(wr + k, 32), w1 = bh_load(wr + k + 32, 32);
     a0 = _mm512_dpbf16_ps(a0, bh_load(hi + k, 32), w0);
     a1 = _mm512_dpbf16_ps(a1, bh_load(lo + k, 32), w0);

@@ -33,6 +33,19 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
                             the hardware's prefetcher alone */
 #endif
 
+#ifndef PF_PAGE
+#define PF_PAGE 1 /* 1: software prefetch only at each 4 KB page of the weight stream (prefetch_page); 0: one per
+                     cache line, the distances above ahead */
+#endif
+#ifndef PF_PAGE_LINES
+#define PF_PAGE_LINES 4 /* lines asked for at a page's start (2 and 8 measured no better) */
+#endif
+#ifndef PF_PAGE_ROWS
+#define PF_PAGE_ROWS 1 /* the most activation rows a pass that prefetches by page: with more, each line costs more
+                          work, the core's window reaches fewer lines ahead, and a prefetch per line pays (fp32 batch
+                          8 1.5x, int8 1.24x faster than by page) */
+#endif
+
 #include "team.h" /* the team's barrier (sync_team) and the phase counters of a -DFINAL_PHASES build */
 
 static inline float hsum(__m256 v) {
@@ -119,8 +132,23 @@ INLINE float wget(const void *w, int k, int bf) {
   return ((const float *)w)[k];
 }
 
-/* one prefetch per cache line of weights: every 16 fp32 or 32 bf16 */
-INLINE void prefetch_w(const void *w, int k, int bf) {
+/* The first lines of a page that begins within [p, p + span). The hardware prefetcher streams a page well once it
+   has seen a few of its lines, but stops at each 4 KB page boundary and must find the next page again; asking for
+   the next page's first lines ahead of the stream starts it early there. One prefetch per line instead (PF_PAGE=0)
+   spends a load slot per line on lines the hardware was fetching anyway: a batch-1 step 1.08-1.11x slower in fp32,
+   1.02-1.05x in int8 (bench/RESULTS.md). */
+INLINE void prefetch_page(const char *p, int span) {
+  const uintptr_t a = (uintptr_t)p, page = (a + 4095) & ~(uintptr_t)4095;
+  if (page - a < (uintptr_t)span)
+    for (int i = 0; i < PF_PAGE_LINES; i++) _mm_prefetch((const char *)page + 64 * i, PFHINT);
+}
+
+/* the weights' prefetch, called once per cache line of weights (every 16 fp32 or 32 bf16) */
+INLINE void prefetch_w(const void *w, int k, int bf, int rows) {
+  if (PF_PAGE && rows <= PF_PAGE_ROWS) {
+    if (!bf || (k & 31) == 0) prefetch_page((const char *)w + (int64_t)k * (bf ? 2 : 4) + PREFETCH, 64);
+    return;
+  }
   if (!bf || (k & 31) == 0) _mm_prefetch((const char *)w + (int64_t)k * (bf ? 2 : 4) + PREFETCH, PFHINT);
 }
 
@@ -166,7 +194,7 @@ INLINE void row_dots(const float *xs, int K, const void *wr, int bf, int m0, int
   row_pointers(xs, K, m0, P, 4, x);
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    prefetch_w(wr, k, bf);
+    prefetch_w(wr, k, bf, P);
     __m256 w0, w1;
     wpair(wr, k, bf, &w0, &w1);
     for (int p = 0; p < P; p++) {
@@ -183,8 +211,8 @@ INLINE float row_dot1(const float *x, int K, const void *wr, int bf) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, w0, w1, w2, w3;
   int k = 0;
   for (; k + 32 <= K; k += 32) {
-    prefetch_w(wr, k, bf);
-    prefetch_w(wr, k + 16, bf);
+    prefetch_w(wr, k, bf, 1);
+    prefetch_w(wr, k + 16, bf, 1);
     wpair(wr, k, bf, &w0, &w1);
     wpair(wr, k + 16, bf, &w2, &w3);
     a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + k), a0);
@@ -210,7 +238,7 @@ INLINE void row_dots8(const float *xs, int K, const void *wr, int bf, int m0, in
   row_pointers(xs, K, m0, P, 8, x);
   int k = 0;
   for (; k + 16 <= K; k += 16) {
-    prefetch_w(wr, k, bf);
+    prefetch_w(wr, k, bf, P);
     __m256 w0, w1;
     wpair(wr, k, bf, &w0, &w1);
     for (int p = 0; p < P; p++)
@@ -265,8 +293,13 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
     __m256i d0[Q8_PASS], d1[Q8_PASS];
     for (int p = 0; p < Q8_PASS; p++) d0[p] = d1[p] = _mm256_setzero_si256();
+    if (PF_PAGE && P <= PF_PAGE_ROWS) {
+      prefetch_page((const char *)wb + Q8_PREFETCH, Q8_BLOCK * Q8_ROWS);
+      prefetch_page((const char *)(sg + b * Q8_ROWS) + Q8_PREFETCH / 8, Q8_ROWS * 4);
+    }
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if (Q8_PREFETCH && (j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      if (!(PF_PAGE && P <= PF_PAGE_ROWS) && Q8_PREFETCH && (j & 1) == 0)
+        _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32)));       /* rows 0-7 */
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32 + 16)));  /* 8-15 */
       for (int p = 0; p < P; p++) {
