@@ -40,7 +40,9 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "
 # 4-6% slower on Zen 4, measured against the same build with this flag)
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=256"]
 # name -> (extra gcc flags, the /proc/cpuinfo flags it needs), best first; gemv.c's final_gemv_cpu_ok checks the same
-ISAS = {"avx512bf16": (_AVX512 + ["-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+# (the bf16 build takes AVX512-VNNI too, for int8's vpdpwssd: every CPU with AVX512-BF16 so far has it)
+ISAS = {"avx512bf16": (_AVX512 + ["-mavx512bf16", "-mavx512vnni"],
+                       {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
         "avx512": (_AVX512, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
         "avx2": ([], {"avx2", "fma"})}
 ABI = 12  # final_gemv_abi() of the source this wrapper speaks to

@@ -177,6 +177,9 @@ int final_gemv_cpu_ok(void) {
 #ifdef __AVX512BF16__
   ok = ok && __builtin_cpu_supports("avx512bf16");
 #endif
+#ifdef __AVX512VNNI__
+  ok = ok && __builtin_cpu_supports("avx512vnni");
+#endif
   return ok;
 }
 
