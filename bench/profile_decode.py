@@ -36,6 +36,16 @@ def streamed_bytes(model) -> int:
                if lin.gemv is not None else lin.nbytes for lin in linears)
 
 
+def kv_bytes(engine, seqs) -> int:
+    """The K/V cache bytes a decode step of these rows reads: every layer's keys and values over each row's context
+    (its cartridge, its cached tokens and the one the step adds). The weights' stream has flushed them from every
+    cache since the step before, so they come from memory as the weights do (2-3% of an int8 step's bytes at the
+    30-130 tokens these runs decode over)."""
+    spec = engine.spec
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * torch.finfo(engine.dtype).bits // 8
+    return per_token * sum(s.prefix_len + s.cached_len + 1 for s in seqs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -113,6 +123,7 @@ def main() -> None:
         for i in range(args.steps):
             if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
                 reads.append(memory_rates(3)[1])
+            kvs.append(kv_bytes(engine, seqs))
             c0, w0 = time.thread_time(), time.perf_counter()
             append(runner.decode(seqs))
             cpu.append(time.thread_time() - c0)
@@ -124,6 +135,7 @@ def main() -> None:
         return cpu, wall, table
 
     reads: list[float] = []
+    kvs: list[int] = []
 
     weight_bytes = streamed_bytes(engine.model)
     try:
@@ -137,23 +149,27 @@ def main() -> None:
           f"thread(s){', no GEMM' if args.no_gemm else ''}{', another OpenMP team' if args.other_team else ''}: "
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
     if args.roofline:
-        print(roofline(weight_bytes, walls, reads))
+        print(roofline(weight_bytes, kvs, walls, reads))
 
 
-def roofline(weight_bytes: int, walls: list[float], reads: list[float]) -> str:
-    """Every weight byte is read once a step: the step's streaming rate against the machine's read rate (a 128 MB
-    sum), each block of 10 steps against the mean of the rates taken just before and after it, since the host's
-    memory speed drifts within a run (30-48 GB/s within minutes here); the median of the blocks' shares."""
-    shares, rates = [], []
+def roofline(weight_bytes: int, kvs: list[int], walls: list[float], reads: list[float]) -> str:
+    """Every weight byte and the K/V of the context (kvs, a step's) are read once a step: the step's streaming rate
+    against the machine's read rate (a 128 MB sum), each block of 10 steps against the mean of the rates taken just
+    before and after it, since the host's memory speed drifts within a run (30-48 GB/s within minutes here); the
+    median of the blocks' shares. The weights alone are given too."""
+    shares, rates, alone = [], [], []
     for j, lo in enumerate(range(0, len(walls), 10)):
-        rate = weight_bytes / statistics.median(walls[lo:lo + 10]) / 1e9
+        wall = statistics.median(walls[lo:lo + 10])
+        rate = (weight_bytes + statistics.median(kvs[lo:lo + 10])) / wall / 1e9
         rates.append(rate)
-        shares.append(rate / ((reads[j] + reads[min(j + 1, len(reads) - 1)]) / 2))
-    return (f"roofline: {weight_bytes / 1e6:.0f} MB of weights a step -> {statistics.median(rates):.1f} GB/s streamed "
-            f"by the whole step; this machine reads {statistics.median(reads):.1f} GB/s (a 128 MB sum, median of "
+        read = (reads[j] + reads[min(j + 1, len(reads) - 1)]) / 2
+        shares.append(rate / read)
+        alone.append(weight_bytes / wall / 1e9 / read)
+    return (f"roofline: {weight_bytes / 1e6:.0f} MB of weights + {min(kvs) / 1e6:.1f}-{max(kvs) / 1e6:.1f} MB of K/V a "
+            f"step -> {statistics.median(rates):.1f} GB/s streamed by the whole step; this machine reads {statistics.median(reads):.1f} GB/s (a 128 MB sum, median of "
             f"{len(reads)} taken between blocks of 10 steps, {min(reads):.1f}-{max(reads):.1f}): "
             f"{statistics.median(shares):.0%} of it (each block against the reads beside it; blocks "
-            f"{min(shares):.0%}-{max(shares):.0%})")
+            f"{min(shares):.0%}-{max(shares):.0%}; the weights alone {statistics.median(alone):.0%})")
 
 PHASE_NAMES = ["norm + qkv", "attention", "o", "norm + gate|up", "SwiGLU", "down", "norm + lm_head"]  # PHASE(i)
 
@@ -268,14 +284,16 @@ def compare_isas(args) -> None:
             append(runner.decode(seqs))
         out = []
         for _ in range(args.steps // 4 or 1):
+            kv = kv_bytes(engine, seqs)
             t = time.perf_counter()
             logits = runner.decode(seqs)
             out.append(time.perf_counter() - t)
+            step_kv.append(kv)
             append(logits)
         return out
 
     times: dict[str, list[float]] = {isa: [] for isa in engines}
-    reads = []
+    reads, step_kv = [], []
     names = list(engines)
     try:
         for r in range(args.rounds):
@@ -297,7 +315,8 @@ def compare_isas(args) -> None:
         step = statistics.median(times[isa])
         line = f"  {isa:30s} {step * 1e3:.2f} ms  {base / step:.3f}x {names[0]}"
         if read:
-            line += f"  {weight_bytes / step / 1e9:.1f} GB/s streamed, {weight_bytes / step / 1e9 / read:.0%} of {read:.1f}"
+            rate = (weight_bytes + statistics.median(step_kv)) / step / 1e9  # weights + K/V (kv_bytes)
+            line += f"  {rate:.1f} GB/s streamed, {rate / read:.0%} of {read:.1f}"
         print(line)
 
 
