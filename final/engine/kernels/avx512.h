@@ -7,9 +7,9 @@
 /* int8 (see products.h's q8_group): a pair of k for all 16 rows of a group is one 512-bit widening, and each
    activation row one broadcast and one vpmaddwd; 4 activation rows a pass (AVX-512's 32 registers). With
    AVX512-VNNI, vpdpwssd does the vpmaddwd and its add in one instruction (the same int32 sum: no block can
-   overflow, see products.h), over Q8_CHAINS independent sums a row, since each waits ~4 cycles on the one before:
-   in L1 one core's loop then runs 82 GB/s of weights where vpmaddwd + vpaddd ran 61 (one chain of vpdpwssd was no
-   faster), and so leaves the memory more of the step. -DNO_VNNI keeps vpmaddwd for an A/B. */
+   overflow, see products.h), over Q8_CHAINS independent sums a row, since each waits ~4 cycles on the one before
+   (one chain of vpdpwssd was no faster than vpmaddwd + vpaddd): fewer instructions a weight, which pays where the
+   core is the limit: a batch-8 step 1.13x, batch 1 1.03x (bench/RESULTS.md). -DNO_VNNI keeps vpmaddwd (A/B). */
 #define Q8_PASS 4
 #if defined(__AVX512VNNI__) && !defined(NO_VNNI)
 #define Q8_CHAINS(P) ((P) == 1 ? 4 : (P) == 2 ? 2 : 1)
