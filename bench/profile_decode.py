@@ -166,7 +166,8 @@ def roofline(weight_bytes: int, kvs: list[int], walls: list[float], reads: list[
         shares.append(rate / read)
         alone.append(weight_bytes / wall / 1e9 / read)
     return (f"roofline: {weight_bytes / 1e6:.0f} MB of weights + {min(kvs) / 1e6:.1f}-{max(kvs) / 1e6:.1f} MB of K/V a "
-            f"step -> {statistics.median(rates):.1f} GB/s streamed by the whole step; this machine reads {statistics.median(reads):.1f} GB/s (a 128 MB sum, median of "
+            f"step -> {statistics.median(rates):.1f} GB/s streamed by the whole step; this machine reads "
+            f"{statistics.median(reads):.1f} GB/s (a 128 MB sum, median of "
             f"{len(reads)} taken between blocks of 10 steps, {min(reads):.1f}-{max(reads):.1f}): "
             f"{statistics.median(shares):.0%} of it (each block against the reads beside it; blocks "
             f"{min(shares):.0%}-{max(shares):.0%}; the weights alone {statistics.median(alone):.0%})")
