@@ -27,12 +27,18 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)
 
 
 def memory_rates(repeats: int) -> tuple[float, float]:
+    """GB/s of a 64 MB memcpy, (read + write) / time, and read_rate's; the best of `repeats` each."""
     a = torch.ones(16 * 2**20)
     b = torch.empty_like(a)
     copy = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
-    big = torch.ones(128 * 2**20 // 4)
-    read = min(_timed(lambda: big.sum()) for _ in range(repeats))
-    return 2 * a.nbytes / copy / 1e9, big.nbytes / read / 1e9
+    return 2 * a.nbytes / copy / 1e9, read_rate(repeats)
+
+
+def read_rate(repeats: int, big: torch.Tensor | None = None) -> float:
+    """The machine's read-only rate: GB/s of a sum over 128 MB (or `big`, kept by a caller that samples often), the
+    best of `repeats`: the roofline's yardstick."""
+    big = torch.ones(128 * 2**20 // 4) if big is None else big
+    return big.nbytes / min(_timed(lambda: big.sum()) for _ in range(repeats)) / 1e9
 
 
 def _timed(fn) -> float:

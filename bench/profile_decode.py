@@ -36,14 +36,12 @@ def streamed_bytes(model) -> int:
                if lin.gemv is not None else lin.nbytes for lin in linears)
 
 
-def kv_bytes(engine, seqs) -> int:
+def kv_bytes(cache, seqs) -> int:
     """The K/V cache bytes a decode step of these rows reads: every layer's keys and values over each row's context
     (its cartridge, its cached tokens and the one the step adds). The weights' stream has flushed them from every
     cache since the step before, so they come from memory as the weights do (2-3% of an int8 step's bytes at the
     30-130 tokens these runs decode over)."""
-    spec = engine.spec
-    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * torch.finfo(engine.dtype).bits // 8
-    return per_token * sum(s.prefix_len + s.cached_len + 1 for s in seqs)
+    return cache.bytes_per_token * sum(s.prefix_len + s.cached_len + 1 for s in seqs)
 
 
 def main() -> None:
@@ -123,7 +121,7 @@ def main() -> None:
         for i in range(args.steps):
             if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
                 reads.append(memory_rates(3)[1])
-            kvs.append(kv_bytes(engine, seqs))
+            kvs.append(kv_bytes(runner.cache, seqs))
             c0, w0 = time.thread_time(), time.perf_counter()
             append(runner.decode(seqs))
             cpu.append(time.thread_time() - c0)
@@ -285,7 +283,7 @@ def compare_isas(args) -> None:
             append(runner.decode(seqs))
         out = []
         for _ in range(args.steps // 4 or 1):
-            kv = kv_bytes(engine, seqs)
+            kv = kv_bytes(runner.cache, seqs)
             t = time.perf_counter()
             logits = runner.decode(seqs)
             out.append(time.perf_counter() - t)

@@ -37,6 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from final.engine import kernels
+    from gemv import read_rate  # bench/gemv.py, beside this file
 
     isa = args.isa or kernels.candidate_isas()[0]
     builds = {}
@@ -47,22 +48,19 @@ def main() -> None:
     int8 = [kernels.quantize(torch.randn(49152, 576, generator=g) * 0.02) for _ in range(8)]
     fp32 = [torch.randn(49152, 576, generator=g) * 0.02 for _ in range(3)]
     x = torch.randn(1, 576)
-    big = torch.ones(128 * 2**20 // 4)
+    big = torch.ones(128 * 2**20 // 4)  # read_rate's, made once
     int8_bytes = sum(q.nbytes + s.nbytes for q, s in int8)
     fp32_bytes = sum(w.nbytes for w in fp32)
-
-    def read() -> float:
-        return max(_rate(big.nbytes, big.sum) for _ in range(2))
 
     samples = []
     end = time.time() + args.seconds
     while time.time() < end:
-        before = read()
+        before = read_rate(2, big)
         row = {}
         for name, k in builds.items():
             row[f"int8 {name}"] = _rate(int8_bytes, lambda k=k: [k(x, q, scale=s) for q, s in int8])
             row[f"fp32 {name}"] = _rate(fp32_bytes, lambda k=k: [k(x, w) for w in fp32])
-        samples.append(((before + read()) / 2, row))
+        samples.append(((before + read_rate(2, big)) / 2, row))
     print(f"{isa} builds, {len(samples)} samples over {args.seconds:.0f} s, {torch.get_num_threads()} threads; "
           "GB/s streamed (median), and its median ratio to the sum's read beside it")
     for mode, keep in (("fast", lambda r: r >= args.fast), ("between", lambda r: args.slow <= r < args.fast),

@@ -224,8 +224,9 @@ class Int8Linear(_Gemv):
     not depend on the other rows. Every row count runs on the kernel (INT8_GEMV_ROWS). Without the kernel:
     fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too, per call (one 7-bit scale
     over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19 from fp32 (80% argmax
-    agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed mode. Measured first (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm`
-    takes 4x fp32's time with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
+    agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed mode. Measured first
+    (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time
+    with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None,

@@ -28,13 +28,9 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
     __m512i d[Q8_PASS][4];
     for (int p = 0; p < Q8_PASS; p++) d[p][0] = d[p][1] = d[p][2] = d[p][3] = _mm512_setzero_si512();
-    if (PF_PAGE && P <= PF_PAGE_ROWS) {
-      prefetch_page((const char *)wb + Q8_PREFETCH, Q8_BLOCK * Q8_ROWS);
-      prefetch_page((const char *)(sg + b * Q8_ROWS) + Q8_PREFETCH / 8, Q8_ROWS * 4);
-    }
+    q8_prefetch_block(wb, sg, b, P);
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if (!(PF_PAGE && P <= PF_PAGE_ROWS) && Q8_PREFETCH && (j & 1) == 0)
-        _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      q8_prefetch_pair(wb, j, P);
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + j * 32)));
       for (int p = 0; p < P; p++) {
         const __m512i x = _mm512_set1_epi32(q8_pair(xq + (int64_t)(m0 + p) * K, b * Q8_BLOCK + 2 * j));

@@ -143,13 +143,15 @@ INLINE void prefetch_page(const char *p, int span) {
     for (int i = 0; i < PF_PAGE_LINES; i++) _mm_prefetch((const char *)page + 64 * i, PFHINT);
 }
 
-/* the weights' prefetch, called once per cache line of weights (every 16 fp32 or 32 bf16) */
+/* whether a pass over `rows` activation rows prefetches by page (else one prefetch per line) */
+#define BY_PAGE(rows) (PF_PAGE && (rows) <= PF_PAGE_ROWS)
+
+/* the weights' prefetch, called once per 16 weights (a cache line of fp32, half of one of bf16) */
 INLINE void prefetch_w(const void *w, int k, int bf, int rows) {
-  if (PF_PAGE && rows <= PF_PAGE_ROWS) {
-    if (!bf || (k & 31) == 0) prefetch_page((const char *)w + (int64_t)k * (bf ? 2 : 4) + PREFETCH, 64);
-    return;
-  }
-  if (!bf || (k & 31) == 0) _mm_prefetch((const char *)w + (int64_t)k * (bf ? 2 : 4) + PREFETCH, PFHINT);
+  if (bf && (k & 31)) return;
+  const char *ahead = (const char *)w + (int64_t)k * (bf ? 2 : 4) + PREFETCH;
+  if (BY_PAGE(rows)) prefetch_page(ahead, 64);
+  else _mm_prefetch(ahead, PFHINT);
 }
 
 /* xs [M, K] -> out [M, K]: each whole 16-block as its 8 even then its 8 odd elements (the bf16 pair order), the
@@ -278,6 +280,19 @@ static inline int32_t q8_pair(const int16_t *x, int k) {
   return v;
 }
 
+/* int8's prefetch at the start of block b of a group (weights wb, scales sg) for a pass over P rows: by page, the
+   weight stream's next page and the scale stream's, which runs at 1/8 its rate */
+INLINE void q8_prefetch_block(const int8_t *wb, const float *sg, int b, int P) {
+  if (!BY_PAGE(P)) return;
+  prefetch_page((const char *)wb + Q8_PREFETCH, Q8_BLOCK * Q8_ROWS);
+  prefetch_page((const char *)(sg + b * Q8_ROWS) + Q8_PREFETCH / 8, Q8_ROWS * 4);
+}
+
+/* ... and at pair j of the block: else one prefetch per line, Q8_PREFETCH ahead */
+INLINE void q8_prefetch_pair(const int8_t *wb, int j, int P) {
+  if (!BY_PAGE(P) && Q8_PREFETCH && (j & 1) == 0) _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+}
+
 #ifdef __AVX512BW__
 #include "avx512.h" /* q8_group in 512-bit registers (Q8_PASS 4); bf16 dot products */
 #else
@@ -293,13 +308,9 @@ static inline void q8_group(const int16_t *xq, const float *xsc, int K, const in
     const int8_t *wb = wg + (int64_t)b * Q8_BLOCK * Q8_ROWS;
     __m256i d0[Q8_PASS], d1[Q8_PASS];
     for (int p = 0; p < Q8_PASS; p++) d0[p] = d1[p] = _mm256_setzero_si256();
-    if (PF_PAGE && P <= PF_PAGE_ROWS) {
-      prefetch_page((const char *)wb + Q8_PREFETCH, Q8_BLOCK * Q8_ROWS);
-      prefetch_page((const char *)(sg + b * Q8_ROWS) + Q8_PREFETCH / 8, Q8_ROWS * 4);
-    }
+    q8_prefetch_block(wb, sg, b, P);
     for (int j = 0; j < Q8_BLOCK / 2; j++) {
-      if (!(PF_PAGE && P <= PF_PAGE_ROWS) && Q8_PREFETCH && (j & 1) == 0)
-        _mm_prefetch((const char *)(wb + j * 32) + Q8_PREFETCH, PFHINT);
+      q8_prefetch_pair(wb, j, P);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32)));       /* rows 0-7 */
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + j * 32 + 16)));  /* 8-15 */
       for (int p = 0; p < P; p++) {
