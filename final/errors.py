@@ -128,3 +128,13 @@ class ReplicaError(EngineError):
         self.replicas = dict(replicas or {})
         why = "; ".join(f"replica {i}: {reason}" for i, reason in sorted(self.replicas.items()))
         super().__init__(f"{message} ({why})" if why else message)
+
+
+class WeightsError(FinalError, ValueError):
+    """A weight update is wrong: an unknown parameter name, a wrong shape or dtype, a NaN/Inf, an unreadable
+    file. `parameter` names the offending parameter (None: the update as a whole). Raised before any tensor is
+    written: the engine keeps serving its old weights, unchanged."""
+
+    def __init__(self, message: str, parameter: str | None = None):
+        self.parameter = parameter
+        super().__init__(f"parameter '{parameter}': {message}" if parameter else message)

@@ -32,6 +32,7 @@ from final.request import CallRules, Request, prepare, prepare_score
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
 from final.tools.outputs import conversation_rows
+from final.weight_sync import WeightSync
 
 __all__ = ["GenerationOutput", "InferenceEngine", "Request", "Score"]
 PROGRESS_MIN_ROWS = 32
@@ -52,12 +53,13 @@ class InferenceEngine:
         self._closed = False
         self._side: RolloutThread | None = None  # for blocking calls made inside a running event loop
         self._admission = Admission(self.config.limits.max_queued_rows)  # rows of calls in flight, bounded
+        self._weights = WeightSync(self.backend, self.rollout, self._complete)  # updates, versions, sleep mode
         try:
             self.capabilities = self.rollout.capabilities
             self.tokenizer = getattr(self.model_config.tokenizer, "tokenizer", self.model_config.tokenizer)
             self.pad_token_id = self.rollout.pad_token_id
             self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
-            self.cartridges = self._cartridge_service()
+            self.cartridges = self._weights.cartridges = self._cartridge_service()
             self._tool_schemas = self.rollout.tool_schemas()  # fixed at start (tools.yaml)
         except BaseException:
             self.rollout.shutdown()
@@ -115,8 +117,7 @@ class InferenceEngine:
     def prepare_score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
                       raw: bool = False) -> Request:
         """score()'s checks and tokenization, nothing run (score() = prepare_score + run + Request.scores)."""
-        if self._closed:
-            raise EngineError("this InferenceEngine has been shut down")
+        self._require_open()
         return prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
                              cartridge=cartridge)
 
@@ -124,8 +125,7 @@ class InferenceEngine:
                 progress: bool | None = None, **sampling: Any) -> Request:
         """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both).
         Raises the typed errors of final.errors; nothing has run when it does."""
-        if self._closed:
-            raise EngineError("this InferenceEngine has been shut down")
+        self._require_open()
         return prepare(prompts, self.rules, sampling=sampling, raw=raw, cartridge=cartridge,
                        tools_kwargs=tools_kwargs, progress=progress)
 
@@ -145,11 +145,11 @@ class InferenceEngine:
             return self._side_thread().run(self.run, request, on_event=on_event)
         if self.config.limits.deadline_s is not None:  # a deadline needs a wait it can cancel: the awaitable path
             return asyncio.run(self.arun(request, on_event=on_event))
-        with self._admission.hold(request.rows), self._holding(request) as carts, \
-                CallObserver.open(request, on_event) as observer:
+        with self._admission.hold(request.rows), self._weights.reading() as version, \
+                self._holding(request) as carts, CallObserver.open(request, on_event) as observer:
             data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
             out = self.rollout.generate_sequences(data, observer=observer, **request.sampling.params)
-        return self._output(request, out)
+        return self._output(request, out, version)
 
     async def arun(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
         """Run a prepared request from a running event loop; cancelling it (or its deadline) aborts its rows."""
@@ -157,24 +157,25 @@ class InferenceEngine:
             return await within_deadline(self._arun(request, on_event), self.config.limits.deadline_s)
 
     async def _arun(self, request: Request, on_event: Callable[[dict], None] | None) -> GenerationOutput:
-        async with self._aholding(request) as carts:
+        async with self._weights.areading() as version, self._aholding(request) as carts:
             with CallObserver.open(request, on_event) as observer:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
                 out = await self.rollout.agenerate_sequences(data, observer=observer, **request.sampling.params)
-        return self._output(request, out)
+        return self._output(request, out, version)
 
     async def astream(self, request: Request) -> AsyncIterator[Completion]:
         """Row updates of a prepared request as they come (every token where capabilities.streaming, else each
         row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason. A row the
         engine aborted raises SequenceError; closing the iterator early aborts the request's rows."""
         with self._admission.hold(request.rows):
-            async with self._aholding(request) as carts:
+            async with self._weights.areading() as version, self._aholding(request) as carts:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
                 updates = self.rollout.astream(data, **request.sampling.params)
                 try:
                     async for row in until_deadline(updates, self.config.limits.deadline_s):
                         raise_if_aborted([row])
-                        yield row.without_output() if request.sampling.max_new_tokens == 0 else row
+                        row = row.without_output() if request.sampling.max_new_tokens == 0 else row
+                        yield dataclasses.replace(row, weights_version=version)
                 finally:
                     await updates.aclose()
 
@@ -204,6 +205,51 @@ class InferenceEngine:
         """Forget a cartridge; requests already running with it finish normally."""
         return self._require_cartridges().unload(cartridge_id)
 
+    # ---- weights (RL: the policy a trainer updates) -------------------------------------------------------------
+    def update_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+        """Serve new weights; returns the new weights_version.
+
+        weights: an nn.Module (its state dict), a state dict, an iterable of (HF parameter name, tensor) -
+        veRL's generator, consumed whole first - or a path to an HF folder / .safetensors file. A subset of the
+        parameters is a valid update. The whole update is checked before any tensor is written (WeightsError
+        names the parameter: unknown, wrong shape, not float, NaN/Inf); the old weights then keep serving.
+        Calls in flight finish on the old weights first; calls made meanwhile wait and run on the new ones.
+        Loaded cartridges were made for the old weights: they are unloaded, and requests naming them are refused
+        until they are loaded again; keep_cartridges=True keeps serving them (stale). A released engine resumes."""
+        self._require_open()
+        return self._weights.update(weights, keep_cartridges=keep_cartridges)
+
+    async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+        """update_weights() from an event loop (a server): the wait and the write run on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.update_weights, weights, keep_cartridges=keep_cartridges))
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight updates this engine has applied; every output row's metadata says the one it ran on."""
+        return self._weights.version
+
+    def release(self) -> None:
+        """veRL's sleep mode: once the calls in flight finish, free what can be rebuilt (the KV pool; on SGLang
+        with its memory saver, the weights too) while a trainer needs the memory. The next call resumes."""
+        self._require_open()
+        self._weights.release()
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        """Bring back what release() freed (veRL's tags "weights", "kv_cache"; None: both)."""
+        self._require_open()
+        self._weights.resume(tags)
+
+    def _complete(self, coro: Any) -> Any:
+        """A backend coroutine run to its end from a blocking caller (from a running loop: on the side thread)."""
+        if loop_running():
+            return self._side_thread().run(asyncio.run, coro)
+        return asyncio.run(coro)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise EngineError("this InferenceEngine has been shut down")
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -222,9 +268,10 @@ class InferenceEngine:
         self.shutdown()
 
     # ---- results ---------------------------------------------------------------------------------------
-    def _output(self, request: Request, out: Any) -> GenerationOutput:
+    def _output(self, request: Request, out: Any, version: int) -> GenerationOutput:
         n = request.n
-        where = [{"prompt_index": i // n, "sample_index": i % n} for i in range(len(out))]
+        where = [{"prompt_index": i // n, "sample_index": i % n, "weights_version": version}
+                 for i in range(len(out))]
         if "messages" in out.non_tensor_batch:  # multi-turn: whole conversations, tool turns included
             conv = conversation_rows(out, self.tokenizer)
             infos = out.non_tensor_batch[ROW_INFO]

@@ -41,6 +41,7 @@ class Completion:
     top_logprobs: list[Top] | None = None  # per output token
     prompt_logprobs: list[float | None] | None = None  # per prompt token, None for the first (nothing before it)
     prompt_top_logprobs: list[Top | None] | None = None
+    weights_version: int | None = None  # the weights that made the row (InferenceEngine.weights_version)
 
     @classmethod
     def from_engine(cls, index: int, out: dict, prompt_logprobs: bool = False) -> "Completion":
@@ -149,7 +150,8 @@ class GenerationOutput:
         """Each row's record as a Completion (index = prompt * n + sample)."""
         return [Completion(i, m["response_ids"], m["finish_reason"], m.get("matched"), m["prompt_tokens"],
                            m.get("cached_tokens", 0), m.get("logprobs"), None, m.get("top_logprobs"),
-                           m.get("prompt_logprobs"), m.get("prompt_top_logprobs")) for i, m in enumerate(self.metadata)]
+                           m.get("prompt_logprobs"), m.get("prompt_top_logprobs"), m.get("weights_version"))
+                for i, m in enumerate(self.metadata)]
 
 
 @dataclass

@@ -52,11 +52,16 @@ class CartridgeService:
         self.allow_nonfinite = allow_nonfinite
         self.store = CartridgeStore(budget_bytes, on_evict=self._evicted)
         self._load_lock = threading.RLock()  # using() holds it across ensure + acquire
+        # A cartridge is a KV cache made by one set of base weights. weights_version counts the engine's updates;
+        # retired: cartridges unloaded by an update (id -> (the version they were made for, the update's)), refused
+        # by requests until loaded again explicitly (load_cartridge: the caller says the file fits the new weights)
+        self.weights_version = 0
+        self._retired: dict[str, tuple[int, int]] = {}
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
              force_redownload: bool = False, pin: bool = False, allow_nonfinite: bool | None = None,
-             positions: str | None = None) -> str:
+             positions: str | None = None, explicit: bool = True) -> str:
         """Load a cartridge (or find it resident) and return its id.
 
         `local`: the file is `path`, or `id` when no path is given (Tokasaurus passes the path as the id); a
@@ -67,6 +72,7 @@ class CartridgeService:
         default file: the latest cache-step*.pt of the run.
         `positions`: after_prefix | from_zero (final.cartridges.positions); None: the manifest's, else what the
         run's config.yaml beside the file says, else after_prefix.
+        `explicit`: False for a request's on-demand load, which a cartridge retired by a weight update refuses.
         The download and the file's checks run outside the service's lock: a slow source holds up no other load.
         """
         cid = id or path
@@ -77,6 +83,8 @@ class CartridgeService:
             check_cartridge_name(path, "path")
         if positions is not None:
             check_positions(positions, file=cid)
+        if not explicit:
+            self.check_current(cid)
         with self._load_lock:
             if not force_redownload and self.store.lookup(cid) is not None:
                 if pin:
@@ -163,13 +171,14 @@ class CartridgeService:
     def _admit(self, cid: str, cart: CartridgeKV, *, pin: bool, info: dict) -> str:
         # Admission first (it may evict to make room), then the engine; undo the admission if the engine refuses.
         existed = self.store.get(cid) is not None
-        self.store.put(cid, cart.nbytes, pin=pin, info=info)
+        self.store.put(cid, cart.nbytes, pin=pin, info={**info, "weights_version": self.weights_version})
         try:
             self.engine.load_cartridge(cid, cart.keys, cart.values)
         except BaseException:
             if not existed:
                 self.store.remove(cid)
             raise
+        self._retired.pop(cid, None)
         logger.info("cartridge %s loaded: %d tokens, %d bytes", cid, cart.num_tokens, cart.nbytes)
         return cid
 
@@ -178,6 +187,34 @@ class CartridgeService:
         with self._load_lock:
             known = self.store.remove(cartridge_id)
             return bool(self.engine.unload_cartridge(cartridge_id)) or known
+
+    # ---- weight updates ------------------------------------------------------------------------------------
+    def weights_changed(self, version: int, keep: bool = False) -> list[str]:
+        """The engine now serves weights `version`. keep=False: every resident cartridge (made for the old
+        weights) is unloaded and refused by requests until it is loaded again explicitly; keep=True: they stay,
+        served stale (their entries say since which version). Returns the ids retired or kept."""
+        with self._load_lock:
+            ids = self.store.ids()
+            for cid in ids:
+                entry = self.store.get(cid)
+                made_for = entry.info.get("weights_version", 0) if entry is not None else self.weights_version
+                if keep:
+                    entry.info.setdefault("stale_since", version)
+                    continue
+                self._retired[cid] = (made_for, version)
+                self.store.remove(cid)
+                self.engine.unload_cartridge(cid)
+            self.weights_version = version
+            return ids
+
+    def check_current(self, cartridge_id: str, where: str = "cartridges") -> None:
+        """Refuse a cartridge that a weight update retired (see weights_changed)."""
+        if cartridge_id in self._retired:
+            made_for, update = self._retired[cartridge_id]
+            raise CartridgeError(
+                f"was made for weights version {made_for} and was unloaded when the weights were updated (version "
+                f"{update}): rebuild it for the new weights and load it again (load_cartridge), or update with "
+                "keep_cartridges=True to keep serving it stale", file=cartridge_id, field="weights_version")
 
     def _evicted(self, cartridge_id: str) -> None:
         logger.info("cartridge %s evicted (LRU, over budget)", cartridge_id)
@@ -190,6 +227,7 @@ class CartridgeService:
         ids = []
         for i, spec in enumerate(specs):
             if isinstance(spec, str):
+                self.check_current(spec)
                 if spec not in self.store:
                     raise CartridgeError("unknown cartridge id; load it first or pass {id, source}", file=spec,
                                          field=f"cartridges[{i}]")
@@ -200,7 +238,7 @@ class CartridgeService:
                 args["force_redownload"] = False
             elif args.get("force_redownload") and args["source"] == "local":
                 args["force_redownload"] = self._stale(args)
-            ids.append(self.load(**args))
+            ids.append(self.load(**args, explicit=False))
         return tuple(ids)
 
     def _stale(self, args: dict[str, Any]) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from final.engine.kv_cache import KVCache, PrefixTable
-from final.engine.messages import Abort, Call, Stop, Submit
+from final.engine.messages import Abort, Call, Drain, Stop, Submit
 from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
 from final.engine.sampler import sample
@@ -60,8 +60,11 @@ class EngineCore:
         self.stats = EngineStats()
         self.inbox: queue.Queue = queue.Queue()
         self._tokenizer = None
+        self.weight_version = 0  # weight updates applied (load_weights); each row records the one it ran on
+        self._drains: list[Drain] = []  # waiting for the rows before them to finish
+        self._held: list[Submit] = []  # submitted after a pending drain: admitted once it has run
         self._handlers: dict[type, Callable[[Any], bool]] = {
-            Submit: self._submit, Abort: self._abort, Call: self._call, Stop: self._stop}
+            Submit: self._submit, Abort: self._abort, Call: self._call, Drain: self._drain, Stop: self._stop}
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -82,6 +85,8 @@ class EngineCore:
                     except Exception as exc:  # the bookkeeping after a step broke: nothing is known good
                         logger.exception("engine step failed")
                         self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                if self._drains and not self.scheduler.has_work():
+                    self._run_drains()
 
     def _dispatch(self, msg: Any) -> bool:
         try:
@@ -92,6 +97,9 @@ class EngineCore:
 
     # ---- handlers ------------------------------------------------------------------------------------
     def _submit(self, msg: Submit) -> bool:
+        if self._drains:  # rows after a pending weight update run on the new weights
+            self._held.append(msg)
+            return True
         failed: set[int] = set()  # batches (requests) refused here: a cartridge unloaded since they were made
         for seq in msg.seqs:
             if id(seq.batch) in failed:
@@ -103,6 +111,7 @@ class EngineCore:
                 seq.batch.fail(exc)
         for seq in msg.seqs:
             if id(seq.batch) not in failed:
+                seq.weight_version = self.weight_version
                 self.stats.requests += 1
                 self.stats.prompt_tokens += len(seq.prompt_ids)
                 self.scheduler.add(seq)
@@ -112,7 +121,10 @@ class EngineCore:
         def match(s: Sequence) -> bool:
             return msg.abort_all or s.rid == msg.rid or s.rid in msg.rids
 
-        for seq in self.scheduler.drop_waiting(match):
+        held = [seq for submit in self._held for seq in submit.seqs if match(seq)]
+        for submit in self._held:
+            submit.seqs = [seq for seq in submit.seqs if not match(seq)]
+        for seq in held + self.scheduler.drop_waiting(match):
             seq.abort(msg.message)
             self.stats.aborted += 1
             seq.batch.row_done(seq.row, seq.to_output())
@@ -130,8 +142,44 @@ class EngineCore:
             msg.future.set_exception(exc)
         return True
 
+    def _drain(self, msg: Drain) -> bool:
+        self._drains.append(msg)
+        if not self.scheduler.has_work():
+            self._run_drains()
+        return True
+
+    def _run_drains(self) -> None:
+        """Every pending drain, in order, then the submissions held behind them."""
+        drains, self._drains = self._drains, []
+        for msg in drains:
+            self._call(msg)
+        held, self._held = self._held, []
+        for submit in held:
+            self._submit(submit)
+
+    def load_weights(self, named: list) -> int:
+        """Write a checked update (final/engine/weights.py) and count it: rows admitted later record the new
+        version. Run as a Drain, so no row is running."""
+        from final.engine.weights import load_weights
+
+        load_weights(self.model, named)
+        self.weight_version += 1
+        return self.weight_version
+
+    def release_memory(self) -> None:
+        """The KV pool goes (rebuilt by the next request); on a GPU, back to the device too."""
+        self.cache.release()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _stop(self, _msg: Stop) -> bool:
-        self._fail_all(EngineError("the engine has been shut down"))
+        gone = EngineError("the engine has been shut down")
+        self._fail_all(gone)
+        for seq in (seq for submit in self._held for seq in submit.seqs):
+            seq.batch.fail(gone)
+        for drain in self._drains:
+            drain.future.set_exception(gone)
+        self._held, self._drains = [], []
         self.cache.release()
         return False
 
@@ -249,5 +297,6 @@ class EngineCore:
     def _fail_all(self, exc: EngineError) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.batch.fail(exc)
+
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()

@@ -20,7 +20,7 @@ import torch
 
 from final.engine.core import EngineCore
 from final.engine.kv_cache import PrefixKV
-from final.engine.messages import Abort, Batch, Call, Stop, Submission, Submit
+from final.engine.messages import Abort, Batch, Call, Drain, Stop, Submission, Submit
 from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
 from final.engine.sampling_params import SamplingParams
@@ -136,8 +136,32 @@ class EmbeddedEngine:
         self._post(Abort(rid, abort_all))
 
     def release_memory_occupation(self) -> None:
-        """Free the KV pool (veRL's release()); it is rebuilt on the next request."""
-        self.call(lambda _runner: self.core.cache.release())
+        """Free the KV pool (veRL's release()) once the running rows have finished; it is rebuilt on the next
+        request."""
+        msg = Drain(lambda _runner: self.core.release_memory())
+        self._post(msg)
+        msg.future.result()
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF parameter name this engine holds, with its shape: what an update may name."""
+        from final.engine.weights import parameter_shapes
+
+        return parameter_shapes(self.core.model)
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Write HF-named tensors (checked first: final.weights.check_update against parameter_shapes) into the
+        engine's layout, once the rows already admitted have finished; rows submitted meanwhile wait and run on
+        the new weights. Returns the engine's new weight_version (each row's meta_info says the one it ran on)."""
+        if threading.current_thread() is self._thread:
+            raise EngineError("update_weights() waits for the engine thread: call it from another thread")
+        msg = Drain(lambda _runner: self.core.load_weights(named))
+        self._post(msg)
+        return msg.future.result()
+
+    @property
+    def weight_version(self) -> int:
+        return self.core.weight_version
 
     def shutdown(self) -> None:
         if self._closed:

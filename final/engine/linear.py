@@ -103,6 +103,11 @@ class _Gemv:
     def _gemv_scale(self) -> torch.Tensor | None:
         return None
 
+    def set_row_blocks(self, blocks: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Several set_rows of one update (e.g. q, k and v of a fused q|k|v)."""
+        for lo, hi, value in blocks:
+            self.set_rows(lo, hi, value)
+
 
 class Linear(_Gemv):
     """y = x @ W.T (+ b), W [out, in]. `dense()` gives W back; `set_rows()` updates part of it in place."""
@@ -290,8 +295,13 @@ class Int8Linear(_Gemv):
     def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
         """A weight update: dequantize, overwrite rows lo:hi, quantize again (the other rows get their int8 values
         back: a dequantized block or row quantizes to itself)."""
+        self.set_row_blocks([(lo, hi, value)])
+
+    def set_row_blocks(self, blocks: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Every block of one update in one dequantize / quantize (a fused q|k|v or gate|up: once, not 3 times)."""
         weight = self.dense()
-        weight[lo:hi].copy_(value)
+        for lo, hi, value in blocks:
+            weight[lo:hi].copy_(value)
         self._quantize(weight, self.bias)
 
     @property

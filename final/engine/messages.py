@@ -113,5 +113,14 @@ class Call:
 
 
 @dataclass
+class Drain:
+    """Run fn(runner) once no row is running or waiting: rows admitted before it finish first, rows submitted
+    after it wait until it has run (a weight update: no row ever runs on two sets of weights)."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class Stop:
     """Fail what is left and end the engine thread."""

@@ -336,50 +336,8 @@ class CausalLM:
         return logits.float() if upcast else logits
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout.
+        """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout
+        (final/engine/weights.py; an update of many is `load_weights`, which groups each matrix's parts)."""
+        from final.engine.weights import load_weights
 
-        This is how veRL's update_weights() streams a trainer's weights into the rollout engine.
-        """
-        spec = self.spec
-        tensor = tensor.detach().to(device=self.device, dtype=self.dtype)
-        parts = name.split(".")
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name.startswith("model.") or self.tied:
-                self.embed.copy_(tensor)
-            if name == "lm_head.weight" or self.tied:
-                self.lm_head.set_rows(0, self.lm_head.out_features, tensor)
-            return
-        if name == "model.norm.weight":
-            self.norm.copy_(tensor)
-            return
-        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
-            raise KeyError(f"unknown parameter name {name!r}")
-        layer = self.layers[int(parts[2])]
-        sub = ".".join(parts[3:])
-        q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        inter = layer.w_down.in_features
-        slices = {
-            "self_attn.q_proj": (0, q_out), "self_attn.k_proj": (q_out, q_out + kv_out),
-            "self_attn.v_proj": (q_out + kv_out, q_out + 2 * kv_out),
-        }
-        module, kind = sub.rsplit(".", 1)
-        if module in slices:
-            lo, hi = slices[module]
-            if kind == "weight":
-                layer.wqkv.set_rows(lo, hi, tensor)
-            elif layer.wqkv.bias is not None:
-                layer.wqkv.bias[lo:hi].copy_(tensor)
-            else:
-                raise KeyError(f"unknown parameter name {name!r}")
-        elif module in ("mlp.gate_proj", "mlp.up_proj"):
-            lo = 0 if module == "mlp.gate_proj" else inter
-            layer.w_gate_up.set_rows(lo, lo + inter, tensor)
-        elif module in ("self_attn.o_proj", "mlp.down_proj") and kind == "weight":
-            target = layer.wo if module == "self_attn.o_proj" else layer.w_down
-            target.set_rows(0, target.out_features, tensor)
-        else:
-            direct = {"input_layernorm": "in_norm", "post_attention_layernorm": "post_norm",
-                      "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
-            if module not in direct or getattr(layer, direct[module]) is None:
-                raise KeyError(f"unknown parameter name {name!r}")
-            getattr(layer, direct[module]).copy_(tensor)
+        load_weights(self, [(name, tensor)])

@@ -44,6 +44,7 @@ class Sequence:
     slot: int = -1
     finish_reason: dict | None = None
     created: float = field(default_factory=time.perf_counter)
+    weight_version: int = 0  # the engine's weights when the row was admitted (it finishes on them: messages.Drain)
     on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
 
     @property
@@ -86,6 +87,7 @@ class Sequence:
             "prompt_tokens": len(self.prompt_ids) + self.prefix_len,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.prefix_len,
+            "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - self.created,
         }
         if self.return_logprob:

@@ -7,7 +7,10 @@ returns out) plus:
 - an awaitable `agenerate_sequences` and a token stream `astream` (whole rows at the end where the backend
   cannot stream), both with a per-call `Observer` for progress and tool events;
 - `tool_schemas()`, the `cartridge_target` a CartridgeService drives (None: no local cartridge store),
-  `pad_token_id`, `preflight` (checks that need no model), and `shutdown`.
+  `pad_token_id`, `preflight` (checks that need no model), and `shutdown`;
+- veRL's weight sync: `update_weights(named tensors)` checks the whole update against the model's parameters
+  before writing any (final.weights), then writes it and drops what the old weights made (prefix caches);
+  `release()` / `resume(tags)` free and bring back rebuildable memory.
 When a call's meta_info sets final.outputs.ROW_INFO, the output carries each row's engine record; with
 PROMPT_LOGPROBS / TOP_LOGPROBS that record has every prompt token's logprob and the k best alternatives per position
 (scoring: such a call takes the batch path, one engine request per row, even where multi-turn is on).
@@ -43,6 +46,8 @@ class Capabilities:
     tools: bool = False  # multi-turn tool calling
     tool_events: bool = False  # Observer.tool_event as calls happen
     streaming: bool = False  # astream yields every token (else each row once, complete)
+    weight_updates: bool = True  # update_weights (checked whole first: final.weights), release/resume
+    weights_by_path: bool = False  # update_weights_from_disk: the weights are read where the engine runs (a server)
     sampling_keys: frozenset[str] = ALL_KEYS
     notes: tuple[tuple[str, str], ...] = ()  # (field, what to do instead) for the refusals
 
@@ -118,6 +123,11 @@ class Backend(BaseRollout, abc.ABC):
     def cartridge_ids(self) -> list[str] | None:
         """Ids a request may name when there is no cartridge_target (e.g. configured remote specs); else None."""
         return None
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load new weights from an HF folder or .safetensors file where the engine runs (capabilities
+        .weights_by_path); other backends get the tensors read here, through update_weights."""
+        raise UnsupportedError(self.name, "update_weights", "this backend takes the tensors, not a path")
 
     @abc.abstractmethod
     def shutdown(self) -> None:

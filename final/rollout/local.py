@@ -6,13 +6,14 @@ cartridges held in the engine, token streams, tool events, and weight updates.
 
 from __future__ import annotations
 
-from typing import Any, Generator
+from typing import Any, Iterable
 
 import torch
 
 from final.engine import EmbeddedEngine
 from final.rollout.base import Capabilities, CartridgeTarget
 from final.rollout.engine_rollout import EngineRollout
+from final.weights import check_update, named_tensors
 
 
 class LocalRollout(EngineRollout):
@@ -45,9 +46,11 @@ class LocalRollout(EngineRollout):
     async def release(self) -> None:
         self.engine.release_memory_occupation()
 
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], **kwargs: Any) -> None:
-        model = self.engine.model
-        self.engine.call(lambda _runner: [model.load_hf_weight(name, tensor) for name, tensor in weights])
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+        """veRL's weight sync: HF-named tensors into every layout the engine keeps (fused q|k|v and gate|up, the
+        kernel's arena, int8 blocks, bf16), checked whole first, written between steps once the running rows have
+        finished (final/engine/weights.py, messages.Drain)."""
+        self.engine.update_weights(check_update(named_tensors(weights), self.engine.parameter_shapes()))
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> LocalRollout:
