@@ -150,6 +150,22 @@ class DirectSGLangEngine:
             self.cartridges.after_flush()
         return ok
 
+    def update_weights(self, named: list, version: int | None = None) -> None:
+        """Checked tensors into the scheduler's model (SGLang's update_weights_from_tensor, on the engine loop),
+        then our flush (the radix cache goes; loaded cartridges are injected again)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(named)], flush_cache=False,
+            weight_version=None if version is None else str(version))
+        update = self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+        success, message = asyncio.run_coroutine_threadsafe(update, self.loop).result()
+        if not success:
+            raise EngineError(f"SGLang refused the weight update: {message}")
+        if not self.flush_cache():
+            raise EngineError("SGLang updated the weights but could not flush its radix cache (requests running)")
+
     def shutdown(self) -> None:
         """Stop this engine's processes (only those it started, unlike SGLang's own shutdown) and its thread."""
         if self._closed:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import psutil
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from final.rollout.sglang.procs import keep_event_loop_policy
 
@@ -213,6 +214,9 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
     def __init__(self, config: Any, model_config: Any, server_args: dict):
         self._final_server_args = server_args
         super().__init__(config, model_config, None)
+        # veRL's update_weights / release / resume read device_mesh["infer_tp"], which its FSDP worker passes in;
+        # one engine in this process is a 1 x 1 mesh over the process group final made
+        self.device_mesh = init_device_mesh("cpu", mesh_shape=(1, 1), mesh_dim_names=("dp", "infer_tp"))
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         dims = ModelDims.of(model_config.hf_config)
         self._engine.cartridges = SGLangCartridges(self._engine, dims, len(tokenizer), tokenizer.all_special_ids)

@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 
-from final.errors import BackendUnavailableError
 from final.rollout.base import Capabilities
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
 from final.rollout.sglang.config import preflight, require_sglang, sglang_device, translate_config
 from final.rollout.sglang.engine_0512 import NO_SEED, DirectSGLangEngine
 from final.rollout.sglang.procs import survive_sigquit
+from final.rollout.sglang.weights import contiguous, share_tensors_safely
+from final.weights import check_update, hf_parameter_shapes, named_tensors
 
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class DirectSGLangRollout(EngineRollout):
             # builds the seeds only then): without it a seed would be silently ignored, so it is refused instead
             self.capabilities = dataclasses.replace(self.capabilities, seed=False,
                                                     notes=self.capabilities.notes + (("seed", NO_SEED),))
+        self._device = device
         engine = DirectSGLangEngine(model_config.local_path, args, model_config.hf_config.vocab_size)
         super().__init__(config, model_config, engine)
         # the reserved ids come from the tokenizer EngineRollout loaded (ids past it first, never a special id)
@@ -110,8 +112,11 @@ class DirectSGLangRollout(EngineRollout):
         """Nothing is released on this lane (no memory saver): the engine keeps serving."""
 
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
-        raise BackendUnavailableError("weight updates into SGLang 0.5.12 are veRL 0.9's own path (its ServerAdapter); "
-                                      "final's sglang backend on the verl09 lane serves fixed weights")
+        """HF-named tensors, checked whole against the model's parameters, into SGLang's update_weights_from_tensor;
+        then the radix cache is flushed (cartridges injected again)."""
+        named = check_update(named_tensors(weights), hf_parameter_shapes(self.model_config.local_path))
+        share_tensors_safely()
+        self.engine.update_weights(contiguous(named, self._device))
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> DirectSGLangRollout:

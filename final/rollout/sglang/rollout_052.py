@@ -41,7 +41,9 @@ from final.rollout.base import Backend, Capabilities, Observer
 from final.rollout.sglang.config import check_sampling_kwargs, preflight, require_sglang, sglang_device, \
     translate_config
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
+from final.rollout.sglang.weights import contiguous, share_tensors_safely
 from final.rollout.thread import RolloutThread
+from final.weights import check_update, hf_parameter_shapes, named_tensors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,6 +115,7 @@ class SGLangRollout(Backend):
         gpus = torch.cuda.device_count() if device != "cpu" else 1
         self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer, gpus)
         self.device = device
+        self._model_dir = model_config.local_path
         self._dead: str | None = None
         self._closed = False
         self._rollout = None
@@ -160,7 +163,12 @@ class SGLangRollout(Backend):
         self._call(lambda: self._thread.loop.run_until_complete(self._rollout.release()))
 
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
-        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(weights, **kwargs)))
+        """veRL's own SGLangRollout.update_weights (buckets through SGLang's update_weights_from_tensor, then a
+        radix-cache flush, which re-injects loaded cartridges), after the whole update is checked against the
+        model's HF parameters: a refused update reaches SGLang not at all."""
+        named = contiguous(check_update(named_tensors(weights), hf_parameter_shapes(self._model_dir)), self.device)
+        share_tensors_safely()
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(iter(named), **kwargs)))
 
     # ---- cartridges (EmbeddedEngine's interface) --------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
