@@ -27,6 +27,7 @@ import httpx
 from final.errors import BackendUnavailableError, ConfigError, PromptError
 from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RequestRejectedError, RetryPolicy, post_json
+from final.protocol.weights import UPDATE_PATH, VERSION_PATH, rejected, update_body, update_result
 
 __all__ = ["LMConfig", "LMResponse", "RequestRejectedError", "TokasaurusClient", "get_lm_client"]
 
@@ -138,6 +139,24 @@ class TokasaurusClient:
         result = self._parse(data, time.perf_counter() - start)
         self._log(messages, result)
         return result
+
+    def update_weights_from_disk(self, model_path: str, keep_cartridges: bool = False) -> int:
+        """Have the server load new weights from an HF folder or .safetensors file under its --weights-dir
+        (SGLang's POST /update_weights_from_disk); returns the server's new weights version. Requests in flight
+        there finish on the old weights first. WeightsError when the server refuses the update, naming the
+        parameter; RequestRejectedError 403 when the server takes no updates."""
+        try:
+            data = post_json(self._http, f"{self.base_url}{UPDATE_PATH}", update_body(model_path, keep_cartridges),
+                             self.policy)
+        except RequestRejectedError as exc:
+            raise rejected(exc) from None
+        return update_result(data)
+
+    def weights_version(self) -> int:
+        """The server's weights version (GET /get_weight_version)."""
+        r = self._http.get(f"{self.base_url}{VERSION_PATH}")
+        r.raise_for_status()
+        return int(r.json()["weight_version"])
 
     def close(self) -> None:
         self._http.close()

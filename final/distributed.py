@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import weakref
 from collections import deque
 from pathlib import Path
@@ -41,6 +42,8 @@ from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
 from final.chunks import Chunk, assemble, plan_chunks
+from final.versions import PolicyVersions
+from final.weights import named_tensors
 from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
                            stop_actors)
 
@@ -77,6 +80,7 @@ class ReplicaPool:
         self._dead: dict[int, str] = {}
         self._closed = False
         self._admission = Admission(self.config.limits.max_queued_rows)
+        self._versions = PolicyVersions()  # one version for every replica: no call sees two
         self._owns_ray = acquire_ray(address, self.replicas)
         try:
             self._actors, self.info = start_replicas(self.replicas, config_dict(config), overrides, num_gpus,
@@ -160,6 +164,10 @@ class ReplicaPool:
             return await within_deadline(self._arun(request), self.config.limits.deadline_s)
 
     async def _arun(self, request: Request) -> GenerationOutput:
+        async with self._versions.areading():
+            return await self._arun_chunks(request)
+
+    async def _arun_chunks(self, request: Request) -> GenerationOutput:
         n = request.n
         chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
         bar = _progress_bar(request.rows) if request.show_progress else None
@@ -236,6 +244,48 @@ class ReplicaPool:
             if isinstance(value, BaseException):
                 raise value
         return results[replica] if replica is not None else [results[r] for r in sorted(results)]
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def update_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+        """InferenceEngine.update_weights on every live replica before it returns: the update is read here (a
+        path too: replicas on other nodes need not see it), put in Ray's object store once, and applied by each
+        replica (each checks it whole first: a bad update is refused by all, none changed). Calls in flight finish
+        first and calls made meanwhile wait, so no call is served by replicas on two versions."""
+        import ray
+
+        self._require_open()
+        named = [(name, t.detach().to("cpu")) for name, t in named_tensors(weights)]
+        with self._versions.writing() as version:
+            results = self._on_all("update_weights", ray.put(named), keep_cartridges)
+            for value in results.values():
+                if isinstance(value, BaseException):
+                    raise value
+        return version
+
+    async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+        """update_weights() from an event loop (a server)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.update_weights, weights, keep_cartridges=keep_cartridges))
+
+    @property
+    def weights_version(self) -> int:
+        """Updates applied to every replica; each row's metadata carries its replica's (the same) version."""
+        return self._versions.version
+
+    def release(self) -> None:
+        """InferenceEngine.release on every replica, once the calls in flight have finished."""
+        self._sleep(True)
+
+    def resume(self) -> None:
+        """InferenceEngine.resume on every replica (a call resumes by itself too)."""
+        self._sleep(False)
+
+    def _sleep(self, release: bool) -> None:
+        self._require_open()
+        with self._versions.exclusive():
+            for value in self._on_all("sleep", release).values():
+                if isinstance(value, BaseException):
+                    raise value
 
     def shutdown(self) -> None:
         """Stop every replica (its engine first, then its process) and the Ray this pool started, if any."""

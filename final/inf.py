@@ -350,7 +350,10 @@ class InferenceEngine:
                 "metrics": dataclasses.asdict(self.cartridges.metrics())}
 
     def _known_cartridges(self) -> list[str] | None:
-        return self.cartridge_ids() if self.cartridges is not None else self.rollout.cartridge_ids()
+        """Ids a request may name: loaded ones, and those a weight update retired (refused with that reason)."""
+        if self.cartridges is None:
+            return self.rollout.cartridge_ids()
+        return self.cartridge_ids() + self.cartridges.retired_ids()
 
     @contextlib.contextmanager
     def _holding(self, request: Request) -> Iterator[list[tuple[str, ...]] | None]:

@@ -58,6 +58,13 @@ class Replica:
     def call(self, fn: Any) -> Any:
         return fn(self.engine)
 
+    def update_weights(self, named: list, keep_cartridges: bool) -> int:
+        return self.engine.update_weights(named, keep_cartridges=keep_cartridges)
+
+    def sleep(self, release: bool) -> None:
+        """release() or resume() of the engine's memory (veRL's sleep mode)."""
+        self.engine.release() if release else self.engine.resume()
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

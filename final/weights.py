@@ -142,5 +142,12 @@ def save_weights(named: NamedTensors, file: str | Path) -> Path:
     from safetensors.torch import save_file
 
     file = Path(file)
-    save_file({name: t.detach().to("cpu").contiguous() for name, t in named}, str(file))
+    tensors, seen = {}, set()
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen:  # a tied weight: safetensors stores no shared memory
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    save_file(tensors, str(file))
     return file

@@ -207,7 +207,11 @@ class CartridgeService:
             self.weights_version = version
             return ids
 
-    def check_current(self, cartridge_id: str, where: str = "cartridges") -> None:
+    def retired_ids(self) -> list[str]:
+        """Cartridges a weight update unloaded: requests naming them get check_current's error, not "unknown"."""
+        return list(self._retired)
+
+    def check_current(self, cartridge_id: str) -> None:
         """Refuse a cartridge that a weight update retired (see weights_changed)."""
         if cartridge_id in self._retired:
             made_for, update = self._retired[cartridge_id]

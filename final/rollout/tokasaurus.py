@@ -14,27 +14,34 @@ Config (`rollout.custom`, seed 000):
                                                never 4xx), waiting retry_delay * 2**i between them
     base_timeout    120.0                      seconds for attempt 0; attempt i gets base_timeout * 1.5**i
     retry_delay     2.0                        ours (seed 000's implementation hard-codes 2.0)
+    weights_dir     null                       ours: update_weights writes the tensors here for the server to
+                                               read (a folder both see; the server's `final serve --weights-dir`)
 Rows that name cartridges (generate(cartridge=...)) send the configured specs with those ids instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 
 from final.engine.messages import Submission
-from final.errors import (BackendUnavailableError, CartridgeError, ConfigError, EngineError, PromptError, SamplingError,
+from final.errors import (CartridgeError, ConfigError, EngineError, PromptError, SamplingError,
                           UnsupportedError)
 from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
 from final.protocol.cartridge_spec import check_cartridge_specs
 from final.protocol.fingerprint import read_fingerprint
-from final.protocol.http import RetryPolicy, apost_json
+from final.protocol.http import RequestRejectedError, RetryPolicy, apost_json
+from final.protocol.weights import UPDATE_PATH, rejected, update_body, update_result
 from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.thread import LoopThread, gather_or_cancel
+from final.weights import check_update, named_tensors, save_weights
 
 ENDPOINT = "/custom/cartridge/completions"
 LACKS = ("a Tokasaurus server returns only the generated tokens' own logprobs (packed_chosen_logprobs): no prompt "
@@ -50,6 +57,7 @@ class TokasaurusSettings:
     max_retries: int = 5
     base_timeout: float = 120.0
     retry_delay: float = 2.0
+    weights_dir: str | None = None  # ours: where update_weights writes tensors for the server to read
 
     @classmethod
     def from_custom(cls, custom: dict, path: str | None = None, where: str = "rollout.custom",
@@ -57,7 +65,7 @@ class TokasaurusSettings:
         """`where`: the block's key path in error messages (final's config and veRL 0.9: rollout.custom; veRL
         0.6.0's trainer config: rollout.engine_kwargs.tokasaurus, final/verl_replica.py); `also`: keys of the block
         that the caller reads itself (the veRL replica's cartridge_replaces_system_turn)."""
-        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay", *also}
+        known = {"tokasaurus_url", "cartridges", "max_retries", "base_timeout", "retry_delay", "weights_dir", *also}
         for key in custom:
             if key not in known:
                 raise ConfigError(f"unknown key; valid keys: {', '.join(sorted(known))}", key=f"{where}.{key}",
@@ -77,8 +85,11 @@ class TokasaurusSettings:
                 raise ConfigError(f"must be a finite number {'> 0' if key == 'base_timeout' else '>= 0'}, got "
                                   f"{value!r}", key=f"{where}.{key}", path=path)
             numbers[key] = float(value)
+        weights_dir = custom.get("weights_dir")
+        if weights_dir is not None and (not isinstance(weights_dir, str) or not weights_dir):
+            raise ConfigError(f"must be a folder path, got {weights_dir!r}", key=f"{where}.weights_dir", path=path)
         return cls(url.rstrip("/"), check_specs(custom.get("cartridges") or [], path, f"{where}.cartridges"), retries,
-                   **numbers)
+                   **numbers, weights_dir=weights_dir)
 
 
 def check_specs(specs: Any, path: str | None = None, where: str = "rollout.custom.cartridges") -> list[dict]:
@@ -195,6 +206,16 @@ class TokasaurusEngine:
         """SGLang's dialect: the server owns its caches, so there is nothing to flush from here."""
         return True
 
+    async def update_weights_from_disk(self, path: str, keep_cartridges: bool = False) -> int:
+        """POST the server's weight update (final/protocol/weights.py); returns the server's new version."""
+        body = update_body(path, keep_cartridges)
+        try:
+            data = await asyncio.wrap_future(self._loop.submit(
+                apost_json(self._http, self.settings.url + UPDATE_PATH, body, self.policy)))
+        except RequestRejectedError as exc:
+            raise rejected(exc) from None
+        return update_result(data)
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -238,7 +259,7 @@ class TokasaurusRollout(EngineRollout):
     # tools run here against the remote model; no token streams, prompt logprobs or top-k alternatives over this
     # protocol: the server reports only the chosen tokens' logprobs (in system_fingerprint)
     capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, prompt_logprobs=False,
-                                top_logprobs=False, sampling_keys=BASIC_KEYS, notes=(
+                                top_logprobs=False, sampling_keys=BASIC_KEYS, weights_by_path=True, notes=(
                                     ("prompt_logprobs", LACKS), ("top_logprobs", LACKS)))
 
     def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
@@ -263,9 +284,23 @@ class TokasaurusRollout(EngineRollout):
     async def release(self) -> None:
         """The server owns its GPU memory; nothing to free here."""
 
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], **kwargs: Any) -> None:
-        raise BackendUnavailableError("a Tokasaurus server's base model is fixed: train a cartridge instead and "
-                                      "send it with update_cartridges([{id, source, force_redownload: true}])")
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+        """The tensors as one .safetensors file in rollout.custom.weights_dir (a folder this process and the server
+        both see: the server's --weights-dir), then the server loads it (POST /update_weights_from_disk, which
+        checks the update whole). A real Tokasaurus server has no such route (HTTP 404)."""
+        folder = self.settings.weights_dir
+        if folder is None:
+            raise UnsupportedError("tokasaurus", "update_weights", "set rollout.custom.weights_dir: a folder this "
+                                   "process writes and the server reads (final serve --weights-dir)")
+        named = check_update(named_tensors(weights), None)  # names and shapes are the server's to check
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix="final-update-", suffix=".safetensors") as file:
+            save_weights(named, file.name)
+            await self.update_weights_from_disk(file.name)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """The server loads an HF folder or .safetensors file it can read (under its --weights-dir)."""
+        await self.engine.update_weights_from_disk(path)
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> TokasaurusRollout:

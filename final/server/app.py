@@ -10,6 +10,8 @@ Endpoints, as in ScalingIntelligence/tokasaurus (branch geoff/cartridges) tokasa
        (also under /v1/cartridge/..., the names older Tokasaurus branches and clients use)
   POST /generate                          seed 001's native `protocol: toka` body (not in real Tokasaurus)
   GET  /custom/cartridges                 loaded cartridges and the references held on them (ours)
+  POST /update_weights_from_disk, GET /get_weight_version   SGLang's weight-update routes (final/server/weights.py;
+       403 unless the server was started with --weights-dir)
 Not served: files/batches and the pickled synchronous-batch endpoints (we never send pickles).
 Errors are OpenAI-style JSON (final/server/errors.py); a request's failure never stops the server.
 """
@@ -36,6 +38,7 @@ from final.server.errors import APIError, from_final, from_validation
 from final.server.limits import read_body
 from final.server.responses import Renderer
 from final.server.streaming import sse
+from final.server.weights import add_weight_routes
 
 logger = logging.getLogger(__name__)
 # path -> (body model, how to prepare it)
@@ -93,10 +96,11 @@ class Service:
 
 
 def create_app(inference, api_key: str | None = None, cartridge_dir: str | None = None,
-               cartridge_sources: tuple[str, ...] | None = None) -> FastAPI:
+               cartridge_sources: tuple[str, ...] | None = None, weights_dir: str | None = None) -> FastAPI:
     """An app serving `inference` (an InferenceEngine, or a ReplicaPool: the same API); with api_key, every route but /ping needs the bearer key.
     Requests may load local cartridge files only from `cartridge_dir` (none: only already-loaded ids), and download
-    only from `cartridge_sources` (None: the config's cartridge_sources, by default local only)."""
+    only from `cartridge_sources` (None: the config's cartridge_sources, by default local only). Weight updates
+    (final/server/weights.py) are accepted only with `weights_dir`, from files under it."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
     service = Service(inference, cartridge_dir, cartridge_sources)
     _add_error_handlers(app)
@@ -118,6 +122,7 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
         usage = inference.cartridge_usage()
         return usage or {"cartridges": None, "metrics": None}
 
+    add_weight_routes(app, inference, weights_dir, _parse)
     for path, (model, make_call) in ROUTES.items():
         async def endpoint(raw: Request, model=model, make_call=make_call) -> Any:
             return await service.handle(raw, model, make_call)

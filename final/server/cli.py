@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cartridge-sources", default=None, metavar="LIST",
                        help="cartridge sources requests may name, of local,hf,s3,wandb (default: the config's "
                             "cartridge_sources, else local only: remote ones download with this server's credentials)")
+    serve.add_argument("--weights-dir", default=None,
+                       help="accept weight updates (POST /update_weights_from_disk) from HF folders or .safetensors "
+                            "files under this folder (default: none, updates refused with 403)")
     for flag, key, kind, what in LIMIT_FLAGS:
         serve.add_argument(flag, type=kind, default=None, dest=f"limit_{key}", metavar="S" if kind is float else "N",
                            help=f"{what} (overrides the config's limits.{key}; default {getattr(Limits(), key)})")
@@ -97,7 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         overrides["cartridge_sources"] = args.cartridge_sources
     with open_engine(args, **overrides) as inference:
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
-        app = Drain(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir))
+        app = Drain(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir,
+                                    weights_dir=args.weights_dir))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=1)  # what is left after --grace is cut
         DrainingServer(config, app, args.grace).run()
