@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from cartridges_helpers import random_cart
 from conftest import TINY, tiny_config
@@ -341,6 +342,41 @@ def _crash_when_generating(engine) -> None:
         os._exit(1)  # the process dies as on an OOM kill: no exception, no goodbye
 
     engine.run = run
+
+
+def test_weight_updates_reach_every_replica_under_one_version(pool, tiny_dir):
+    """update_weights returns once every replica serves the new weights: greedy rows are HF generate's on the
+    updated model whichever replica runs them, each row says the version; a partial update too; a bad update is
+    refused by every replica and nothing changes. The original weights go back at the end (later tests)."""
+    from final.errors import WeightsError
+    from weights_helpers import hf_greedy, perturbed, state_of
+
+    prompts = [f"prompt {i}" for i in range(8)]
+    ids = pool.prepare(prompts).ids
+
+    def rows():
+        out = pool.generate(prompts, temperature=0, max_tokens=8)
+        return out.token_ids, {m["weights_version"] for m in out.metadata}, {m["replica"] for m in out.metadata}
+
+    original = perturbed(tiny_dir, scale=0.0)
+    before, versions, _ = rows()
+    trained = perturbed(tiny_dir, scale=0.5, seed=21)
+    assert pool.update_weights(trained) == pool.weights_version == 1
+    after, versions, replicas = rows()
+    assert versions == {1} and len(replicas) == 2 and after == hf_greedy(trained, ids, 8)
+    one_layer = perturbed(tiny_dir, scale=2.0, seed=22, only="layers.0.mlp")
+    pool.update_weights(state_of(one_layer, "layers.0.mlp"))
+    merged = perturbed(tiny_dir, scale=0.0)
+    merged.load_state_dict({**trained.state_dict(), **state_of(one_layer, "layers.0.mlp")})
+    partial, versions, _ = rows()
+    assert versions == {2} and partial == hf_greedy(merged, ids, 8)
+    with pytest.raises(WeightsError, match="model.layers.1.mlp.down_proj.weight"):
+        pool.update_weights({**trained.state_dict(), "model.layers.1.mlp.down_proj.weight": torch.zeros(2)})
+    assert rows()[:2] == (partial, {2}) and pool.weights_version == 2
+    pool.release()
+    assert rows()[0] == partial  # each replica resumes by itself
+    pool.update_weights(original)
+    assert rows()[0] == before
 
 
 def test_a_killed_replica_has_its_rows_retried_and_none_left_is_a_typed_error(pool, tiny_inference, tmp_path):
