@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME = "tokasaurus"
+LOCAL_NAME = "final"  # the embedded engine as veRL's in-process (hybrid) rollout
 SYSTEM_TURN = "cartridge_replaces_system_turn"  # the replica's own key in seed 000's block (see above)
 # veRL 0.9's TokenOutput adds stop_reason ('completed' | 'aborted'); 0.6.0's has only ids and logprobs
 _STOP_REASON = {"stop": "completed", "length": "completed", "abort": "aborted"}
@@ -243,3 +244,7 @@ RolloutReplicaRegistry.register(NAME, _load_replica)
 _workers = vars(worker_rollouts).get("_ROLLOUT_REGISTRY")
 if _workers is not None:
     _workers[(NAME, "async")] = f"{__name__}.TokasaurusWorkerRollout"
+    # veRL 0.6.0's hybrid engine in sync mode (`rollout.name: final, mode: sync`): its FSDP worker builds final's
+    # embedded engine in-process and syncs the actor's weights into it every step (resume(["weights"]),
+    # update_weights(HF-named tensors), resume(["kv_cache"]), then release() for training)
+    _workers[(LOCAL_NAME, "sync")] = "final.rollout.local.LocalRollout"
