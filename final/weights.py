@@ -112,11 +112,12 @@ def check_update(named: NamedTensors, shapes: Mapping[str, tuple[int, ...]] | No
 
 
 def finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf in tensor: one float64 sum (NaN and Inf propagate; float64 cannot overflow on the sum of
-    float32/bf16/fp16 values), with an exact elementwise check only if the sum says otherwise."""
+    """No NaN or Inf in tensor: one sum in its own dtype (NaN and Inf propagate into it; 3x faster than a float64
+    sum or isfinite().all(), which a full update would pay on every parameter), and the exact elementwise check
+    only when the sum is not finite (NaN/Inf, or finite values summing past the dtype's range)."""
     if tensor.numel() == 0:
         return True
-    if math.isfinite(float(tensor.sum(dtype=torch.float64))):
+    if math.isfinite(float(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())
 
