@@ -49,7 +49,9 @@ TRANSFORMERS = _version("transformers")
 
 # The lanes pyproject.toml offers, with what each was tested with (README "Which veRL").
 LANES = {"verl06": "veRL 0.6.0 + transformers 4.56+ (<5)", "verl09": "veRL 0.9.1 + transformers 5.5.3+ (<5.11)"}
-LANE = "verl09" if VERL is not None and VERL >= Version("0.7") else "verl06"
+# without veRL (the embedded engine alone: final.engine, as scripts/gpu_weights.py runs it) transformers decides
+LANE = "verl09" if (VERL is not None and VERL >= Version("0.7")) or (
+    VERL is None and TRANSFORMERS is not None and TRANSFORMERS.major >= 5) else "verl06"
 
 
 def check_lane() -> None:
