@@ -4,7 +4,9 @@ whether the caller is inside a running event loop."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import threading
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -66,6 +68,21 @@ def loop_running() -> bool:
     return True
 
 
+def run_blocking(coro: Any) -> Any:
+    """asyncio.run(coro), also from inside a running event loop (a notebook cell), as InferenceEngine allows."""
+    if not loop_running():
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def progress_bar(rows: int) -> Any:
+    """A call's bar over its rows (tqdm's, imported when a call shows one)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=rows, desc="generate", unit="seq")
+
+
 class CallObserver:
     """Per call: a tqdm bar over finished rows, and the caller's tool-event callback."""
 
@@ -76,11 +93,7 @@ class CallObserver:
     @classmethod
     @contextlib.contextmanager
     def open(cls, request: Request, on_event: Callable[[dict], None] | None) -> Iterator["CallObserver | None"]:
-        bar = None
-        if request.show_progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=request.rows, desc="generate", unit="seq")
+        bar = progress_bar(request.rows) if request.show_progress else None
         try:
             yield cls(bar, on_event) if bar is not None or on_event is not None else None
         finally:
@@ -95,3 +108,48 @@ class CallObserver:
     def tool_event(self, event: dict) -> None:
         if self.on_event is not None:
             self.on_event(event)
+
+
+# ---- a call's cartridges ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def holding(cartridges: Any, request: Request) -> Iterator[list[tuple[str, ...]] | None]:
+    """The request's cartridge ids per prompt, loaded (specs) and held so the store (a CartridgeService, or None)
+    cannot evict them while the call runs."""
+    if request.cartridges is None or cartridges is None:
+        yield _ids(request.cartridges)
+        return
+    with cartridges.using(request.cartridge_refs()):
+        yield _ids(request.cartridges)
+
+
+@contextlib.asynccontextmanager
+async def aholding(cartridges: Any, request: Request) -> AsyncIterator[list[tuple[str, ...]] | None]:
+    """holding() for event loops: loading reads files, so it runs on a worker thread."""
+    if request.cartridges is None or cartridges is None:
+        yield _ids(request.cartridges)
+        return
+    using = cartridges.using(request.cartridge_refs())
+    loading = asyncio.get_running_loop().run_in_executor(_cartridge_loads(), using.__enter__)
+    try:
+        await asyncio.shield(loading)
+    except asyncio.CancelledError:  # the caller left mid-load: release what the load thread takes
+        loading.add_done_callback(lambda f: f.cancelled() or f.exception() or using.__exit__(None, None, None))
+        raise
+    try:
+        yield _ids(request.cartridges)
+    finally:
+        using.__exit__(None, None, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _cartridge_loads() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for requests' cartridge loads: a remote source may hold one for up to limits.cartridge_fetch_s,
+    so they get a pool of their own and never starve the event loop's default executor."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="final-cartridge-load")
+
+
+def _ids(cartridges: list[tuple[Any, ...]] | None) -> list[tuple[str, ...]] | None:
+    """Per-prompt cartridge ids: a spec's id is its `id` (or its path)."""
+    if cartridges is None:
+        return None
+    return [tuple(c if isinstance(c, str) else (c.get("id") or c.get("path")) for c in row) for row in cartridges]

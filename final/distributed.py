@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import functools
 import weakref
 from collections import deque
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from final.admission import Admission
-from final.calls import loop_running, within_deadline
+from final.calls import progress_bar, run_blocking, within_deadline
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score
@@ -153,7 +152,7 @@ class ReplicaPool:
         return request.scores(self.run(request).metadata)
 
     def run(self, request: Request) -> GenerationOutput:
-        return _run_blocking(self.arun(request))
+        return run_blocking(self.arun(request))
 
     async def arun(self, request: Request) -> GenerationOutput:
         """Run a prepared request: its chunks go to whichever replica is free (see the module doc)."""
@@ -170,7 +169,7 @@ class ReplicaPool:
     async def _arun_chunks(self, request: Request) -> GenerationOutput:
         n = request.n
         chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
-        bar = _progress_bar(request.rows) if request.show_progress else None
+        bar = progress_bar(request.rows) if request.show_progress else None
         try:
             done = await self._dispatch(chunks, lambda c: request.part(c.p0, c.p1, c.s0, c.k), bar)
         finally:
@@ -217,10 +216,7 @@ class ReplicaPool:
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Forget a cartridge on every replica; True if a replica had it."""
         self._require_open()
-        results = self._on_all("unload_cartridge", cartridge_id)
-        for value in results.values():
-            if isinstance(value, BaseException):
-                raise value
+        results = self._on_all_or_raise("unload_cartridge", cartridge_id)
         if self._cartridges is not None and cartridge_id in self._cartridges:
             self._cartridges.remove(cartridge_id)
         return any(results.values())
@@ -239,27 +235,20 @@ class ReplicaPool:
         if replica is not None and replica not in self.alive:
             raise ReplicaError(f"replica {replica} is not serving; alive: {self.alive}",
                                {replica: self._dead[replica]} if replica in self._dead else None)
-        results = self._on_all("call", fn, only=None if replica is None else [replica])
-        for value in results.values():
-            if isinstance(value, BaseException):
-                raise value
+        results = self._on_all_or_raise("call", fn, only=None if replica is None else [replica])
         return results[replica] if replica is not None else [results[r] for r in sorted(results)]
 
     # ---- weights -------------------------------------------------------------------------------------
     def update_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
-        """InferenceEngine.update_weights on every live replica before it returns: the update is read here (a
-        path too: replicas on other nodes need not see it), put in Ray's object store once, and applied by each
-        replica (each checks it whole first: a bad update is refused by all, none changed). Calls in flight finish
-        first and calls made meanwhile wait, so no call is served by replicas on two versions."""
+        """InferenceEngine.update_weights on every live replica before it returns: read here (a path too), put in
+        Ray's object store once, checked whole and applied by each replica (a bad update: refused by all). Calls
+        in flight finish first, later ones wait: no call is served on two versions."""
         import ray
 
         self._require_open()
         named = [(name, t.detach().to("cpu")) for name, t in named_tensors(weights)]
         with self._versions.writing() as version:
-            results = self._on_all("update_weights", ray.put(named), keep_cartridges)
-            for value in results.values():
-                if isinstance(value, BaseException):
-                    raise value
+            self._on_all_or_raise("update_weights", ray.put(named), keep_cartridges)
         return version
 
     async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
@@ -272,20 +261,15 @@ class ReplicaPool:
         """Updates applied to every replica; each row's metadata carries its replica's (the same) version."""
         return self._versions.version
 
-    def release(self) -> None:
-        """InferenceEngine.release on every replica, once the calls in flight have finished."""
-        self._sleep(True)
-
-    def resume(self) -> None:
-        """InferenceEngine.resume on every replica (a call resumes by itself too)."""
-        self._sleep(False)
-
-    def _sleep(self, release: bool) -> None:
+    def release(self, release: bool = True) -> None:
+        """InferenceEngine.release on every replica once the calls in flight have finished (release=False:
+        resume; a call resumes by itself too)."""
         self._require_open()
         with self._versions.exclusive():
-            for value in self._on_all("sleep", release).values():
-                if isinstance(value, BaseException):
-                    raise value
+            self._on_all_or_raise("sleep", release)
+
+    def resume(self) -> None:  # noqa: D102 - release(False)
+        self.release(False)
 
     def shutdown(self) -> None:
         """Stop every replica (its engine first, then its process) and the Ray this pool started, if any."""
@@ -372,6 +356,14 @@ class ReplicaPool:
                                {r: self._dead[r] for r in targets if r in self._dead})
         return results
 
+    def _on_all_or_raise(self, method: str, *args: Any, only: list[int] | None = None) -> dict[int, Any]:
+        """_on_all, raising the first replica's error (a typed error, as the replica's engine raised it)."""
+        results = self._on_all(method, *args, only=only)
+        for value in results.values():
+            if isinstance(value, BaseException):
+                raise value
+        return results
+
     def _bury(self, replica: int, exc: BaseException) -> None:
         import ray
 
@@ -389,14 +381,6 @@ class ReplicaPool:
             raise EngineError("this ReplicaPool has been shut down")
 
 
-def _run_blocking(coro: Any) -> Any:
-    """asyncio.run(coro), also from inside a running event loop (a notebook cell), as InferenceEngine allows."""
-    if not loop_running():
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 def _cartridge_usage(engine: Any) -> dict | None:
     return engine.cartridge_usage()
 
@@ -407,12 +391,6 @@ def _tokenizer(config: Any) -> Any:
 
     model_config = config.model_config(resolve_model_path(config.model_path))
     return getattr(model_config.tokenizer, "tokenizer", model_config.tokenizer)
-
-
-def _progress_bar(rows: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=rows, desc="generate", unit="seq")
 
 
 _live: "weakref.WeakSet[ReplicaPool]" = weakref.WeakSet()

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 from final.admission import Admission
-from final.calls import CallObserver, loop_running, until_deadline, within_deadline
+from final.calls import CallObserver, aholding, holding, loop_running, until_deadline, within_deadline
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
@@ -146,7 +144,7 @@ class InferenceEngine:
         if self.config.limits.deadline_s is not None:  # a deadline needs a wait it can cancel: the awaitable path
             return asyncio.run(self.arun(request, on_event=on_event))
         with self._admission.hold(request.rows), self._weights.reading() as version, \
-                self._holding(request) as carts, CallObserver.open(request, on_event) as observer:
+                holding(self.cartridges, request) as carts, CallObserver.open(request, on_event) as observer:
             data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
             out = self.rollout.generate_sequences(data, observer=observer, **request.sampling.params)
         return self._output(request, out, version)
@@ -157,7 +155,7 @@ class InferenceEngine:
             return await within_deadline(self._arun(request, on_event), self.config.limits.deadline_s)
 
     async def _arun(self, request: Request, on_event: Callable[[dict], None] | None) -> GenerationOutput:
-        async with self._weights.areading() as version, self._aholding(request) as carts:
+        async with self._weights.areading() as version, aholding(self.cartridges, request) as carts:
             with CallObserver.open(request, on_event) as observer:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
                 out = await self.rollout.agenerate_sequences(data, observer=observer, **request.sampling.params)
@@ -168,7 +166,7 @@ class InferenceEngine:
         row once, complete). Rows are indexed prompt-major; a row's last update has its finish_reason. A row the
         engine aborted raises SequenceError; closing the iterator early aborts the request's rows."""
         with self._admission.hold(request.rows):
-            async with self._weights.areading() as version, self._aholding(request) as carts:
+            async with self._weights.areading() as version, aholding(self.cartridges, request) as carts:
                 data = request.dataproto(self.pad_token_id, self.eos_token_ids, carts)
                 updates = self.rollout.astream(data, **request.sampling.params)
                 try:
@@ -355,44 +353,10 @@ class InferenceEngine:
             return self.rollout.cartridge_ids()
         return self.cartridge_ids() + self.cartridges.retired_ids()
 
-    @contextlib.contextmanager
-    def _holding(self, request: Request) -> Iterator[list[tuple[str, ...]] | None]:
-        """The request's cartridge ids per prompt, loaded (specs) and held so the store cannot evict them."""
-        if request.cartridges is None or self.cartridges is None:
-            yield _ids(request.cartridges)
-            return
-        with self.cartridges.using(request.cartridge_refs()):
-            yield _ids(request.cartridges)
-
-    @contextlib.asynccontextmanager
-    async def _aholding(self, request: Request):
-        """_holding for event loops: loading reads files, so it runs on a worker thread."""
-        if request.cartridges is None or self.cartridges is None:
-            yield _ids(request.cartridges)
-            return
-        using = self.cartridges.using(request.cartridge_refs())
-        loading = asyncio.get_running_loop().run_in_executor(_cartridge_loads(), using.__enter__)
-        try:
-            await asyncio.shield(loading)
-        except asyncio.CancelledError:  # the caller left mid-load: release what the load thread takes
-            loading.add_done_callback(lambda f: f.cancelled() or f.exception() or using.__exit__(None, None, None))
-            raise
-        try:
-            yield _ids(request.cartridges)
-        finally:
-            using.__exit__(None, None, None)
-
     def _side_thread(self) -> RolloutThread:
         if self._side is None:
             self._side = RolloutThread("final-call")
         return self._side
-
-
-@functools.lru_cache(maxsize=1)
-def _cartridge_loads() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for requests' cartridge loads: a remote source may hold one for up to limits.cartridge_fetch_s,
-    so they get a pool of their own and never starve the event loop's default executor."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="final-cartridge-load")
 
 
 def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
@@ -408,13 +372,6 @@ def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_nu
     return InferenceEngine({"model_path": model, "progress": progress, "rollout": {
         "name": "local", "dtype": dtype, "max_num_seqs": max_num_seqs, "prompt_length": positions - response,
         "response_length": response, "engine_kwargs": {"local": {"device": device}}}})
-
-
-def _ids(cartridges: list[tuple[Any, ...]] | None) -> list[tuple[str, ...]] | None:
-    """Per-prompt cartridge ids: a spec's id is its `id` (or its path)."""
-    if cartridges is None:
-        return None
-    return [tuple(c if isinstance(c, str) else (c.get("id") or c.get("path")) for c in row) for row in cartridges]
 
 
 _live: "weakref.WeakSet[InferenceEngine]" = weakref.WeakSet()

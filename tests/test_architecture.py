@@ -22,7 +22,7 @@ LAYERS = [
     ("tools", {"tools"}),
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
-    ("inf", {"inf", "calls"}),
+    ("inf", {"inf", "calls", "weight_sync"}),
     ("distill", {"distill"}),  # training cartridges is an application of InferenceEngine (synth, train, distill, eval)
     ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__",
               "verl_replica"}),
