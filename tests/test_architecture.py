@@ -25,7 +25,7 @@ LAYERS = [
     ("inf", {"inf", "calls", "weight_sync"}),
     ("distill", {"distill"}),  # training cartridges is an application of InferenceEngine (synth, train, distill, eval)
     ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__",
-              "verl_replica"}),
+              "verl_replica", "verl_cpu"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

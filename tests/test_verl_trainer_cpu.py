@@ -1,0 +1,85 @@
+"""veRL 0.6.0's own trainer (`python -m verl.trainer.main_ppo`, GRPO, FSDP2 on gloo, a local Ray) on this CPU with
+final's embedded engine as its in-process rollout (`rollout.name: final`, final.verl_cpu). Two steps: step 1's
+optimizer step moves the actor a lot (lr 1e-2, a reward that varies between samples), so step 2's rollout matches
+the actor's own log-probs (veRL's training/rollout_probs_diff_max) only if veRL's weight sync reached the engine
+through LocalRollout.update_weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from final import compat
+
+pytestmark = [pytest.mark.skipif(compat.LANE != "verl06", reason="veRL 0.6.0's trainer (0.9 has no sync rollouts)"),
+              pytest.mark.timeout(900)]
+
+REWARD = '''
+def diversity(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward that differs between samples of one prompt (so GRPO's advantages are not all zero)."""
+    return len(set(solution_str.split())) / 16.0
+'''
+
+
+def _data(tmp_path, rows: int = 4) -> str:
+    import pandas as pd
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")) as f:
+        problems = [json.loads(line) for _, line in zip(range(rows), f)]
+    frame = pd.DataFrame([{"data_source": "openai/gsm8k", "ability": "math",
+                           "prompt": [{"role": "user", "content": p["question"]}],
+                           "reward_model": {"style": "rule", "ground_truth": p["answer"].split("####")[-1].strip()},
+                           "extra_info": {"index": i}} for i, p in enumerate(problems)])
+    path = str(tmp_path / "train.parquet")
+    frame.to_parquet(path)
+    return path
+
+
+def _metrics(stdout: str) -> dict[int, dict[str, float]]:
+    steps = {}
+    for line in stdout.splitlines():
+        if m := re.search(r"step:(\d+) - (.*)$", line):
+            pairs = (item.split(":", 1) for item in m.group(2).split(" - ") if ":" in item)
+            steps[int(m.group(1))] = {k: float(v) for k, v in pairs if re.fullmatch(r"-?[\d.e+-]+", v.strip())}
+    return steps
+
+
+def test_verls_trainer_syncs_the_actor_into_the_embedded_engine_every_step(tiny_dir, tmp_path):
+    data = _data(tmp_path)
+    (tmp_path / "reward.py").write_text(REWARD)
+    plugin = "final.verl_cpu"
+    overrides = [
+        "algorithm.adv_estimator=grpo", f"data.train_files={data}", f"data.val_files={data}",
+        "data.train_batch_size=2", "data.max_prompt_length=256", "data.max_response_length=16",
+        "data.dataloader_num_workers=0", f"custom_reward_function.path={tmp_path / 'reward.py'}",
+        "custom_reward_function.name=diversity",
+        f"actor_rollout_ref.model.path={tiny_dir}", "actor_rollout_ref.model.use_remove_padding=false",
+        "+actor_rollout_ref.model.override_config._attn_implementation=sdpa",
+        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2", "critic.strategy=fsdp2",
+        "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.rollout.name=final", "actor_rollout_ref.rollout.mode=sync",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=false",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[console]",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        "+ray_kwargs.ray_init.num_gpus=1", "+ray_kwargs.ray_init.num_cpus=2",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES={plugin}",
+    ]
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": plugin, "RAY_ADDRESS": "local"}
+    done = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], capture_output=True, text=True,
+                          timeout=800, env=env, cwd=tmp_path)
+    steps = _metrics(done.stdout + done.stderr)
+    assert done.returncode == 0 and set(steps) == {1, 2}, (done.stdout + done.stderr)[-6000:]
+    assert steps[1]["actor/grad_norm"] > 0  # step 1 moved the actor
+    # step 2 sampled from the moved actor: the engine's log-probs are the actor's own (fp32 on both sides)
+    assert steps[2]["training/rollout_probs_diff_max"] < 1e-3, steps[2]
