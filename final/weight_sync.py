@@ -55,8 +55,10 @@ class WeightSync:
         named = None if by_path else named_tensors(weights)  # a generator is consumed before calls are held
         with self.versions.writing() as version:
             self._resume(list(TAGS))
-            if by_path:
-                self._complete(self.rollout.update_weights_from_disk(str(weights)))
+            if by_path:  # the engine is elsewhere (a server): its own cartridges follow the same rule there
+                self._complete(self.rollout.update_weights_from_disk(str(weights), keep_cartridges))
+            elif caps.weights_by_path:
+                self._complete(self.rollout.update_weights(iter(named), keep_cartridges=keep_cartridges))
             else:
                 self._complete(self.rollout.update_weights(iter(named)))
             if self.cartridges is not None:

@@ -60,6 +60,8 @@ def test_a_trained_folder_makes_the_server_answer_as_that_model(server, tiny_dir
     assert r.json()["success"] is True and version == inference.weights_version
     after = completion_ids(url, ids)
     assert after != before and after == hf_greedy(policy, [ids], MAX)[0]
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["weights_version"] == version
     assert httpx.get(f"{url}/get_weight_version").json() == {"weight_version": version}
 
 

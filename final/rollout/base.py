@@ -124,7 +124,7 @@ class Backend(BaseRollout, abc.ABC):
         """Ids a request may name when there is no cartridge_target (e.g. configured remote specs); else None."""
         return None
 
-    async def update_weights_from_disk(self, path: str) -> None:
+    async def update_weights_from_disk(self, path: str, keep_cartridges: bool = False) -> None:
         """Load new weights from an HF folder or .safetensors file where the engine runs (capabilities
         .weights_by_path); other backends get the tensors read here, through update_weights."""
         raise UnsupportedError(self.name, "update_weights", "this backend takes the tensors, not a path")

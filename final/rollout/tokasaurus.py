@@ -284,7 +284,8 @@ class TokasaurusRollout(EngineRollout):
     async def release(self) -> None:
         """The server owns its GPU memory; nothing to free here."""
 
-    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], keep_cartridges: bool = False,
+                             **kwargs: Any) -> None:
         """The tensors as one .safetensors file in rollout.custom.weights_dir (a folder this process and the server
         both see: the server's --weights-dir), then the server loads it (POST /update_weights_from_disk, which
         checks the update whole). A real Tokasaurus server has no such route (HTTP 404)."""
@@ -296,11 +297,12 @@ class TokasaurusRollout(EngineRollout):
         Path(folder).mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix="final-update-", suffix=".safetensors") as file:
             save_weights(named, file.name)
-            await self.update_weights_from_disk(file.name)
+            await self.update_weights_from_disk(file.name, keep_cartridges)
 
-    async def update_weights_from_disk(self, path: str) -> None:
-        """The server loads an HF folder or .safetensors file it can read (under its --weights-dir)."""
-        await self.engine.update_weights_from_disk(path)
+    async def update_weights_from_disk(self, path: str, keep_cartridges: bool = False) -> None:
+        """The server loads an HF folder or .safetensors file it can read (under its --weights-dir); its
+        cartridges are kept (stale) only with keep_cartridges."""
+        await self.engine.update_weights_from_disk(path, keep_cartridges)
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> TokasaurusRollout:

@@ -47,7 +47,7 @@ class Renderer:
         """Seed 001's /generate answer: {text, finish_reason, usage, model}."""
         rows = out.rows()
         return {"text": out.completions[0], "finish_reason": rows[0].finish_reason, "usage": usage(rows, 1),
-                "model": call.model}
+                "model": call.model, "weights_version": rows[0].weights_version}
 
     def _envelope(self, obj: str, prefix: str, call: Call, choices: list[dict], rows: list[Completion]) -> dict:
         return {
@@ -56,6 +56,8 @@ class Renderer:
             "system_fingerprint": make_fingerprint([r.output_ids for r in rows],
                                                    [r.logprobs or [] for r in rows]
                                                    if call.fingerprint_logprobs else None),
+            # ours: the weights that made every row of this answer (an asynchronous trainer's staleness)
+            "weights_version": rows[0].weights_version if rows else None,
         }
 
     # ---- logprobs ----------------------------------------------------------------------------------------
