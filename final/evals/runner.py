@@ -35,10 +35,11 @@ class EngineGenerator:
     engine: Any
     sampling: dict
     cartridge: Any = None
+    progress: bool = False  # the engine's bar over each call's samples (the eval's own counts whole batches)
 
     def prepare(self, prompts: list, tools_kwargs: list[dict] | None) -> Any:
-        return self.engine.prepare(prompts, tools_kwargs=tools_kwargs, cartridge=self.cartridge, progress=False,
-                                   **self.sampling)
+        return self.engine.prepare(prompts, tools_kwargs=tools_kwargs, cartridge=self.cartridge,
+                                   progress=self.progress, **self.sampling)
 
     def run(self, prepared: Any) -> "GenerationOutput":
         return self.engine.run(prepared)
@@ -86,7 +87,7 @@ def run_rows(rows: list[Row], generator: Generator, scorer: "Scorer", tokenizer:
     records = [rec for recs in done.values() for rec in recs]
     run = Run(records, resumed=len(done))
     out = _open(out_path, append=bool(done))
-    bar = _bar(len(rows), len(done), progress)
+    bar = _bar(len(rows), len(done), progress and len(batches) > 1)
     try:
         for batch, request in zip(batches, prepared):
             t0 = time.perf_counter()

@@ -143,7 +143,7 @@ def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], 
         for r in kept:
             r.prompt_ids = None
     sampling = sampling_of(settings, seed)
-    run = run_rows(kept, EngineGenerator(engine, sampling, carts), scorer, engine.tokenizer, multi_turn=multi_turn,
+    run = run_rows(kept, EngineGenerator(engine, sampling, carts, progress), scorer, engine.tokenizer, multi_turn=multi_turn,
                    batch_size=batch_size, out_path=out, resume=resume, progress=progress,
                    prompt_key=settings.prompt_key, n=sampling["n"])
     metrics = validation_metrics(run.records)
