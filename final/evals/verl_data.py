@@ -9,9 +9,9 @@ Rendering is RLHFDataset's: `apply_chat_template(messages, add_generation_prompt
 **apply_chat_template_kwargs)` encoded without special tokens (its raw_prompt_ids, what veRL's rollout sends), cut
 to `max_prompt_length` by `truncation` (left / right / middle; `error` refuses the row), after
 `filter_overlong_prompts` dropped rows whose tokenized chat is longer. (veRL 0.6.0's; 0.9's dataset hands the
-messages to its agent loop, which renders them the same way and cuts nothing.) Parquet gives a struct column the union of
-every row's keys, so a key one row lacks reads None: None-valued message keys are dropped, and a tools_kwargs entry
-that is None names no tool (veRL would crash on either).
+messages to its agent loop, which renders them the same way and cuts nothing.) Parquet gives a struct column the
+union of every row's keys, so a key one row lacks reads None: None-valued message keys are dropped, and a
+tools_kwargs entry that is None names no tool (veRL would crash on either).
 """
 
 from __future__ import annotations

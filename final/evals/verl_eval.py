@@ -143,8 +143,8 @@ def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], 
         for r in kept:
             r.prompt_ids = None
     sampling = sampling_of(settings, seed)
-    run = run_rows(kept, EngineGenerator(engine, sampling, carts, progress), scorer, engine.tokenizer, multi_turn=multi_turn,
-                   batch_size=batch_size, out_path=out, resume=resume, progress=progress,
+    run = run_rows(kept, EngineGenerator(engine, sampling, carts, progress), scorer, engine.tokenizer,
+                   multi_turn=multi_turn, batch_size=batch_size, out_path=out, resume=resume, progress=progress,
                    prompt_key=settings.prompt_key, n=sampling["n"])
     metrics = validation_metrics(run.records)
     summary = summarize(run, rows, dropped, untooled, sampling["n"])
@@ -215,7 +215,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("verl", help="veRL's validation metrics on a veRL dataset (parquet), any backend")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="Hydra overrides of veRL's trainer config (ppo_trainer.yaml), e.g. data.max_response_length=256")
+                   help="Hydra overrides of veRL's trainer config (ppo_trainer.yaml): data.max_response_length=256")
     p.add_argument("--data", action="append", help="veRL-format parquet (repeatable; default: data.val_files)")
     p.add_argument("--verl-config", default=None, help="a veRL trainer YAML (composed over ppo_trainer.yaml)")
     p.add_argument("--config", default=None, help="final config (default: $FINAL_CONFIG, ./config.yaml, or the "
