@@ -16,6 +16,8 @@ What differs between them and is read here, so that no other module asks for a v
   rollout replicas itself, 0.9.1's takes the client of an LLMServerManager that started them, and 0.9.1 counts the
   rollout's own nodes (`rollout.nnodes`, 0 = hybrid): `standalone_agent_loop`, `STANDALONE_OVERRIDES`.
 - transformers 5 dropped `default` from HF's RoPE init table (cartridge position conversion): `rope_init_functions`.
+- veRL 0.9's reward loop (its NaiveRewardManager) also reports a number-valued score as `acc`, which then becomes
+  the validation's core metric; 0.6.0's reports only `reward`: `REWARD_NUMBER_AS_ACC` (final eval verl).
 - A model folder that transformers 4 converted from GGUF (`builtin:*`) names `LlamaTokenizer`, which transformers 5
   rebuilds as a SentencePiece-style tokenizer over SmolLM2's byte-level BPE: prompts tokenize wrong and output
   decodes as 'Ġ'/'Ċ' (measured: "The answer is:" repeated instead of "... Paris."); 5 writes `TokenizersBackend`,
@@ -95,6 +97,11 @@ def unserved_multi_turn(mt: Any) -> str | None:
     """The first field of MULTI_TURN_UNSERVED set in veRL's MultiTurnConfig `mt`, else None."""
     return next((name for name in MULTI_TURN_UNSERVED if getattr(mt, name, None)), None)
 
+
+# veRL 0.9's reward-loop NaiveRewardManager.run_single: `reward_extra_info["acc"] = score` when the score is a
+# number (not a dict); 0.6.0's NaiveRewardManager adds no extra info then. Validation metrics follow (`val-core`
+# is `acc` where it exists, else `reward`).
+REWARD_NUMBER_AS_ACC = LANE == "verl09"
 
 # hydra overrides of veRL's ppo_trainer.yaml that a standalone AgentLoopManager needs on this lane
 STANDALONE_OVERRIDES: tuple[str, ...] = () if LANE == "verl06" else ("actor_rollout_ref.rollout.nnodes=1",)

@@ -26,6 +26,23 @@ class ToolConfigError(ConfigError):
     """tools.yaml (or multi_turn settings) is wrong."""
 
 
+class DataError(FinalError, ValueError):
+    """An evaluation data file is wrong (a veRL parquet: a missing column, a malformed row, a data source nothing
+    scores). `path` names the file, `row` the row (0-based, in that file), `column` the column or nested key
+    (`reward_model.ground_truth`, `extra_info.tools_kwargs.<tool>`)."""
+
+    def __init__(self, message: str, path: str | None = None, row: int | None = None, column: str | None = None):
+        self.path = path
+        self.row = row
+        self.column = column
+        where = [str(path)] if path else []
+        if row is not None:
+            where.append(f"row {row}")
+        if column:
+            where.append(f"column '{column}'")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
 class ModelError(FinalError, ValueError):
     """The model cannot be resolved or loaded (missing path, unsupported architecture, missing package)."""
 

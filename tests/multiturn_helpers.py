@@ -157,6 +157,25 @@ class ScriptedEngine:
         return None
 
 
+def generate_fn(rollout: Any, tokenizer: Any):
+    """generate(messages, tools_kwargs) -> GenerationOutput over a MultiTurnRollout, as InferenceEngine.generate
+    runs a multi-turn call (the rows' metadata with the tool trace; evals take this shape)."""
+    from final.outputs import GenerationOutput
+    from final.prompts import build_dataproto, normalize_prompts, tokenize
+    from final.tools.outputs import conversation_rows
+
+    def generate(messages: list, tools_kwargs: list[dict] | None) -> GenerationOutput:
+        items = normalize_prompts(messages)
+        data = build_dataproto(tokenize(items, tokenizer, 1024), items, tokenizer.pad_token_id,
+                               [tokenizer.eos_token_id], meta_info={"do_sample": False, "final_tool_trace": True},
+                               non_tensor={"tools_kwargs": tools_kwargs})
+        rows = conversation_rows(rollout.generate_sequences(data), tokenizer)
+        meta = [{**r.to_metadata(), "finish_reason": "stop"} for r in rows]
+        return GenerationOutput([r.final_text for r in rows], [r.response_ids for r in rows], meta)
+
+    return generate
+
+
 def rollout_config(**overrides: Any):
     """veRL's RolloutConfig for the local multi-turn path (tp=1, real weights, token-in-token-out)."""
     from verl.utils.config import omega_conf_to_dataclass

@@ -14,11 +14,8 @@ from final.errors import ConfigError, PromptError
 from final.evals import gsm8k
 from final.tools import gsm8k_task
 from final.models import resolve_model_path
-from final.outputs import GenerationOutput
-from final.prompts import build_dataproto, normalize_prompts, tokenize
 from final.rollout.multi_turn import MultiTurnRollout
-from final.tools.outputs import conversation_rows
-from multiturn_helpers import ScriptedEngine, make_tool_model, rollout_config
+from multiturn_helpers import ScriptedEngine, generate_fn, make_tool_model, rollout_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEMS = [
@@ -83,15 +80,7 @@ def test_evaluate_scores_with_verl_and_writes_jsonl(data, tmp_path):
                                rollout_config(multi_turn={"tool_config_path": str(ROOT / "tools.yaml")},
                                               prompt_length=1024, response_length=256), tok)
 
-    def generate(messages, tools_kwargs):  # what InferenceEngine.generate does for a multi-turn call
-        items = normalize_prompts(messages)
-        data = build_dataproto(tokenize(items, tok, 1024), items, tok.pad_token_id, [tok.eos_token_id],
-                               meta_info={"do_sample": False, "final_tool_trace": True},
-                               non_tensor={"tools_kwargs": tools_kwargs})
-        rows = conversation_rows(rollout.generate_sequences(data), tok)
-        meta = [{**r.to_metadata(), "finish_reason": "stop"} for r in rows]
-        return GenerationOutput([r.final_text for r in rows], [r.response_ids for r in rows], meta)
-
+    generate = generate_fn(rollout, tok)  # what InferenceEngine.generate does for a multi-turn call
     out = tmp_path / "results.jsonl"
     problems = gsm8k.load_problems(data)
     summary = gsm8k.evaluate(generate, problems, rollout.tools.schemas(), True, batch_size=2, out_path=out)

@@ -1,6 +1,7 @@
 """`final eval <benchmark>` (also runnable as `python -m final.evals.cli <benchmark> ...`).
 
   gsm8k --data FILE [--limit N] [--tools [tools.yaml]]   GSM8K accuracy (veRL's scorer), tool-call rate, turns, tok/s
+  verl [--data FILE | --verl-config YAML] [KEY=VALUE ...]  veRL's validation metrics on a veRL dataset (parquet)
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from final.evals import gsm8k
+from final.evals import gsm8k, verl_eval
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -17,6 +18,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("eval", help="run a benchmark through the rollout contract")
     sub = parser.add_subparsers(dest="eval_name", required=True)
     gsm8k.register(sub)
+    verl_eval.register(sub)
     return parser
 
 
@@ -26,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m final.evals.cli")
     sub = parser.add_subparsers(dest="eval_name", required=True)
     gsm8k.register(sub)
+    verl_eval.register(sub)
     args = parser.parse_args(argv)
     return run_command(args.func, args)
 

@@ -1,4 +1,6 @@
-"""`final eval gsm8k`: GSM8K accuracy with veRL's scorer, with or without the calc_gsm8k_reward tool.
+"""`final eval gsm8k`: GSM8K accuracy with veRL's scorer, with or without the calc_gsm8k_reward tool - a preset of
+`final eval verl`'s path (final/evals/runner.py): the problems become veRL rows (data source openai/gsm8k, the ground
+truth, the tool's tools_kwargs), scored and recorded as every veRL dataset is, plus GSM8K's own fields.
 
 Problems and prompts are final/tools/gsm8k_task.py's (veRL's own preprocessing); with tools, per-problem
 tools_kwargs carry the ground truth to the tool's `create`. `--cartridge FILE` (repeatable) serves every problem
@@ -7,17 +9,17 @@ behind the cartridge(s), e.g. a tool-use cartridge from `final cartridge traces`
 Scoring is veRL's: `default_compute_score("openai/gsm8k", response, ground_truth)` (strict "#### <number>") on the
 decoded response exactly as NaiveRewardManager decodes it (all response tokens, tool results included, special
 tokens skipped). Also reported: flexible-match accuracy, tool-call rate, mean assistant turns, the tool's own reward,
-and model tokens per second (tokens the model wrote / wall time of generation).
+model tokens per second (tokens the model wrote / wall time of generation), and veRL's validation metrics.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from final.errors import ConfigError
+from final.evals.runner import CallableGenerator, EngineGenerator, Generator, run_rows
+from final.evals.verl_data import Row
 from final.tools.gsm8k_task import (DATA_SOURCE, TOOL_NAME, Problem, build_messages, load_problems,  # noqa: F401
                                     template_renders_tools)
 if TYPE_CHECKING:  # the CLI imports this module; veRL and torch load only when an eval runs
@@ -28,48 +30,36 @@ if TYPE_CHECKING:  # the CLI imports this module; veRL and torch load only when 
 Generate = Callable[[list[list[dict]], "list[dict] | None"], "GenerationOutput"]
 
 
-def score_row(problem: Problem, messages: list[dict], completion: str, meta: dict) -> dict:
-    """One problem's record. Multi-turn rows carry the whole conversation; a plain row is one assistant turn."""
-    from verl.utils.reward_score import default_compute_score
+def problem_rows(problems: list[Problem], tool_schemas: Sequence[dict] | None, renders_tools: bool,
+                 path: str = "gsm8k") -> list[Row]:
+    """The problems as veRL rows (gsm8k_multiturn_w_tool.py's fields, final's messages)."""
+    return [Row(p.index, path, p.index, DATA_SOURCE, build_messages(p, tool_schemas, renders_tools), p.ground_truth,
+                {"index": p.index, "question": p.question, "answer": p.answer},
+                {TOOL_NAME: {"create_kwargs": {"ground_truth": p.ground_truth}}} if tool_schemas else {},
+                ability="math", fields={"question": p.question}) for p in problems]
+
+
+def gsm8k_fields(record: dict, row: Row, meta: dict) -> None:
+    """GSM8K's own fields of a record: the strict extraction, the flexible score, the tool's reward."""
     from verl.utils.reward_score.gsm8k import compute_score, extract_solution
 
-    response = meta.get("response_text", completion)  # veRL's NaiveRewardManager: all response tokens, decoded
-    calls = [c for c in meta.get("tool_calls", []) if "turn" in c]
-    return {
-        "index": problem.index, "question": problem.question, "ground_truth": problem.ground_truth,
-        "response": response, "final_text": completion,
-        "extracted": extract_solution(response, method="strict"),
-        "score": float(default_compute_score(DATA_SOURCE, response, problem.ground_truth)),
-        "flexible_score": float(compute_score(response, problem.ground_truth, method="flexible")),
-        "tool_reward": meta.get("rewards", {}).get(TOOL_NAME), "num_turns": meta.get("num_turns", 1),
-        "tool_calls": calls, "completion_tokens": meta["completion_tokens"], "finish_reason": meta["finish_reason"],
-        "messages": meta.get("messages", [*messages, {"role": "assistant", "content": completion}]),
-    }
+    record["extracted"] = extract_solution(record["response"], method="strict")
+    record["flexible_score"] = float(compute_score(record["response"], row.ground_truth, method="flexible"))
+    record["tool_reward"] = (meta.get("rewards") or {}).get(TOOL_NAME)
 
 
-def evaluate(generate: Generate, problems: list[Problem], tool_schemas: Sequence[dict] | None,
-             renders_tools: bool, batch_size: int = 64, out_path: str | Path | None = None) -> dict:
-    """Run the problems in batches, score them, write one JSON line per problem, return the summary."""
-    records, seconds = [], 0.0
-    out = Path(out_path).open("w") if out_path else None
-    try:
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start:start + batch_size]
-            messages = [build_messages(p, tool_schemas, renders_tools) for p in chunk]
-            tools_kwargs = ([{TOOL_NAME: {"create_kwargs": {"ground_truth": p.ground_truth}}} for p in chunk]
-                            if tool_schemas else None)
-            t0 = time.perf_counter()
-            result = generate(messages, tools_kwargs)
-            seconds += time.perf_counter() - t0
-            for problem, msgs, text, meta in zip(chunk, messages, result.completions, result.metadata, strict=True):
-                record = score_row(problem, msgs, text, meta)
-                records.append(record)
-                if out:
-                    out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-    finally:
-        if out:
-            out.close()
-    return summarize(records, seconds, tools=bool(tool_schemas))
+def evaluate(generate: Generate | Generator, problems: list[Problem], tool_schemas: Sequence[dict] | None,
+             renders_tools: bool, batch_size: int = 64, out_path: str | Path | None = None,
+             tokenizer: Any = None) -> dict:
+    """Run the problems in batches, score them, write one JSON line per problem, return the summary (with veRL's
+    validation metrics under "metrics")."""
+    from final.evals.verl_reward import load_scorer, validation_metrics
+
+    generator = CallableGenerator(generate) if callable(generate) else generate
+    run = run_rows(problem_rows(problems, tool_schemas, renders_tools), generator, load_scorer(None), tokenizer,
+                   multi_turn=bool(tool_schemas), batch_size=batch_size, out_path=out_path, extend=gsm8k_fields)
+    return {**summarize(run.records, run.seconds, tools=bool(tool_schemas)),
+            "metrics": validation_metrics(run.records)}
 
 
 def summarize(records: list[dict], seconds: float, tools: bool) -> dict:
@@ -155,6 +145,7 @@ def overrides_from_args(args: Any) -> dict:
 
 def run_cli(args: Any) -> int:
     from final.cli import load_cartridges, open_engine
+    from final.evals.verl_reward import format_metrics
 
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
@@ -166,14 +157,11 @@ def run_cli(args: Any) -> int:
         renders = bool(schemas) and template_renders_tools(engine.tokenizer, schemas)
         out = args.out or ("gsm8k_tools_results.jsonl" if schemas else "gsm8k_results.jsonl")
         cartridge = load_cartridges(engine, args.cartridge)
-
-        def generate(messages: list[list[dict]], tools_kwargs: list[dict] | None) -> "GenerationOutput":
-            return engine.generate(messages, tools_kwargs=tools_kwargs, temperature=args.temperature,
-                                   cartridge=cartridge)
-
-        summary = evaluate(generate, problems, schemas, renders, args.batch_size, out)
+        generator = EngineGenerator(engine, {"temperature": args.temperature}, cartridge)
+        summary = evaluate(generator, problems, schemas, renders, args.batch_size, out, engine.tokenizer)
     print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}"
           + (f", cartridge: {' + '.join(cartridge)}" if cartridge else ""))
     print(format_table(summary))
+    print(format_metrics(summary["metrics"]))
     print(f"per-problem results: {out}")
     return 0
