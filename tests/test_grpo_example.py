@@ -39,7 +39,7 @@ def odd_length(text: str, answer: str) -> float:
 def test_grpo_two_steps_sync_versions_and_save(tmp_path, one_thread):
     grpo = load_example()
     result = grpo.main(["--model", TINY, "--steps", "2", "--prompts", "2", "--n", "4", "--max-tokens", "8",
-                        "--eval-problems", "6", "--lr", "1e-3", "--threads", str(one_thread),
+                        "--eval-problems", "6", "--lr", "1e-3", "--kl-coef", "0.05", "--threads", str(one_thread),
                         "--out", str(tmp_path)], reward=odd_length)
     history = result["history"]
     # rows of step 1 came from version 0, step 2's from version 1; the last update made version 2
