@@ -34,7 +34,7 @@ def execute(nb, cwd: Path, env_path: str | None = None):
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs_generate_agenerate_and_a_cartridge():
+def test_quickstart_notebook_runs_generate_agenerate_a_cartridge_and_grpo():
     nb = nbformat.read(REPO / "examples" / "quickstart.ipynb", as_version=4)
     out = execute(nb, REPO / "examples")
     assert "backend: local" in out[0]  # CPU: the embedded engine (SGLang on a CUDA machine)
@@ -43,6 +43,8 @@ def test_quickstart_notebook_runs_generate_agenerate_and_a_cartridge():
     assert out[3].splitlines() == [out[1].splitlines()[0], ast.literal_eval(out[2].splitlines()[0])]
     cart, in_prompt = [line.split(": ", 1)[1] for line in out[4].splitlines()[:2]]
     assert cart == in_prompt  # the cartridge answers as the document in the prompt does
+    # GRPO on the tiny model: each step's rows come from the version the last update made
+    assert out[5].splitlines() == [f"step {i}: rows from version {i}, now serving {i + 1}" for i in range(3)]
 
 
 def test_sglang_rollout_from_notebook_cells(tmp_path):
