@@ -17,13 +17,26 @@ come from different seeds and share no question.
 One step: `engine.generate` samples `--n` completions for each of `--prompts` problems (with the engine's logprobs),
 rewards are normalised within each problem's group (GRPO's advantage), the policy (fp32, on the main thread) takes
 one Adam step on PPO's clipped objective with the engine's logprobs as the old policy (token mean; groups whose
-completions all scored the same carry no signal and are skipped; a step with none takes no optimizer step), then
-`engine.update_weights(policy)` - the full weights - and the engine serves the new version. Each step prints the mean reward, generation s, training s, sync
-ms, the policy version every row's metadata reports (checked equal to `engine.weights_version`) and `gap`: the mean
-|policy logprob - engine logprob| of the sampled tokens before the step, which stays at float32 rounding only if
-the engine serves exactly the weights the trainer holds. The held-out problems are answered greedily (temperature
-0) before and after training, with a paired bootstrap 95% interval of the difference. Writes `--out`/policy (an HF
-folder: model + tokenizer, safetensors), reward_curve.png and history.json.
+completions all scored the same carry no signal and are left out; a step with none takes no optimizer step), then
+`engine.update_weights(policy)` puts the full weights into the engine, which serves the new version from the next
+call. With one optimizer step per rollout and a float32 engine the ratio is 1 to ~1e-5 (plain policy gradient); the
+clip bounds the step where the engine's numbers differ from the policy's (`--engine-dtype bfloat16`), and
+`--kl-coef` adds a k3 penalty towards the starting policy (a second copy of the model). Generation (the engine's
+thread) and training (this thread) take turns, so each has every core while it runs.
+
+Each step prints the mean reward, generation s, training s, sync ms, the policy version every row's metadata
+reports (checked equal to `engine.weights_version`) and `gap`: the mean |policy - engine| logprob of the sampled
+tokens before the step, at float32 rounding (~1e-6) only if the engine serves exactly the trainer's weights (the
+run stops past `--max-gap`). The held-out problems are answered greedily (temperature 0) before and after
+training, with a paired bootstrap 95% interval of the difference. Writes `--out`/policy (an HF folder: model +
+tokenizer, safetensors), reward_curve.png and history.json.
+
+At the defaults (SmolLM2-135M-Instruct; 30 steps of 8 problems x 8 samples, 48 tokens, temperature 0.6, Adam lr 2e-5)
+on 2 CPU cores (AMD EPYC, 2026-11-27, load 1.4-1.7: the run itself): held-out reward 0.130 -> 0.835 (200
+problems, greedy; difference +0.705, 95% bootstrap interval [+0.630, +0.775]); train reward 0.34 over the first 5
+steps, 0.77 over the last 5; 28 optimizer steps (2 steps had no group with signal); per step 9.7 s generating,
+9.7 s training, 74 ms syncing (0.4% of a step; gap <= 4e-6 throughout); 610 s in all. The base model loops
+"#### 12" lines until the token limit cuts one ("#### 1"); the trained one writes "#### 12" and stops.
 """
 
 from __future__ import annotations
@@ -274,9 +287,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-problems", type=int, default=200, help="held-out problems, answered greedily")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the policy and the engine")
     p.add_argument("--engine-dtype", default="float32", help="the engine's dtype (float32: same numbers as the policy)")
-    p.add_argument("--max-gap", type=float, default=1e-2,
+    p.add_argument("--max-gap", type=float, default=None,
                    help="stop when the mean |policy - engine| logprob of the sampled tokens exceeds this: the engine "
-                        "is not serving the trainer's weights (float32: ~1e-5; 0 turns the check off)")
+                        "is not serving the trainer's weights (None: 0.01 with a float32 engine, where it is ~1e-6, "
+                        "no check with another dtype, whose rounding alone gives 0.01-0.1; 0: no check)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own, one per core)")
     p.add_argument("--seed", type=int, default=0, help="problems, sampling and the bootstrap")
     p.add_argument("--out", default="grpo_out", help="folder for policy/, reward_curve.png, history.json")
@@ -338,9 +352,10 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
                               seed=args.seed * 1_000_003 + step * args.prompts * args.n)
     t1 = time.perf_counter()
     stats = train_step(policy, optimizer, groups, args, reference)
-    if args.max_gap and stats["gap"] > args.max_gap:
+    max_gap = args.max_gap if args.max_gap is not None else (1e-2 if args.engine_dtype == "float32" else 0)
+    if max_gap and stats["gap"] > max_gap:
         raise RuntimeError(f"step {step}: the engine's logprobs differ from the policy's by {stats['gap']:.2e} on "
-                           f"average (--max-gap {args.max_gap}): version {version} is not the trainer's weights")
+                           f"average (--max-gap {max_gap}): version {version} is not the trainer's weights")
     t2 = time.perf_counter()
     new_version = engine.update_weights(policy) if stats["stepped"] else version  # every optimizer step, whole
     t3 = time.perf_counter()
