@@ -2,9 +2,9 @@
 
 Greedy rows take the argmax. Sampled rows use softmax(logits / temperature) filtered by top-k, top-p and min-p
 exactly as SGLang's torch fallback (`top_k_top_p_min_p_sampling_from_probs_torch`), then draw with the row's own
-torch.Generator, so a request with a seed gets the same tokens whatever else is in the batch. Logprobs are
-SGLang's: log of the temperature-scaled probabilities before filtering (plain log_softmax for greedy rows), and a
-row's top-k alternatives (top_logprobs_num) come from the same distribution.
+torch.Generator (on the CPU, whatever the device), so a request with a seed gets the same tokens whatever else is
+in the batch. Logprobs are SGLang's: log of the temperature-scaled probabilities before filtering (plain
+log_softmax for greedy rows), and a row's top-k alternatives (top_logprobs_num) come from the same distribution.
 """
 
 from __future__ import annotations
@@ -77,9 +77,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]
                              dtype=logits.dtype, device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         tokens = probs.argmax(dim=-1)
-        for row, seq in enumerate(seqs):
-            if not greedy[row]:
-                tokens[row] = _filtered_draw(probs[row], seq)
+        # each row draws with its own CPU generator (a seed gives one stream on every device): on a GPU the
+        # sampled rows' probabilities come over once, not row by row (torch refuses a CPU generator for CUDA data)
+        sampled = [row for row, g in enumerate(greedy) if not g]
+        host = probs[sampled].cpu() if probs.device.type != "cpu" else None
+        for i, row in enumerate(sampled):
+            tokens[row] = _filtered_draw(host[i] if host is not None else probs[row], seqs[row])
         logprobs = torch.log(probs).clamp(min=torch.finfo(probs.dtype).min) if want_logprobs else None
     token_list = tokens.tolist()
     if logprobs is None:
