@@ -1,7 +1,7 @@
 """GPU check of examples/grpo.py at its default sizes on a SmolLM2-shaped model with random weights (the real
 SmolLM2 cannot travel): the policy and the engine on CUDA, timings per step; the reward is a rule with spread on
 random text (odd length), since such a model never writes '#### N'."""
-import json, shutil, sys, time
+import json, shutil, sys
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).parent / "src" / "examples"))
