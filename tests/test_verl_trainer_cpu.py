@@ -1,8 +1,8 @@
 """veRL 0.6.0's own trainer (`python -m verl.trainer.main_ppo`, GRPO, FSDP2 on gloo, a local Ray) on this CPU with
 final's embedded engine as its in-process rollout (`rollout.name: final`, final.verl_cpu). Two steps: step 1's
 optimizer step moves the actor a lot (lr 1e-2, a reward that varies between samples), so step 2's rollout matches
-the actor's own log-probs (veRL's training/rollout_probs_diff_max) only if veRL's weight sync reached the engine
-through LocalRollout.update_weights."""
+the actor's own log-probs (veRL's training/rollout_probs_diff_mean, within the bf16 floor of veRL's actor) only if
+veRL's weight sync reached the engine through LocalRollout.update_weights."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def test_verls_trainer_syncs_the_actor_into_the_embedded_engine_every_step(tiny_
         "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.rollout.name=final", "actor_rollout_ref.rollout.mode=sync",
+        "actor_rollout_ref.rollout.dtype=float32",  # veRL's default is bfloat16
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -81,4 +82,7 @@ def test_verls_trainer_syncs_the_actor_into_the_embedded_engine_every_step(tiny_
     assert done.returncode == 0 and set(steps) == {1, 2}, (done.stdout + done.stderr)[-6000:]
     assert steps[1]["actor/grad_norm"] > 0  # step 1 moved the actor
     # step 2 sampled from the moved actor: the engine's log-probs are the actor's own (fp32 on both sides)
-    assert steps[2]["training/rollout_probs_diff_max"] < 1e-3, steps[2]
+    # veRL's actor computes its log-probs under bf16 autocast (dp_actor.py, hard-coded), so the mean |p_rollout -
+    # p_actor| of the sampled tokens has a floor near 1e-3 however exact the engine is (measured: 6e-4 at step 2,
+    # 7e-4 - 1.4e-3 at step 1); with the sync disabled step 2's was 1.5e-2 (max 0.19)
+    assert steps[2]["training/rollout_probs_diff_mean"] < 5e-3, steps[2]
