@@ -160,10 +160,22 @@ def test_calls_in_flight_finish_on_the_old_weights(tiny_dir, trained):
         assert greedy(eng)[0] == hf_greedy(trained, ids_of(eng), MAX)
 
 
-def test_the_engine_itself_never_runs_a_row_on_two_sets_of_weights(tiny_engine, tiny_dir, trained):
+@pytest.fixture
+def own_engine(tiny_dir):
+    """An embedded engine of its own (the session's tiny_engine must keep the original weights)."""
+    from final.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir)
+    yield engine
+    engine.shutdown()
+
+
+def test_the_engine_itself_never_runs_a_row_on_two_sets_of_weights(own_engine, tiny_dir, trained):
     """EmbeddedEngine.update_weights (veRL's path through LocalRollout) waits for the rows already admitted; rows
     submitted meanwhile run on the new weights; each row's meta_info says which."""
     from final.weights import check_update, named_tensors
+
+    tiny_engine = own_engine
 
     ids = [[1, 5, 6, 7], [1, 9, 10]]
     params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
