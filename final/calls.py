@@ -76,6 +76,11 @@ def run_blocking(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) awaited from an event loop, run on a worker thread (a blocking call a server makes)."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
 def progress_bar(rows: int) -> Any:
     """A call's bar over its rows (tqdm's, imported when a call shows one)."""
     from tqdm.auto import tqdm

@@ -27,15 +27,12 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
-import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from final.admission import Admission
-from final.calls import progress_bar, run_blocking, within_deadline
+from final.calls import off_loop, progress_bar, run_blocking, within_deadline
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score
@@ -43,8 +40,8 @@ from final.request import CallRules, Request, prepare, prepare_score
 from final.chunks import Chunk, assemble, plan_chunks
 from final.versions import PolicyVersions
 from final.weights import named_tensors
-from final.replica import (acquire_ray, cause, config_dict, deaths, raise_cause, reason, release_ray, start_replicas,
-                           stop_actors)
+from final.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason, release_ray,
+                           start_replicas, stop_actors, watch_pool)
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
@@ -87,7 +84,7 @@ class ReplicaPool:
         except BaseException:
             release_ray(self._owns_ray)
             raise
-        _watch(self)
+        watch_pool(self)
         try:  # calls are prepared here, exactly as one InferenceEngine prepares them, then run on the replicas
             facts = self.call(lambda engine: engine.facts(), replica=0)
             self.backend, self.capabilities = facts["backend"], facts["capabilities"]
@@ -253,30 +250,32 @@ class ReplicaPool:
 
     async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
         """update_weights() from an event loop (a server)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.update_weights, weights, keep_cartridges=keep_cartridges))
+        return await off_loop(self.update_weights, weights, keep_cartridges=keep_cartridges)
 
     @property
     def weights_version(self) -> int:
         """Updates applied to every replica; each row's metadata carries its replica's (the same) version."""
         return self._versions.version
 
-    def release(self, release: bool = True) -> None:
-        """InferenceEngine.release on every replica once the calls in flight have finished (release=False:
-        resume; a call resumes by itself too)."""
+    def release(self) -> None:
+        """InferenceEngine.release on every replica, once the calls in flight have finished."""
+        self._sleep(True)
+
+    def resume(self) -> None:
+        """InferenceEngine.resume on every replica (a call resumes by itself too)."""
+        self._sleep(False)
+
+    def _sleep(self, release: bool) -> None:
         self._require_open()
         with self._versions.exclusive():
             self._on_all_or_raise("sleep", release)
-
-    def resume(self) -> None:  # noqa: D102 - release(False)
-        self.release(False)
 
     def shutdown(self) -> None:
         """Stop every replica (its engine first, then its process) and the Ray this pool started, if any."""
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
+        forget_pool(self)
         try:
             stop_actors(self._actors, self.alive)
         finally:
@@ -391,25 +390,3 @@ def _tokenizer(config: Any) -> Any:
 
     model_config = config.model_config(resolve_model_path(config.model_path))
     return getattr(model_config.tokenizer, "tokenizer", model_config.tokenizer)
-
-
-_live: "weakref.WeakSet[ReplicaPool]" = weakref.WeakSet()
-
-
-_exit_hook: list[bool] = []
-
-
-def _watch(pool: ReplicaPool) -> None:
-    if not _exit_hook:  # registered after ray.init, so it runs before Ray's own exit hook (atexit is LIFO)
-        atexit.register(_shutdown_all)
-        _exit_hook.append(True)
-    _live.add(pool)
-
-
-def _shutdown_all() -> None:
-    # Pools left open at exit would leave replica processes (and a local Ray) behind.
-    for pool in list(_live):
-        try:
-            pool.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass

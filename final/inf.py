@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import functools
 import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from final.admission import Admission
-from final.calls import CallObserver, aholding, holding, loop_running, until_deadline, within_deadline
+from final.calls import CallObserver, aholding, holding, loop_running, off_loop, until_deadline, within_deadline
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, resolve_model_path
@@ -219,8 +218,7 @@ class InferenceEngine:
 
     async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
         """update_weights() from an event loop (a server): the wait and the write run on a worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.update_weights, weights, keep_cartridges=keep_cartridges))
+        return await off_loop(self.update_weights, weights, keep_cartridges=keep_cartridges)
 
     @property
     def weights_version(self) -> int:

@@ -2,14 +2,17 @@
 
 final.distributed.ReplicaPool shares the work out; this module starts, joins and stops Ray, places the actors (a GPU
 each, or a share of the CPUs), and translates Ray's exceptions: a replica's own error is raised as InferenceEngine
-raised it, and a replica whose process is gone is recognised with Ray's reason.
+raised it, and a replica whose process is gone is recognised with Ray's reason. Pools still open at interpreter
+exit are shut down (watch_pool).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +205,29 @@ def config_dict(config: str | Path | dict) -> dict:
     import yaml
 
     return copy.deepcopy(config) if isinstance(config, dict) else yaml.safe_load(Path(config).read_text())
+
+
+# ---- pools left open at exit -----------------------------------------------------------------------------
+_live: "weakref.WeakSet" = weakref.WeakSet()  # open ReplicaPools
+_exit_hook: list[bool] = []
+
+
+def watch_pool(pool: Any) -> None:
+    """Shut the pool down at interpreter exit if its owner did not: it would leave replica processes (and a local
+    Ray) behind."""
+    if not _exit_hook:  # registered after ray.init, so it runs before Ray's own exit hook (atexit is LIFO)
+        atexit.register(_shutdown_all)
+        _exit_hook.append(True)
+    _live.add(pool)
+
+
+def forget_pool(pool: Any) -> None:
+    _live.discard(pool)
+
+
+def _shutdown_all() -> None:
+    for pool in list(_live):
+        try:
+            pool.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

@@ -33,10 +33,7 @@ class PolicyVersions:
     def reading(self) -> Iterator[int]:
         """Hold the weights for a call; yields the version it runs on."""
         self._check_not_writer()
-        with self._cond:
-            self._cond.wait_for(self._readable)
-            self._readers += 1
-            version = self.version
+        version = self._begin_read()
         try:
             yield version
         finally:
@@ -46,11 +43,8 @@ class PolicyVersions:
     async def areading(self) -> AsyncIterator[int]:
         """reading() for an event loop: waits on a worker thread (only while an update runs or waits)."""
         with self._cond:
-            acquired = self._readable()
-            if acquired:
-                self._readers += 1
-                version = self.version
-        if not acquired:
+            version = self._enter() if self._readable() else None
+        if version is None:
             waiting = asyncio.get_running_loop().run_in_executor(None, self._begin_read)
             try:
                 version = await asyncio.shield(waiting)
@@ -105,11 +99,15 @@ class PolicyVersions:
     def _readable(self) -> bool:
         return self._writer is None and self._writers_waiting == 0
 
+    def _enter(self) -> int:
+        """One more call holds the weights (under the lock, once they are readable): the version it runs on."""
+        self._readers += 1
+        return self.version
+
     def _begin_read(self) -> int:
         with self._cond:
             self._cond.wait_for(self._readable)
-            self._readers += 1
-            return self.version
+            return self._enter()
 
     def _end_read(self) -> None:
         with self._cond:

@@ -40,10 +40,6 @@ class WeightSync:
     def version(self) -> int:
         return self.versions.version
 
-    @property
-    def released(self) -> bool:
-        return bool(self._released)
-
     # ---- updates ---------------------------------------------------------------------------------------------
     def update(self, weights: Any, *, keep_cartridges: bool = False) -> int:
         """Apply an update (see InferenceEngine.update_weights); returns the new version."""
@@ -55,12 +51,11 @@ class WeightSync:
         named = None if by_path else named_tensors(weights)  # a generator is consumed before calls are held
         with self.versions.writing() as version:
             self._resume(list(TAGS))
-            if by_path:  # the engine is elsewhere (a server): its own cartridges follow the same rule there
+            # keep_cartridges reaches a backend whose engine is elsewhere (a server), where the same rule holds
+            if by_path:
                 self._complete(self.rollout.update_weights_from_disk(str(weights), keep_cartridges))
-            elif caps.weights_by_path:
-                self._complete(self.rollout.update_weights(iter(named), keep_cartridges=keep_cartridges))
             else:
-                self._complete(self.rollout.update_weights(iter(named)))
+                self._complete(self.rollout.update_weights(iter(named), keep_cartridges=keep_cartridges))
             if self.cartridges is not None:
                 self.cartridges.weights_changed(version, keep=keep_cartridges)
         return version

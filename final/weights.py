@@ -133,7 +133,7 @@ def hf_parameter_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
         model = AutoModelForCausalLM.from_config(cfg)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()
               if not name.endswith(("rotary_emb.inv_freq", "original_inv_freq"))}
-    if cfg.tie_word_embeddings if hasattr(cfg, "tie_word_embeddings") else False:
+    if getattr(cfg, "tie_word_embeddings", False):
         shapes.setdefault("lm_head.weight", shapes.get("model.embed_tokens.weight"))
     return shapes
 

@@ -22,6 +22,7 @@ from final.engine.runner import ModelRunner
 from final.engine.sampler import sample
 from final.engine.scheduler import Scheduler
 from final.engine.sequence import Sequence
+from final.engine.weights import load_weights
 from final.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -157,11 +158,9 @@ class EngineCore:
         for submit in held:
             self._submit(submit)
 
-    def load_weights(self, named: list) -> int:
+    def update_weights(self, named: list) -> int:
         """Write a checked update (final/engine/weights.py) and count it: rows admitted later record the new
         version. Run as a Drain, so no row is running."""
-        from final.engine.weights import load_weights
-
         load_weights(self.model, named)
         self.weight_version += 1
         return self.weight_version
@@ -297,6 +296,5 @@ class EngineCore:
     def _fail_all(self, exc: EngineError) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.batch.fail(exc)
-
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()

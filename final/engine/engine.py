@@ -25,6 +25,7 @@ from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
 from final.engine.sampling_params import SamplingParams
 from final.engine.sequence import Sequence
+from final.engine.weights import parameter_shapes
 from final.errors import CartridgeError, EngineError, PromptError, SamplingError
 from final.models import model_eos_token_ids
 
@@ -138,26 +139,18 @@ class EmbeddedEngine:
     def release_memory_occupation(self) -> None:
         """Free the KV pool (veRL's release()) once the running rows have finished; it is rebuilt on the next
         request."""
-        msg = Drain(lambda _runner: self.core.release_memory())
-        self._post(msg)
-        msg.future.result()
+        self.drain(lambda _runner: self.core.release_memory())
 
     # ---- weights ------------------------------------------------------------------------------------
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF parameter name this engine holds, with its shape: what an update may name."""
-        from final.engine.weights import parameter_shapes
-
         return parameter_shapes(self.core.model)
 
     def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Write HF-named tensors (checked first: final.weights.check_update against parameter_shapes) into the
         engine's layout, once the rows already admitted have finished; rows submitted meanwhile wait and run on
         the new weights. Returns the engine's new weight_version (each row's meta_info says the one it ran on)."""
-        if threading.current_thread() is self._thread:
-            raise EngineError("update_weights() waits for the engine thread: call it from another thread")
-        msg = Drain(lambda _runner: self.core.load_weights(named))
-        self._post(msg)
-        return msg.future.result()
+        return self.drain(lambda _runner: self.core.update_weights(named))
 
     @property
     def weight_version(self) -> int:
@@ -235,6 +228,15 @@ class EmbeddedEngine:
         if threading.current_thread() is self._thread:
             return fn(self.core.runner)
         msg = Call(fn)
+        self._post(msg)
+        return msg.future.result()
+
+    def drain(self, fn: Callable[[ModelRunner], Any]) -> Any:
+        """call(fn), but once no row is running or waiting: rows admitted before finish first, rows submitted
+        meanwhile wait and run after it (messages.Drain). From another thread only: it waits for this one."""
+        if threading.current_thread() is self._thread:
+            raise EngineError("drain() waits for the engine thread's rows: call it from another thread")
+        msg = Drain(fn)
         self._post(msg)
         return msg.future.result()
 

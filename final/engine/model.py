@@ -19,6 +19,7 @@ from final.engine.arena import WeightArena
 from final.engine.kernels import Q8_BLOCK, address
 from final.engine.kv_cache import KVCache
 from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
+from final.engine.weights import load_weights
 from final.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -338,6 +339,4 @@ class CausalLM:
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one HF-named parameter (e.g. `model.layers.3.self_attn.k_proj.weight`) into the fused layout
         (final/engine/weights.py; an update of many is `load_weights`, which groups each matrix's parts)."""
-        from final.engine.weights import load_weights
-
         load_weights(self, [(name, tensor)])

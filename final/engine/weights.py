@@ -9,7 +9,6 @@ the write itself then cannot fail half-way.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import TYPE_CHECKING, Iterable
 
 import torch
@@ -48,12 +47,11 @@ def parameter_shapes(model: "CausalLM") -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_weights(model: "CausalLM", named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Write HF-named tensors into the engine's layout; returns how many were written. Run on the engine thread,
-    after the update was checked (an unknown name still raises WeightsError, before anything is written)."""
+def load_weights(model: "CausalLM", named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write HF-named tensors into the engine's layout. Run on the engine thread, after the update was checked (an
+    unknown name still raises WeightsError, before anything is written)."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, value)
-    rows: dict[int, tuple[object, list]] = defaultdict(lambda: (None, []))  # matrix -> its (lo, hi, value) blocks
-    count = 0
+    rows: dict[int, tuple[object, list]] = {}  # id(matrix) -> (matrix, its (lo, hi, value) blocks)
     for name, tensor in named:
         value = tensor.detach().to(device=model.device, dtype=model.dtype)
         for target in _targets(model, name):
@@ -61,13 +59,11 @@ def load_weights(model: "CausalLM", named: Iterable[tuple[str, torch.Tensor]]) -
                 copies.append((target, value))
             else:
                 matrix, lo, hi = target
-                rows[id(matrix)] = (matrix, rows[id(matrix)][1] + [(lo, hi, value)])
-        count += 1
+                rows.setdefault(id(matrix), (matrix, []))[1].append((lo, hi, value))
     for dest, value in copies:
         dest.copy_(value)
     for matrix, blocks in rows.values():
         matrix.set_row_blocks(blocks)
-    return count
 
 
 def _targets(model: "CausalLM", name: str) -> list:
