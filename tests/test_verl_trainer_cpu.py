@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.skipif(compat.LANE != "verl06", reason="veRL 0.6.0's t
 
 REWARD = '''
 def diversity(data_source, solution_str, ground_truth, extra_info=None):
-    """A reward that differs between samples of one prompt (so GRPO's advantages are not all zero)."""
-    return len(set(solution_str.split())) / 16.0
+    """A reward that differs between any two different samples of one prompt, almost surely (so GRPO's advantages
+    are not all zero: the count of distinct words tied between a random model's two samples in one CI run)."""
+    return (sum(map(ord, solution_str)) % 101) / 100.0
 '''
 
 
@@ -64,7 +65,7 @@ def test_verls_trainer_syncs_the_actor_into_the_embedded_engine_every_step(tiny_
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.rollout.name=final", "actor_rollout_ref.rollout.mode=sync",
         "actor_rollout_ref.rollout.dtype=float32",  # veRL's default is bfloat16
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=false",
@@ -83,6 +84,6 @@ def test_verls_trainer_syncs_the_actor_into_the_embedded_engine_every_step(tiny_
     assert steps[1]["actor/grad_norm"] > 0  # step 1 moved the actor
     # step 2 sampled from the moved actor: the engine's log-probs are the actor's own (fp32 on both sides)
     # veRL's actor computes its log-probs under bf16 autocast (dp_actor.py, hard-coded), so the mean |p_rollout -
-    # p_actor| of the sampled tokens has a floor near 1e-3 however exact the engine is (measured: 6e-4 at step 2,
-    # 7e-4 - 1.4e-3 at step 1); with the sync disabled step 2's was 1.5e-2 (max 0.19)
+    # p_actor| of the sampled tokens has a floor near 1e-3 however exact the engine is (measured at step 2: 6e-4 -
+    # 9e-4 synced; 9e-3 - 1.1e-2 with the sync disabled)
     assert steps[2]["training/rollout_probs_diff_mean"] < 5e-3, steps[2]
