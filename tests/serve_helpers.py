@@ -26,11 +26,13 @@ DOC_A = "The lighthouse keeper of Orvanis is called Mara Quill. She keeps three 
 DOC_B = "Tallow Creek floods every April. The ferry to Dunmore stops running when the water passes the red mark."
 
 
-def spawn_serve(*args: str, env: dict | None = None, cwd: Path | str | None = None) -> tuple[str, subprocess.Popen]:
+def spawn_serve(*args: str, env: dict | None = None, cwd: Path | str | None = None,
+                prefix: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """`final serve ARGS --port 0` as its own process: its URL (read from the startup line) and the process. Its
-    stderr keeps being drained afterwards, so the server never blocks on a full pipe."""
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", *args, "--port", "0"], env=env, cwd=cwd,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    stderr keeps being drained afterwards, so the server never blocks on a full pipe. `prefix`: a command that
+    runs it (setpriv, to drop root's right to read any file)."""
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "final.cli", "serve", *args, "--port", "0"], env=env,
+                            cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen = []
     for line in proc.stderr:
         seen.append(line)

@@ -227,7 +227,7 @@ def test_config_and_tokasaurus_settings_refuse_bad_names(tmp_path):
 
 def test_generate_and_load_refuse_bad_names(tiny_inference):
     for cartridge, field in (("x" * 5000, "cartridge"), ({"id": "a\x00", "source": "local"}, "cartridges[0].id"),
-                             ([{"id": "ok", "path": "a/" * 600}], "cartridges[0].path")):
+                             ([{"id": "ok", "path": "a/" * 2100}], "cartridges[0].path")):
         with pytest.raises(CartridgeError) as exc:
             tiny_inference.generate("hi", cartridge=cartridge, max_tokens=1)
         assert exc.value.field == field

@@ -90,11 +90,12 @@ class CartridgeService:
                 if pin:
                     self.store.pin(cid)
                 return cid
-        fetched = self._fetch(source, cid, path, force_redownload)
-        stamp = local_stamp(fetched.path) if source == "local" else None  # before the read (see local_stamp)
-        nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
-        cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
-        cart, positions = self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))
+        with os_errors(cid):
+            fetched = self._fetch(source, cid, path, force_redownload)
+            stamp = local_stamp(fetched.path) if source == "local" else None  # before the read (see local_stamp)
+            nonfinite = self.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
+            cart, manifest = self.read(fetched.path, fetched.manifest, allow_nonfinite=nonfinite)
+            cart, positions = self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))
         with self._load_lock:
             return self._admit(cid, cart, pin=pin, info={"source": source, "path": str(fetched.path),
                                                            "positions": positions, "stamp": stamp,
@@ -158,9 +159,10 @@ class CartridgeService:
         """A local file (or run folder) as load() would serve it: checked, positions applied, not admitted."""
         if positions is not None:
             check_positions(positions, file=str(file))
-        fetched = self._fetch("local", str(file), str(file), False)
-        cart, manifest = self.read(fetched.path, fetched.manifest)
-        return self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))[0]
+        with os_errors(str(file)):
+            fetched = self._fetch("local", str(file), str(file), False)
+            cart, manifest = self.read(fetched.path, fetched.manifest)
+            return self.as_served(cart, manifest, positions, fetched.config, str(fetched.path))[0]
 
     def add(self, cartridge_id: str, cart: CartridgeKV, *, pin: bool = False) -> str:
         """Serve an in-memory cartridge (e.g. one just built from text)."""
@@ -287,6 +289,18 @@ class CartridgeService:
 
     def metrics(self) -> StoreMetrics:
         return self.store.metrics()
+
+
+@contextlib.contextmanager
+def os_errors(cid: str) -> Iterator[None]:
+    """What the OS refuses while a cartridge is fetched and read (a file made unreadable, one that vanishes between
+    the checks and the read, a folder on the way that cannot be searched) is the caller's CartridgeError naming the
+    cartridge, never an OSError: a server would answer it with a 500 and the file's absolute path."""
+    try:
+        yield
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__  # strerror: the reason without the file name
+        raise CartridgeError(f"cannot read the file: {why}", file=cid, field="path") from None
 
 
 def local_stamp(file: str) -> tuple | None:

@@ -4,10 +4,10 @@ caller: the config's `cartridges`, the tokasaurus backend's and veRL replica's s
 filesystem or a download, so a name the OS cannot take is a typed error naming the field (HTTP 400), never an
 OSError or ValueError from `stat` (which the server could only answer with a 500).
 
-A name (`id` or `path`) is a non-blank string of at most MAX_NAME_BYTES bytes in UTF-8, each part between slashes at
-most MAX_PART_BYTES (Linux's NAME_MAX), with no control character (C0, DEL, C1: NUL among them) and no lone
-surrogate (it has no UTF-8 form). Where a name may lead (`../`, absolute paths) is the caller's rule: `final serve`
-keeps local files under --cartridge-dir (final/server/prepare.py).
+A name (`id` or `path`) is a non-blank string of at most MAX_NAME_BYTES bytes in UTF-8 (a path: MAX_PATH_BYTES),
+each part between slashes at most MAX_PART_BYTES (Linux's NAME_MAX), with no control character (C0, DEL, C1: NUL
+among them) and no lone surrogate (it has no UTF-8 form). Where a name may lead (`../`, absolute paths) is the
+caller's rule: `final serve` keeps local files under --cartridge-dir (final/server/prepare.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from final.protocol.bodies import CARTRIDGE_POSITIONS, CARTRIDGE_SOURCES, WIRE_C
 # a config's spec: the wire's plus a local path and pinning (the wire's `positions` is ours too: see bodies.py)
 CARTRIDGE_KEYS = tuple(dict.fromkeys(WIRE_CARTRIDGE_KEYS + ("positions", "path", "pin")))
 REQUEST_CARTRIDGE_KEYS = CARTRIDGE_KEYS + ("allow_nonfinite",)  # a request's may also accept non-finite values
-MAX_NAME_BYTES = 1024  # a whole id or path (W&B's entity/project/run/file and S3 keys fit with room to spare)
+MAX_NAME_BYTES = 1024  # a whole id (W&B's entity/project/run/file and S3 keys fit with room to spare)
 MAX_PART_BYTES = 255  # one part between slashes: the longest file name Linux (and macOS) allow
+# a `path` may be a server's own: --cartridge-dir joined with an id, longer than any id (Linux's PATH_MAX less the NUL)
+MAX_PATH_BYTES = 4095
+LIMITS = {"id": MAX_NAME_BYTES, "path": MAX_PATH_BYTES}
 
 
-def name_problem(value: Any) -> str | None:
+def name_problem(value: Any, max_bytes: int = MAX_NAME_BYTES) -> str | None:
     """Why `value` cannot name a cartridge, or None when it can."""
     if not isinstance(value, str):
         return f"must be a string, got {type(value).__name__}"
@@ -39,8 +42,8 @@ def name_problem(value: Any) -> str | None:
         if kind == "Cs":
             return f"holds a lone surrogate U+{ord(ch):04X} at position {i} (not valid Unicode text)"
     size = len(value.encode())
-    if size > MAX_NAME_BYTES:
-        return f"is {size} bytes long (UTF-8); at most {MAX_NAME_BYTES}"
+    if size > max_bytes:
+        return f"is {size} bytes long (UTF-8); at most {max_bytes}"
     part = max(value.split("/"), key=lambda p: len(p.encode()))
     if len(part.encode()) > MAX_PART_BYTES:
         return f"has a part between slashes {len(part.encode())} bytes long (UTF-8); at most {MAX_PART_BYTES}"
@@ -54,8 +57,9 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 def check_cartridge_name(value: Any, field: str) -> str:
-    """A name given outside a spec (an id passed to generate() or load_cartridge): CartridgeError naming `field`."""
-    problem = name_problem(value)
+    """A name given outside a spec (an id passed to generate() or load_cartridge): CartridgeError naming `field`
+    (a "path" field may be as long as the OS allows a path; any other is an id)."""
+    problem = name_problem(value, LIMITS.get(field, MAX_NAME_BYTES))
     if problem is not None:
         raise CartridgeError(f"{shown(value)} {problem}", field=field)
     return value
@@ -91,7 +95,7 @@ def check_cartridge_spec(item: Any, at: str, keys: tuple[str, ...], *, path: str
             raise error(f"unknown key; {f'did you mean {near[0]!r}?' if near else 'valid keys: ' + ', '.join(keys)}",
                         f"{at}.{key if isinstance(key, str) and len(key) <= 40 else shown(key, 40)}")
     for key in ("id", "path"):
-        problem = name_problem(item[key]) if item.get(key) is not None else None
+        problem = name_problem(item[key], LIMITS[key]) if item.get(key) is not None else None
         if problem is not None:
             raise error(f"{shown(item[key])} {problem}" if isinstance(item[key], str) else problem, f"{at}.{key}")
     if not item.get("id") and not (request and item.get("path")):

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from final.errors import FinalError
 from final.protocol import bodies
 from final.server import prepare
-from final.server.errors import APIError, from_final, from_validation
+from final.server.errors import APIError, Redactor, from_final, from_validation
 from final.server.limits import read_body
 from final.server.responses import Renderer
 from final.server.streaming import sse
@@ -57,9 +57,12 @@ class Service:
     """What every route does: parse the body, prepare the call (all checks), run it on the InferenceEngine,
     render the answer. A disconnecting client cancels its call, which aborts its rows."""
 
-    def __init__(self, inference: Any, cartridge_dir: str | None, cartridge_sources: tuple[str, ...] | None = None):
+    def __init__(self, inference: Any, cartridge_dir: str | None, cartridge_sources: tuple[str, ...] | None = None,
+                 weights_dir: str | None = None):
         self.inference = inference
         self.cartridge_dir = Path(cartridge_dir).resolve() if cartridge_dir else None
+        # every error body goes through it: no absolute path of this server's disk reaches a client
+        self.redact = Redactor.for_server(cartridge_dir, weights_dir, inference.config.model_path)
         # which sources requests may name (remote ones download with the server's credentials)
         self.cartridge_sources = tuple(cartridge_sources or inference.config.cartridge_sources)
         self.renderer = Renderer(inference.tokenizer)
@@ -91,7 +94,7 @@ class Service:
             await updates.aclose()
             raise
         eos = set(self.inference.eos_token_ids) | set(call.request.sampling.params.get("stop_token_ids") or [])
-        events = sse(call, _chain(first, updates), self.renderer, eos)
+        events = sse(call, _chain(first, updates), self.renderer, eos, self.redact)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -102,8 +105,8 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
     only from `cartridge_sources` (None: the config's cartridge_sources, by default local only). Weight updates
     (final/server/weights.py) are accepted only with `weights_dir`, from files under it."""
     app = FastAPI(title="final serve", docs_url=None, redoc_url=None)
-    service = Service(inference, cartridge_dir, cartridge_sources)
-    _add_error_handlers(app)
+    service = Service(inference, cartridge_dir, cartridge_sources, weights_dir)
+    _add_error_handlers(app, service.redact)
     if api_key:
         _add_auth(app, api_key)
 
@@ -131,21 +134,22 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, redact: Redactor) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(exc.body(redact), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(redact),
+                            status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(err.body(redact), status_code=500)
 
 
 def _add_auth(app: FastAPI, api_key: str) -> None:

@@ -9,7 +9,11 @@ deadline 504; an engine that cannot serve (shut down, shutting down) 503.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
@@ -33,8 +37,39 @@ class APIError(Exception):
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self, redact: Callable[[str], str] | None = None) -> dict[str, Any]:
+        message = redact(self.message) if redact is not None else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Redactor:
+    """The server's own folders out of every error body (a cartridge's or weights' absolute path, an OSError's
+    file name, a traceback's venv): a client reads a file under --cartridge-dir / --weights-dir by the name it
+    sent, relative to that folder, and the server's other folders as <server>. Longest folder first, so
+    --cartridge-dir under the working folder stays relative rather than becoming <server>/..."""
+
+    def __init__(self, relative: Iterable[Path | str | None], hidden: Iterable[Path | str | None] = ()):
+        roots = [(str(p), "") for p in relative if p] + [(str(p), "<server>") for p in hidden if p]
+        roots += [(os.path.realpath(r), kind) for r, kind in roots]
+        self._roots = sorted({r.rstrip("/"): kind for r, kind in roots if len(r.rstrip("/")) > 1}.items(),
+                             key=lambda item: -len(item[0]))
+
+    def __call__(self, text: str) -> str:
+        for root, kind in self._roots:
+            # the folder itself, or a path below it, where it starts a path (not inside a longer name)
+            pattern = re.escape(root) + r"(/|(?![\w.-]))"
+            text = re.sub(r"(?<![\w.-])" + pattern, lambda m: (kind + m.group(1)) if kind else
+                          ("" if m.group(1) == "/" else "."), text)
+        return text
+
+    @classmethod
+    def for_server(cls, cartridge_dir: Path | str | None, weights_dir: Path | str | None = None,
+                   model_path: str | None = None) -> "Redactor":
+        from final.models import cache_dir
+
+        home = os.path.expanduser("~")
+        model = model_path if model_path and os.path.isabs(model_path) else None
+        return cls([cartridge_dir, weights_dir], [model, cache_dir(), sys.prefix, os.getcwd(), home])
 
 
 def from_validation(exc: ValidationError) -> APIError:

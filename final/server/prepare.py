@@ -233,7 +233,7 @@ def cartridge_specs(req: Any, loaded: list[str] | None, cartridge_dir: Path | No
                 raise CartridgeError("loading local cartridge files over HTTP is off; start the server with "
                                      "--cartridge-dir DIR to allow files under DIR", file=spec.id, field="source")
             else:
-                raise CartridgeError(f"is outside the server's --cartridge-dir {cartridge_dir}", file=spec.id,
+                raise CartridgeError("is outside the server's --cartridge-dir", file=spec.id,
                                      field="id")
         specs.append(out)
     return specs or None

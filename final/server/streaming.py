@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from final.errors import FinalError
 from final.outputs import Completion
@@ -27,8 +27,8 @@ def _event(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def sse(call: Call, updates: AsyncIterator[Completion], renderer: Renderer, eos_ids: set[int]
-              ) -> AsyncIterator[str]:
+async def sse(call: Call, updates: AsyncIterator[Completion], renderer: Renderer, eos_ids: set[int],
+              redact: Callable[[str], str] | None = None) -> AsyncIterator[str]:
     rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     obj = "chat.completion.chunk" if call.chat else "text_completion"
@@ -69,10 +69,10 @@ async def sse(call: Call, updates: AsyncIterator[Completion], renderer: Renderer
             yield _event({"id": rid, "object": obj, "created": created, "model": call.model, "choices": [],
                           "usage": usage(list(finals.values()), call.request.n)})
     except FinalError as exc:
-        yield _event(from_final(exc, call.prompt_param).body())
+        yield _event(from_final(exc, call.prompt_param).body(redact))
     except Exception as exc:  # noqa: BLE001 - the response has started: report in-band, keep serving
         logger.exception("stream failed")
-        yield _event(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body())
+        yield _event(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(redact))
     finally:
         await updates.aclose()  # aborts the engine rows of a stream cut short, releases its cartridges
     yield "data: [DONE]\n\n"
