@@ -10,8 +10,11 @@ The recipe a user runs, each stage a command, timed:
 and the baselines without a cartridge (with and without the tool). With --student P, DAgger rounds on top:
   final cartridge traces ... --count C --student tooluse-pP.pt --out student-pP.jsonl (the model's own first turns)
   cat traces.jsonl student-pP.jsonl > mixed-pP.jsonl; final cartridge train --data mixed-pP.jsonl ... (from scratch)
-and each further round the same with the last round's cartridge as the student, on the next C problems. Finished stages are skipped on a rerun (delete
---work to start over). Prints the table README and bench/RESULTS.md show, and writes summary.json in --work.
+and each further round the same with the last round's cartridge as the student, on the next C problems. Finished
+stages are skipped on a rerun (delete --work to start over). Prints the table README and bench/RESULTS.md show, and
+writes summary.json in --work. With --verl-path, each cartridge is evaluated a second time through `final eval verl`
+on the same problems written as veRL's gsm8k_multiturn_w_tool.py writes them (--tools-in-system, the preset's
+lengths), and the two are compared problem by problem (issue 44: both eval commands give one answer).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main() -> int:
     ap.add_argument("--student", type=int, help="p of the cartridge whose own turns make student rows (DAgger)")
     ap.add_argument("--student-count", type=int, default=400, help="new problems for each round's student rows")
     ap.add_argument("--rounds", type=int, default=1, help="DAgger rounds (default 1)")
+    ap.add_argument("--verl-path", action="store_true", help="also evaluate each cartridge with `final eval verl`")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -83,6 +87,12 @@ def main() -> int:
     if args.student:
         dagger(work, traces, args, rows, times)
     print(table(rows, args))
+    for name, r in rows.items():
+        if "verl_path" in r:
+            v = r["verl_path"]
+            print(f"{name}: final eval verl tool-call rate {v['tool_call_rate']:.3f}, accuracy {v['accuracy']:.3f} "
+                  f"(final eval gsm8k: {r['tool_call_rate']:.3f}, {r['accuracy']:.3f}); same messages on "
+                  f"{v['same_messages']}/{v['problems']} problems, same score on {v['same_score']}/{v['problems']}")
     info = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load": os.getloadavg(), "steps": args.steps, "heldout": args.heldout, "rows": rows, "times": times}
     (work / "summary.json").write_text(json.dumps(info, indent=2))
@@ -122,7 +132,31 @@ def trained(work: Path, name: str, p: int, data: Path, args: argparse.Namespace)
         (work / f"train-{name}.seconds").write_text(f"{seconds:.1f}")
     row = evaluate(work, name, args, "--tools", str(TOOLS), "--cartridge", str(cart))
     row["train_s"] = float((work / f"train-{name}.seconds").read_text())
+    if args.verl_path:
+        row["verl_path"] = verl_path(work, name, cart, args)
     return row
+
+
+def verl_path(work: Path, name: str, cart: Path, args: argparse.Namespace) -> dict:
+    """`final eval verl` on the held-out problems in veRL's layout, with the cartridge, at the preset's lengths (the
+    config's prompt_length/response_length); compared with `final eval gsm8k`'s records of the same problems."""
+    from final.evals.verl_data import gsm8k_multiturn_w_tool, write_parquet
+
+    parquet, out = work / "heldout.parquet", work / f"verl-{name}.jsonl"
+    if not parquet.exists():
+        problems = [json.loads(line) for line in args.data.read_text().splitlines()[:args.heldout]]
+        write_parquet(parquet, gsm8k_multiturn_w_tool(problems))
+    if not out.exists():
+        run("eval", "verl", "--data", str(parquet), "--tools", str(TOOLS), "--tools-in-system", "--cartridge",
+            str(cart), "--out", str(out), "data.max_prompt_length=1024", "data.max_response_length=512")
+    verl = [json.loads(line) for line in out.read_text().splitlines()]
+    preset = [json.loads(line) for line in (work / f"eval-{name}.jsonl").read_text().splitlines()]
+    metrics = json.loads(out.with_suffix(".metrics.json").read_text())
+    return {"problems": len(verl), "tool_call_rate": sum(1 for r in verl if r["tool_calls"]) / len(verl),
+            "accuracy": sum(r["score"] for r in verl) / len(verl),
+            "same_messages": sum(a["messages"] == b["messages"] for a, b in zip(preset, verl)),
+            "same_score": sum(a["score"] == b["score"] for a, b in zip(preset, verl)),
+            "metrics": metrics.get("metrics", metrics)}
 
 
 def table(rows: dict[str, dict], args: argparse.Namespace) -> str:

@@ -17,6 +17,7 @@ from conftest import TINY, tiny_config
 from final.compat import LANE, REWARD_NUMBER_AS_ACC
 from final.errors import ConfigError, DataError
 from final.evals import verl_config, verl_eval
+from final.evals import verl_data
 from final.evals.verl_data import load_rows, render
 from final.evals.verl_reward import load_scorer, name_metrics
 
@@ -44,46 +45,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonu
 
 def gsm8k_multiturn_w_tool(path: Path, count: int = 3) -> Path:
     """veRL's examples/data_preprocess/gsm8k_multiturn_w_tool.py on the first `count` problems of the shared file."""
-    import datasets
-
-    def extract_solution(solution_str):
-        solution = re.search("#### (\\-?[0-9\\.\\,]+)", solution_str)
-        return solution.group(0).split("#### ")[1].replace(",", "")
-
-    instruction_following = "Let's think step by step and output the final answer after `####`."
-
-    def process_fn(example, idx):
-        question_raw = example.pop("question")
-        question = question_raw + " " + instruction_following
-        answer_raw = example.pop("answer")
-        solution = extract_solution(answer_raw)
-        return {
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "system", "content": (
-                "You are a math expert. You are given a question and you need to solve it step by step. "
-                "Reasoning step by step before any tool call. "
-                "You should use the `calc_gsm8k_reward` tool after step by step solving the question, "
-                "before generate final answer at least once and refine your answer if necessary. "
-                "Put your final answer in the format of `#### <answer>`.")},
-                {"role": "user", "content": question}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": solution},
-            "extra_info": {"split": "test", "index": idx, "answer": answer_raw, "question": question_raw,
-                           "need_tools_kwargs": True,
-                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
-                           "interaction_kwargs": {"query": question, "ground_truth": solution}},
-        }
-
     problems = [json.loads(line) for line in GSM8K.read_text().splitlines()[:count]]
-    datasets.Dataset.from_list(problems).map(function=process_fn, with_indices=True).to_parquet(str(path))
-    return path
+    return verl_data.write_parquet(path, verl_data.gsm8k_multiturn_w_tool(problems))
 
 
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    import datasets
-
-    datasets.Dataset.from_list(rows).to_parquet(str(path))
-    return path
+write_parquet = verl_data.write_parquet
 
 
 def arith_rows() -> list[dict]:

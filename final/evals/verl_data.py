@@ -182,3 +182,42 @@ def prompt_error_row(exc: PromptError, batch: list[Row], column: str) -> DataErr
     index = exc.index if exc.index is not None and 0 <= exc.index < len(batch) else None
     message = str(exc).split(": ", 1)[1] if index is not None and ": " in str(exc) else str(exc)
     return batch[index].error(message, column) if index is not None else DataError(message)
+
+
+# ---- writing: veRL's GSM8K-with-tool layout, for users whose GSM8K is the JSONL (no HF hub) ------------------------
+VERL_GSM8K_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                     "Reasoning step by step before any tool call. "
+                     "You should use the `calc_gsm8k_reward` tool after step by step solving the question, "
+                     "before generate final answer at least once and refine your answer if necessary. "
+                     "Put your final answer in the format of `#### <answer>`.")
+
+
+def gsm8k_multiturn_w_tool(problems: Sequence[dict], split: str = "test") -> list[dict]:
+    """GSM8K problems ({question, answer}) as the rows veRL's examples/data_preprocess/gsm8k_multiturn_w_tool.py
+    writes (its process_fn, verbatim in effect): the system prompt above, the question + the instruction, the
+    `#### N` answer as ground truth, calc_gsm8k_reward's create_kwargs."""
+    import re
+
+    rows = []
+    for idx, example in enumerate(problems):
+        answer_raw = example["answer"]
+        solution = re.search("#### (\\-?[0-9\\.\\,]+)", answer_raw).group(0).split("#### ")[1].replace(",", "")
+        question = example["question"] + " " + "Let's think step by step and output the final answer after `####`."
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "system", "content": VERL_GSM8K_SYSTEM}, {"role": "user", "content": question}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": solution},
+            "extra_info": {"split": split, "index": idx, "answer": answer_raw, "question": example["question"],
+                           "need_tools_kwargs": True,
+                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
+                           "interaction_kwargs": {"query": question, "ground_truth": solution}}})
+    return rows
+
+
+def write_parquet(path: str | Path, rows: list[dict]) -> Path:
+    """Rows as a parquet file, written as veRL's preprocessing writes them (`datasets`' to_parquet)."""
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return Path(path)
