@@ -326,7 +326,7 @@ class InferenceEngine:
         return self.cartridges
 
     def facts(self) -> dict:
-        """What a pool of replicas (final.distributed) needs to prepare calls for this engine."""
+        """What a pool of replicas (final.pool) needs to prepare calls for this engine."""
         return {"backend": self.backend, "capabilities": self.capabilities, "eos_token_ids": self.eos_token_ids,
                 "pad_token_id": self.pad_token_id, "tool_schemas": self.tool_schemas(),
                 "cartridge_ids": self.cartridge_ids()}

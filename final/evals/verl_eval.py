@@ -108,7 +108,7 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
     check_sources(scorer, rows, settings.reward_fn_key)
     owned = engine is None
     if owned:
-        from final.distributed import open_engine
+        from final.pool import open_engine
 
         engine = open_engine(config, replicas=replicas, ray_address=ray_address, **engine_overrides(settings, model))
     try:

@@ -37,11 +37,11 @@ from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
-from final.chunks import Chunk, assemble, plan_chunks
 from final.versions import PolicyVersions
 from final.weights import named_tensors
-from final.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason, release_ray,
-                           start_replicas, stop_actors, watch_pool)
+from final.pool.chunks import Chunk, assemble, plan_chunks
+from final.pool.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason,
+                                release_ray, start_replicas, stop_actors, watch_pool)
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
