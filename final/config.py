@@ -54,6 +54,9 @@ ROLLOUT_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class EngineConfig:
+    """A validated config: `model_path`, the `rollout:` section (veRL's RolloutConfig field for field), cartridges,
+    limits and the pool's keys. Built by load_config, which checks every key before a model loads."""
+
     model_path: str
     rollout: dict[str, Any]
     custom: dict[str, Any] = field(default_factory=dict)

@@ -28,6 +28,8 @@ TAGS = ("weights", "kv_cache")  # veRL's resume tags, in the order its trainer r
 
 
 class WeightSync:
+    """InferenceEngine's weight updates, release and resume: the rules are in this module's docstring."""
+
     def __init__(self, backend_name: str, rollout: Backend, complete: Callable[[Any], Any]):
         """complete(coroutine) runs a backend coroutine to its end from a blocking caller."""
         self.backend_name, self.rollout, self._complete = backend_name, rollout, complete
@@ -38,6 +40,7 @@ class WeightSync:
 
     @property
     def version(self) -> int:
+        """How many updates the engine has taken (0: the weights it loaded)."""
         return self.versions.version
 
     # ---- updates ---------------------------------------------------------------------------------------------

@@ -149,6 +149,7 @@ class ReplicaPool:
         return request.scores(self.run(request).metadata)
 
     def run(self, request: Request) -> GenerationOutput:
+        """Run a prepared call on the replicas (blocking): one GenerationOutput in the caller's order."""
         return run_blocking(self.arun(request))
 
     async def arun(self, request: Request) -> GenerationOutput:
@@ -180,9 +181,11 @@ class ReplicaPool:
             yield row
 
     def tool_schemas(self) -> list[dict]:
+        """The tools' OpenAI schemas, as every replica offers them."""
         return list(self._tool_schemas)
 
     def tool_names(self) -> list[str]:
+        """The names of the tools every replica offers."""
         return [t["function"]["name"] for t in self._tool_schemas]
 
     def cartridge_ids(self) -> list[str] | None:
