@@ -90,7 +90,8 @@ def kl_plot(all_tables, out: Path, plt) -> None:
             name = clean(row[0])
             if row[step_at] == "OUT" or "constant" in name or "OUT" in name:
                 continue
-            runs.setdefault(f"{name} [{label}]" if label else name, []).append((int(row[step_at]), number(row[ratio_at])))
+            point = (int(row[step_at]), number(row[ratio_at]))
+            runs.setdefault(f"{name} [{label}]" if label else name, []).append(point)
     fig, ax = plt.subplots(figsize=(10, 6.5))
     for name, points in runs.items():
         if name.startswith(("on (F=1)", "off (F=0)")):  # the fourth pass's runs start from the prefix: 1.00x

@@ -1,6 +1,6 @@
 """WeightSync: an InferenceEngine's weights over time - updates, release/resume (veRL's sleep mode), versions.
 
-The rules (README "Training a policy with final"):
+The rules (docs/guides/train-a-policy.md):
 - An update is checked whole before anything is written (final.weights: names, shapes, dtypes, NaN/Inf), by the
   backend that applies it; a refused update leaves the old weights serving, bit for bit, and the version unchanged.
 - Calls and updates never overlap (final.versions.PolicyVersions): an update waits for the calls in flight, which
