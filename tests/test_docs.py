@@ -188,3 +188,15 @@ def test_serve_example_runs(page):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_dashboard_plots_are_drawn_from_the_recorded_figures(tmp_path):
+    """bench/plots.py finds its tables in bench/RESULTS.md (by their headers) and writes the three PNGs the
+    dashboard and the Benchmarks page show; a table that moved out of RESULTS.md fails here, not on a reader."""
+    done = subprocess.run([sys.executable, "bench/plots.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for name in ["decode_vs_batch.png", "cartridge_kl.png", "tool_call_rate.png"]:
+        png = tmp_path / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert (ROOT / "docs" / "img" / name).is_file(), name  # the committed copy the pages link to
