@@ -82,7 +82,7 @@ def bench_engine(model: str, backend: str, states: list[dict], repeats: int, dev
         if device == "cpu":
             use_sglang_cpu()
     if backend == "pool":
-        from final.distributed import ReplicaPool
+        from final.pool import ReplicaPool
 
         engine = ReplicaPool(config(model, "local", device), replicas=2)
     else:

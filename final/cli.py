@@ -40,7 +40,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:
-    """--replicas / --ray-address (final.distributed.open_engine); default: the config's keys, else 1 and none."""
+    """--replicas / --ray-address (final.pool.open_engine); default: the config's keys, else 1 and none."""
     p.add_argument("--replicas", type=int, default=None,
                    help="InferenceEngines on Ray sharing the work (default: the config's replicas:, else 1)")
     p.add_argument("--ray-address", default=None,
@@ -55,9 +55,9 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 
 def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
     """The command's engine: an InferenceEngine, or a pool of replicas on Ray with --replicas N / --ray-address
-    (final.distributed; the same API). Says which config file it uses when the command did not name one."""
+    (final.pool; the same API). Says which config file it uses when the command did not name one."""
     from final.config import default_config_path
-    from final.distributed import open_engine as open_pool
+    from final.pool import open_engine as open_pool
 
     config = args.config if args.config is not None else default_config_path()
     engine = open_pool(config, replicas=getattr(args, "replicas", None),

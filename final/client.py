@@ -60,6 +60,7 @@ class LMConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "LMConfig":
+        """A config from seed 001's dict; an unknown key is a ConfigError naming it."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         for key in values:
             if key not in names:
@@ -95,6 +96,8 @@ class LMConfig:
 
 @dataclass
 class LMResponse:
+    """One answer: its text, finish reason, token usage, the seconds it took and the generated token ids."""
+
     text: str
     finish_reason: str | None
     usage: dict[str, Any]
@@ -117,6 +120,7 @@ class TokasaurusClient:
         self._http = httpx.Client(timeout=self.config.timeout_s, headers=headers)
 
     def ping(self) -> bool:
+        """Whether the server answers GET /ping with pong (within 5 s)."""
         try:
             r = self._http.get(f"{self.base_url}/ping", timeout=5)
             return r.status_code == 200 and r.json().get("message") == "pong"
@@ -130,6 +134,7 @@ class TokasaurusClient:
         return self.chat(messages).text
 
     def chat(self, messages: list[dict], cartridges: list[dict] | None = None) -> LMResponse:
+        """One chat completion (with cartridges: the cartridge chat route), retried as the config says."""
         carts = list(self.config.cartridges) + list(cartridges or [])
         if self.config.enable_health_check and not self.ping():
             logger.debug("health check of %s failed; sending anyway (cold start)", self.base_url)
@@ -159,6 +164,7 @@ class TokasaurusClient:
         return int(r.json()["weight_version"])
 
     def close(self) -> None:
+        """Close the HTTP connection pool."""
         self._http.close()
 
     def __enter__(self) -> "TokasaurusClient":

@@ -1,4 +1,5 @@
-"""The two veRL lanes (README "Which veRL"), and every place where final's code depends on which one it runs on.
+"""The two veRL lanes (docs/concepts/backends-and-lanes.md), and every place where final's code depends on which
+one it runs on.
 
 - `verl06`: veRL 0.6.0 + transformers 4 + numpy 1, the design card's lane (the only veRL with the in-process
   SGLangRollout that the `sglang` backend builds).
@@ -49,7 +50,7 @@ def _version(dist: str) -> Version | None:
 VERL = _version("verl")
 TRANSFORMERS = _version("transformers")
 
-# The lanes pyproject.toml offers, with what each was tested with (README "Which veRL").
+# The lanes pyproject.toml offers, with what each was tested with (docs/concepts/backends-and-lanes.md).
 LANES = {"verl06": "veRL 0.6.0 + transformers 4.56+ (<5)", "verl09": "veRL 0.9.1 + transformers 5.5.3+ (<5.11)"}
 # without veRL (the embedded engine alone: final.engine, as scripts/gpu_weights.py runs it) transformers decides
 LANE = "verl09" if (VERL is not None and VERL >= Version("0.7")) or (
@@ -62,7 +63,7 @@ def check_lane() -> None:
     if LANE == "verl06" and TRANSFORMERS is not None and TRANSFORMERS.major >= 5:
         raise ImportError(f"final: veRL {VERL} needs transformers <5, found {TRANSFORMERS}. Pick a lane: "
                           "pip install 'final[verl06]' (veRL 0.6.0, transformers 4) or 'final[verl09]' "
-                          "(veRL 0.9.1, transformers 5); README 'Which veRL'.")
+                          "(veRL 0.9.1, transformers 5); docs/concepts/backends-and-lanes.md.")
 
 
 # veRL 0.9 removed verl/tools/gsm8k_tool.py, which final's shipped tools.yaml (and veRL 0.6.0's GSM8K recipe) name:

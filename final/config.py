@@ -54,6 +54,9 @@ ROLLOUT_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class EngineConfig:
+    """A validated config: `model_path`, the `rollout:` section (veRL's RolloutConfig field for field), cartridges,
+    limits and the pool's keys. Built by load_config, which checks every key before a model loads."""
+
     model_path: str
     rollout: dict[str, Any]
     custom: dict[str, Any] = field(default_factory=dict)
@@ -62,7 +65,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     progress: bool = True
     limits: Limits = field(default_factory=Limits)
-    replicas: int = 1  # data-parallel InferenceEngines on Ray (final.distributed); 1 = this process only
+    replicas: int = 1  # data-parallel InferenceEngines on Ray (final.pool); 1 = this process only
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     # the cartridge sources HTTP requests to `final serve` may name (--cartridge-sources); local: under --cartridge-dir
     cartridge_sources: tuple[str, ...] = ("local",)

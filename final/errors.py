@@ -138,7 +138,7 @@ class UnsupportedError(SamplingError):
 
 
 class ReplicaError(EngineError):
-    """Replicas of a final.distributed pool died (or never started) and no replica is left to run the work.
+    """Replicas of a final.pool pool died (or never started) and no replica is left to run the work.
     `replicas` maps each dead replica's index to why it died (Ray's reason: killed, crashed, out of memory)."""
 
     def __init__(self, message: str, replicas: dict[int, str] | None = None):

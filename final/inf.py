@@ -36,6 +36,16 @@ PROGRESS_MIN_ROWS = 32
 
 
 class InferenceEngine:
+    """Prompts in, completions out, through veRL's rollout contract on one backend (`local`, `sglang`,
+    `tokasaurus`): the only composition root of final.
+
+    `generate` / `agenerate` (and `score` / `ascore`) check the whole call first (typed errors from final.errors
+    name the cause), then run it on the backend and return a `GenerationOutput` (or `Score`s). `prepare` + `run`
+    split the two (what `final serve` does). Cartridges (`load_cartridge`, `cartridge=`), tools (the config's
+    `rollout.multi_turn`) and weight updates (`update_weights`, `release`, `resume`) are served on every backend
+    that declares them. Use it as a context manager, or call `shutdown()`.
+    """
+
     def __init__(self, config: str | Path | dict | None = None, **overrides: Any):
         """config: a YAML file or a dict; None: $FINAL_CONFIG, else ./config.yaml, else the package's default.
         Keyword overrides are deep-merged on top (same shape as the file)."""
@@ -177,6 +187,7 @@ class InferenceEngine:
                     await updates.aclose()
 
     def tool_names(self) -> list[str]:
+        """The names of the tools this engine offers (from tools.yaml; empty without multi-turn)."""
         return [s["function"]["name"] for s in self.tool_schemas()]
 
     def tool_schemas(self) -> list[dict]:
@@ -247,6 +258,7 @@ class InferenceEngine:
             raise EngineError("this InferenceEngine has been shut down")
 
     def shutdown(self) -> None:
+        """Stop the backend (its engine thread or processes) and free the model; a second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -326,7 +338,7 @@ class InferenceEngine:
         return self.cartridges
 
     def facts(self) -> dict:
-        """What a pool of replicas (final.distributed) needs to prepare calls for this engine."""
+        """What a pool of replicas (final.pool) needs to prepare calls for this engine."""
         return {"backend": self.backend, "capabilities": self.capabilities, "eos_token_ids": self.eos_token_ids,
                 "pad_token_id": self.pad_token_id, "tool_schemas": self.tool_schemas(),
                 "cartridge_ids": self.cartridge_ids()}

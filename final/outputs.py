@@ -60,6 +60,7 @@ class Completion:
 
     @property
     def completion_tokens(self) -> int:
+        """How many tokens the row generated."""
         return len(self.output_ids)
 
     def info(self) -> dict[str, Any]:
@@ -121,6 +122,7 @@ def completion_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int
 
 
 def raw_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], ignore_eos: bool = False) -> str:
+    """The text of generated ids, cut before the first EOS id unless ignore_eos."""
     if not ignore_eos:
         eos = frozenset(eos_ids)
         cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
@@ -129,6 +131,7 @@ def raw_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], igno
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` cut before the earliest stop string in it, as SGLang and OpenAI cut it."""
     hits = [p for p in (text.find(s) for s in stop) if p != -1]
     return text[:min(hits)] if hits else text
 

@@ -60,6 +60,7 @@ class Sampling:
 
     @property
     def seed(self) -> int | None:
+        """The call's seed (row i samples with seed + i), or None."""
         return self.params.get("seed")
 
 
@@ -114,6 +115,7 @@ def _max_tokens(value: Any, response_length: int, prompt_logprobs: bool) -> int:
 
 
 def check_top_logprobs(value: Any, limits: Limits) -> int:
+    """`top_logprobs` checked: an integer from 0 to limits.max_top_logprobs (SamplingError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SamplingError(f"must be an integer >= 0, got {_short(value)}", "top_logprobs")
     if value > limits.max_top_logprobs:
@@ -123,6 +125,7 @@ def check_top_logprobs(value: Any, limits: Limits) -> int:
 
 
 def check_limits(n: int, stop: Any, limits: Limits) -> None:
+    """`n` and the stop strings checked against the limits (SamplingError naming the field)."""
     if n > limits.max_n:
         raise SamplingError(f"{n} samples per prompt exceed limits.max_n={limits.max_n}", "n")
     stops = [stop] if isinstance(stop, str) else list(stop or [])

@@ -5,7 +5,7 @@
         actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2 critic.strategy=fsdp2 \\
         +ray_kwargs.ray_init.num_gpus=1 \\
         +ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=final.verl_cpu ...
-(README "Training a policy with final" has the whole command.) veRL imports this module in every process that
+(docs/guides/train-a-policy.md has the whole command.) veRL imports this module in every process that
 imports veRL (the driver and each Ray worker) when VERL_USE_EXTERNAL_MODULES names it. It registers final's rollout
 (`rollout.name: final`, final.verl_replica) and fills in what veRL 0.6.0 assumes of a CUDA machine, each a place
 it breaks on CPU (read from veRL 0.6.0, then found by running its trainer):

@@ -1,6 +1,6 @@
 """WeightSync: an InferenceEngine's weights over time - updates, release/resume (veRL's sleep mode), versions.
 
-The rules (README "Training a policy with final"):
+The rules (docs/guides/train-a-policy.md):
 - An update is checked whole before anything is written (final.weights: names, shapes, dtypes, NaN/Inf), by the
   backend that applies it; a refused update leaves the old weights serving, bit for bit, and the version unchanged.
 - Calls and updates never overlap (final.versions.PolicyVersions): an update waits for the calls in flight, which
@@ -28,6 +28,8 @@ TAGS = ("weights", "kv_cache")  # veRL's resume tags, in the order its trainer r
 
 
 class WeightSync:
+    """InferenceEngine's weight updates, release and resume: the rules are in this module's docstring."""
+
     def __init__(self, backend_name: str, rollout: Backend, complete: Callable[[Any], Any]):
         """complete(coroutine) runs a backend coroutine to its end from a blocking caller."""
         self.backend_name, self.rollout, self._complete = backend_name, rollout, complete
@@ -38,6 +40,7 @@ class WeightSync:
 
     @property
     def version(self) -> int:
+        """How many updates the engine has taken (0: the weights it loaded)."""
         return self.versions.version
 
     # ---- updates ---------------------------------------------------------------------------------------------

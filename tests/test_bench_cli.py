@@ -67,7 +67,7 @@ def test_table_output_names_each_measurement():
 
 def test_table_output_has_the_dp_line():
     """`--only dp` starts Ray and three engines, so it stays out of the quick run (Ray starts only in
-    tests/test_distributed.py); its table line is checked here."""
+    tests/test_pool.py); its table line is checked here."""
     from final.bench.cli import report
 
     res = {"machine": {"date": "d", "cpu": "c", "cores": 2, "torch": "t", "torch_threads": 2, "device": "cpu"},

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from final.dist import free_port
+from final.process_group import free_port
 
 CLI = [sys.executable, "-m", "final.cli"]
 

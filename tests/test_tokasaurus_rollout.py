@@ -13,7 +13,7 @@ from conftest import tiny_config
 from serve_helpers import FlakyServer, spec
 from final.cartridges.build import continuation_ids
 from final.client import RequestRejectedError
-from final.dist import free_port
+from final.process_group import free_port
 from final.errors import BackendUnavailableError, CartridgeError, ConfigError, SamplingError, UnsupportedError
 from final.inf import InferenceEngine
 from final.rollout.tokasaurus import TokasaurusSettings

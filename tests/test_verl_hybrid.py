@@ -27,7 +27,7 @@ def test_verls_worker_sync_drives_the_embedded_engine(tiny_dir):
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.base import get_rollout_class
 
-    from final import dist
+    from final import process_group as dist
     from final.prompts import Prompt, build_dataproto
     from final.rollout.local import LocalRollout
 

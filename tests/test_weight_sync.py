@@ -1,5 +1,5 @@
-"""InferenceEngine.update_weights / release / resume / weights_version on the embedded engine (README "Training a
-policy with final"): after an update greedy answers are HF generate's on the updated model, in every weight layout
+"""InferenceEngine.update_weights / release / resume / weights_version on the embedded engine
+(docs/guides/train-a-policy.md): after an update greedy answers are HF generate's on the updated model, in every weight layout
 the engine keeps; a bad update changes nothing and names the parameter; calls never see two versions; cartridges
 made for the old weights are not served silently."""
 

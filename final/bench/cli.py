@@ -3,7 +3,7 @@
   final bench                 full run on SmolLM2-135M (about 10 minutes on a quiet 2-core CPU)
   final bench --quick --json  smoke run on the tiny model; one JSON object {"p1", "p2", "p3", "p4", ...}
   final bench --only p1,p4    a subset
-  final bench --only dp       one engine vs 2 replicas on Ray (final.distributed); not in the default run
+  final bench --only dp       one engine vs 2 replicas on Ray (final.pool); not in the default run
   final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
   final bench --only peer     ours vs llama.cpp on the same weights (needs the `bench` extra; skipped, saying how to
                               install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0,

@@ -1,4 +1,4 @@
-"""DP: throughput of one engine vs a pool of replicas (final.distributed) on the same work, side by side.
+"""DP: throughput of one engine vs a pool of replicas (final.pool) on the same work, side by side.
 
 Reference: what a user runs without the pool -- one InferenceEngine in this process with all its threads (on CUDA,
 a pool of one replica, so that it gets a GPU of its own and the pool's replicas do not share it).
@@ -21,7 +21,7 @@ def run_dp(model: str, prompts: int, new_tokens: int, repeats: int, replicas: in
     from transformers import AutoTokenizer
 
     from final.bench.throughput import chat_prompts
-    from final.distributed import ReplicaPool
+    from final.pool import ReplicaPool
     from final.inf import InferenceEngine
 
     config = {"model_path": model, "progress": False,

@@ -94,7 +94,7 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
 def _start(config: Path, folder: str) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    from final.dist import free_port
+    from final.process_group import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port", str(port),

@@ -51,7 +51,7 @@ import httpx
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from final.compat import STANDALONE_OVERRIDES, chat_ids, standalone_agent_loop
-from final.dist import free_port
+from final.process_group import free_port
 from final.errors import BackendUnavailableError, CartridgeError, PromptError, SamplingError
 from final.models import resolve_model_path
 from final.prompts import after_system_turn, default_system_ids, normalize_prompts

@@ -32,6 +32,8 @@ DEFAULT_OUT = "verl_eval.jsonl"
 
 @dataclass
 class VerlEval:
+    """What `evaluate_verl` returns: veRL's validation metrics, a summary and one record per sample."""
+
     metrics: dict[str, float]  # veRL's names: val-core/{data_source}/{var}/mean@N, ...
     summary: dict  # rows, samples, tool-call rate, turns, tokens, time; notes (rows veRL would warn about)
     records: list[dict]  # one per sample, by (row, sample)
@@ -57,6 +59,7 @@ def load_settings(data: str | Sequence[str] | None = None, verl_config_path: str
 
 
 def default_tools() -> str:
+    """./tools.yaml where it exists, else the tools.yaml shipped in the package."""
     from final.config import PACKAGE_TOOLS
 
     return "tools.yaml" if Path("tools.yaml").exists() else str(PACKAGE_TOOLS)
@@ -108,7 +111,7 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
     check_sources(scorer, rows, settings.reward_fn_key)
     owned = engine is None
     if owned:
-        from final.distributed import open_engine
+        from final.pool import open_engine
 
         engine = open_engine(config, replicas=replicas, ray_address=ray_address, **engine_overrides(settings, model))
     try:
@@ -198,6 +201,7 @@ def summarize(run: Run, rows: list[Row], dropped: list[Row], untooled: list[Row]
 
 
 def format_summary(summary: dict) -> str:
+    """The summary as the table `final eval verl` prints."""
     rows = [("rows evaluated", f"{summary['evaluated_rows']} of {summary['rows']}"
              + (f" ({summary['resumed_rows']} resumed)" if summary["resumed_rows"] else "")),
             ("samples (n per row)", f"{summary['samples']} ({summary['n']})"),

@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from final import compat, dist
+from final import compat, process_group as dist
 from final.errors import BackendUnavailableError, ConfigError, SamplingError
 
 logger = logging.getLogger(__name__)

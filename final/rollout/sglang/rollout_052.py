@@ -2,7 +2,7 @@
 
 veRL's class expects to live in a Ray worker. What this module supplies at world size 1:
 - requirements: CUDA and the sglang package, else BackendUnavailableError with the install command;
-- the process: a process group (final.dist: gloo, or cpu:gloo,cuda:nccl), WORLD_SIZE/RANK/LOCAL_RANK/MASTER_*,
+- the process: a process group (final.process_group: gloo, or cpu:gloo,cuda:nccl), WORLD_SIZE/RANK/LOCAL_RANK/MASTER_*,
   the visible-devices variable veRL reads, torch.cuda.set_device; free SGLang/NCCL ports per engine;
 - config translation (config.py): tp=1, token in/token out, the attention backend (fa3 on sm80-sm90, else
   flashinfer or triton with a warning), the GPU from LOCAL_RANK, no memory saver by default, one GPU per engine,
@@ -35,7 +35,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from final import dist
+from final import process_group as dist
 from final.errors import EngineError
 from final.rollout.base import Backend, Capabilities, Observer
 from final.rollout.sglang.config import check_sampling_kwargs, preflight, require_sglang, sglang_device, \

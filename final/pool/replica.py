@@ -1,6 +1,6 @@
 """Replicas on Ray: the actor that owns one InferenceEngine, and the Ray side of a pool of them.
 
-final.distributed.ReplicaPool shares the work out; this module starts, joins and stops Ray, places the actors (a GPU
+final.pool.ReplicaPool shares the work out; this module starts, joins and stops Ray, places the actors (a GPU
 each, or a share of the CPUs), and translates Ray's exceptions: a replica's own error is raised as InferenceEngine
 raised it, and a replica whose process is gone is recognised with Ray's reason. Pools still open at interpreter
 exit are shut down (watch_pool).

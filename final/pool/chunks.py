@@ -1,4 +1,4 @@
-"""How a pool of replicas (final.distributed) cuts a call into chunks, and puts their rows back in order."""
+"""How a pool of replicas (final.pool) cuts a call into chunks, and puts their rows back in order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""final.distributed on a real local Ray cluster: two replicas of the tiny model (each an InferenceEngine in its own
+"""final.pool on a real local Ray cluster: two replicas of the tiny model (each an InferenceEngine in its own
 Ray actor) give exactly what one InferenceEngine gives, rows in the caller's order, cartridges and tools included,
 and a replica killed mid-call loses no row.
 
@@ -26,7 +26,8 @@ import torch
 from cartridges_helpers import random_cart
 from conftest import TINY, tiny_config
 from final.cartridges.format import save_cartridge
-from final.distributed import Chunk, ReplicaPool, open_engine, plan_chunks
+from final.pool import ReplicaPool, open_engine
+from final.pool.chunks import Chunk, plan_chunks
 from final.errors import CartridgeError, ConfigError, ModelError, PromptError, ReplicaError, SamplingError
 from final.inf import InferenceEngine
 

@@ -37,11 +37,11 @@ from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
-from final.chunks import Chunk, assemble, plan_chunks
 from final.versions import PolicyVersions
 from final.weights import named_tensors
-from final.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason, release_ray,
-                           start_replicas, stop_actors, watch_pool)
+from final.pool.chunks import Chunk, assemble, plan_chunks
+from final.pool.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason,
+                                release_ray, start_replicas, stop_actors, watch_pool)
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
@@ -149,6 +149,7 @@ class ReplicaPool:
         return request.scores(self.run(request).metadata)
 
     def run(self, request: Request) -> GenerationOutput:
+        """Run a prepared call on the replicas (blocking): one GenerationOutput in the caller's order."""
         return run_blocking(self.arun(request))
 
     async def arun(self, request: Request) -> GenerationOutput:
@@ -180,9 +181,11 @@ class ReplicaPool:
             yield row
 
     def tool_schemas(self) -> list[dict]:
+        """The tools' OpenAI schemas, as every replica offers them."""
         return list(self._tool_schemas)
 
     def tool_names(self) -> list[str]:
+        """The names of the tools every replica offers."""
         return [t["function"]["name"] for t in self._tool_schemas]
 
     def cartridge_ids(self) -> list[str] | None:

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from final import dist as fdist
+from final import process_group as fdist
 
 
 def test_process_group_is_idempotent_and_cleans_up(monkeypatch):
