@@ -38,7 +38,8 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
+def locked(name: str) -> Iterator[None]:
+    """An exclusive fcntl lock on $FINAL_CACHE/locks/<name>.lock between processes (model builds, kernel builds)."""
     lock_dir = cache_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / f"{name}.lock", "w") as fh:
@@ -54,7 +55,7 @@ def _build_once(name: str, build: Callable[[Path], None]) -> str:
     target = cache_dir() / MODEL_CACHE / name
     if (target / "config.json").exists():
         return str(target)
-    with _locked(name):
+    with locked(name):
         if (target / "config.json").exists():
             return str(target)
         target.parent.mkdir(parents=True, exist_ok=True)

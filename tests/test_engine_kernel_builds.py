@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from final.engine import kernels
+from final.engine.kernels import builds
 from final.engine.kernels import KernelError, dequantize
 from test_engine_gemv import ISAS_HERE, KERNEL, bf16_dp_slack, needs_kernel
 
@@ -42,9 +43,9 @@ def test_every_instruction_set_this_cpu_runs_matches_torch(isa):
 
 def test_the_builds_tried_follow_the_cpus_flags_and_final_gemv_isa(monkeypatch, caplog):
     monkeypatch.delenv("FINAL_GEMV_ISA", raising=False)
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "sse4_2"})
+    monkeypatch.setattr(builds, "cpu_flags", lambda: {"avx2", "fma", "sse4_2"})
     assert kernels.candidate_isas() == ["avx2"]
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    monkeypatch.setattr(builds, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
     assert kernels.candidate_isas() == ["avx512", "avx2"]
     monkeypatch.setenv("FINAL_GEMV_ISA", "avx2")
     assert kernels.candidate_isas() == ["avx2"]
@@ -52,7 +53,7 @@ def test_the_builds_tried_follow_the_cpus_flags_and_final_gemv_isa(monkeypatch, 
     with pytest.raises(KernelError, match="FINAL_GEMV_ISA='sse9'"):
         kernels.candidate_isas()
     with caplog.at_level(logging.WARNING, logger="final.engine.kernels"):
-        assert kernels._load() is None
+        assert kernels._load()[0] is None
     assert "FINAL_GEMV_ISA='sse9'" in caplog.text
 
 
@@ -68,7 +69,7 @@ def test_a_build_that_fails_falls_back_to_the_next(monkeypatch, caplog):
 
     monkeypatch.setattr(kernels, "build", build)
     with caplog.at_level(logging.INFO, logger="final.engine.kernels"):
-        kernel = kernels._load()
+        kernel, _ = kernels._load()
     assert kernel is not None and kernel.isa == "avx2"
     assert "runs the avx2 build" in caplog.text and "stand-in failure" in caplog.text
 

@@ -8,8 +8,8 @@ into its blocked layout 17-42 GB/s (bench/gemv.py, bench/RESULTS.md). Three ways
   after, a product), more rows (prefill, big batches) through oneDNN on that same dense tensor. One copy.
 - `pack`: the weight reordered once into oneDNN's layout, the dense copy dropped (bf16; fp32 without the kernel).
 - neither: F.linear on the dense weight (another device, no oneDNN, or a packed product that disagreed).
-Weight-only modes (`quantization`, the activations and sums stay fp32): Int8Linear (int8 + a scale per 32) and
-Bf16Linear (bf16), each half or a quarter of fp32's bytes for decode to stream.
+Weight-only modes (`quantization`, the activations and sums stay fp32): Int8Linear (int8 + a scale per 32, on the
+kernel only) and Bf16Linear (bf16), each half or a quarter of fp32's bytes for decode to stream.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -216,22 +215,14 @@ def _scratch(n: int, k: int) -> torch.Tensor:
     return buf[: n * k].view(n, k)
 
 
-def int8_available() -> bool:
-    """fbgemm's dynamic int8 linear (x86 CPUs with AVX2): what `quantization: int8` runs on."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
 class Int8Linear(_Gemv):
-    """y ~= x @ W.T (+ b) with W held as int8.
-
-    With the gemv kernel (and rows a multiple of 32 long): int8 with one fp32 scale per 32 weights (llama.cpp's
-    Q8_0 block), weight-only: the activations stay near fp32 (int16 per 32-block, ~1e-5), so a row's result does
-    not depend on the other rows. Every row count runs on the kernel (INT8_GEMV_ROWS). Without the kernel:
-    fbgemm's dynamic int8 GEMM (one scale per row), which quantizes the activations too, per call (one 7-bit scale
-    over the step's rows): measured on SmolLM2 that costs a teacher-forced KL of 0.19 from fp32 (80% argmax
-    agreement) where weight-only int8 costs 0.0013 (99%), bench/RESULTS.md. Opt-in speed mode. Measured first
-    (AVX2, one thread, SmolLM2's matrices at M=1): torch's weight-only `_weight_int8pack_mm` takes 4x fp32's time
-    with fp32 activations and 0.6x with bf16 ones but 1.3x at M=8; `_int_mm` 3x; fbgemm 0.3x.
+    """y ~= x @ W.T (+ b) with W held as int8 with one fp32 scale per 32 weights (llama.cpp's Q8_0 block), on the
+    gemv kernel at every row count (INT8_GEMV_ROWS), weight-only: the activations stay near fp32 (int16 per
+    32-block, ~1e-5), so a row's result does not depend on the other rows. Measured on SmolLM2: a teacher-forced
+    KL of 0.0013 from fp32 (99% argmax agreement), bench/RESULTS.md. There is no torch path: fbgemm's dynamic int8
+    (7-bit activations per call) cost a KL of 0.24, and torch's weight-only products (`_weight_int8pack_mm`,
+    dequantizing per call) ran slower than fp32, so `quantization: int8` without the kernel is a ConfigError at
+    engine start (model.check_quantization) rather than another model's numbers or a slow speed mode.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: GemvKernel | None = None,
@@ -240,45 +231,33 @@ class Int8Linear(_Gemv):
         weight update quantizes into the same place."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError("int8 weights need a float32 model on CPU")
-        self._arena = arena
         self.out_features, self.in_features = weight.shape
+        if gemv is None or self.in_features % Q8_BLOCK or self.out_features % Q8_ROWS:
+            raise ValueError(f"int8 weights need the gemv kernel and a matrix of rows of {Q8_BLOCK}s in groups of "
+                             f"{Q8_ROWS} rows, not [{self.out_features}, {self.in_features}]")
+        self._arena = arena
         self.dtype, self.device = weight.dtype, weight.device
         self.weight = None  # only the int8 matrix is kept
-        # the kernel's int8 blocks tile each row, and its groups of Q8_ROWS rows the matrix
-        self.gemv = gemv if self.in_features % Q8_BLOCK == 0 and self.out_features % Q8_ROWS == 0 else None
-        self.gemv_rows = INT8_GEMV_ROWS
-        self.q = self.scale = self.packed = None
+        self.gemv, self.gemv_rows = gemv, INT8_GEMV_ROWS
+        self.q = self.scale = None
         self._quantize(weight, bias)
 
     def _quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = bias  # added apart: a weight update writes into it in place (model.load_hf_weight)
-        if self.gemv is not None:
-            q, scale = kernel_quantize(weight)
-            if self.q is not None:  # an update: into the same tensors (the kernel's addresses stay valid)
-                self.q.copy_(q)
-                self.scale.copy_(scale)
-            elif self._arena is not None:
-                self.q, self.scale = self._arena.take(q), self._arena.take(scale)
-            else:
-                self.q, self.scale = q, scale
-            return
-        scale = (weight.abs().amax(dim=1).double() / 127).clamp_min(1e-12)
-        zero = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; fbgemm still needs it
-            warnings.simplefilter("ignore")
-            q = torch.quantize_per_channel(weight.float(), scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(q, None)
+        q, scale = kernel_quantize(weight)
+        if self.q is not None:  # an update: into the same tensors (the kernel's addresses stay valid)
+            self.q.copy_(q)
+            self.scale.copy_(scale)
+        elif self._arena is not None:
+            self.q, self.scale = self._arena.take(q), self._arena.take(scale)
+        else:
+            self.q, self.scale = q, scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.numel() // x.shape[-1]
-        if self.fuses(m):
-            return self._kernel(x)
-        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)  # reduce_range: no int16 overflow on AVX2
-        return y if self.bias is None else y + self.bias
+        return self._kernel(x)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        m = x.numel() // x.shape[-1]
-        return self._kernel(x, res=residual) if self.fuses(m) else residual + self(x)
+        return self._kernel(x, res=residual)
 
     def _gemv_weight(self) -> torch.Tensor:
         return self.q
@@ -288,13 +267,11 @@ class Int8Linear(_Gemv):
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out, in]."""
-        if self.q is not None:
-            return dequantize(self.q, self.scale)
-        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        return dequantize(self.q, self.scale)
 
     def set_rows(self, lo: int, hi: int, value: torch.Tensor) -> None:
         """A weight update: dequantize, overwrite rows lo:hi, quantize again (the other rows get their int8 values
-        back: a dequantized block or row quantizes to itself)."""
+        back: a dequantized block quantizes to itself)."""
         self.set_row_blocks([(lo, hi, value)])
 
     def set_row_blocks(self, blocks: list[tuple[int, int, torch.Tensor]]) -> None:
@@ -306,10 +283,7 @@ class Int8Linear(_Gemv):
 
     @property
     def nbytes(self) -> int:
-        if self.q is not None:  # int8 values + an fp32 scale per 32
-            n = self.q.numel() + self.scale.numel() * 4
-        else:  # int8 values + a double scale per row
-            n = self.out_features * self.in_features + 8 * self.out_features
+        n = self.q.numel() + self.scale.numel() * 4  # int8 values + an fp32 scale per 32
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from final.config import LOCAL_QUANTIZATIONS
 from final.engine.arena import WeightArena
-from final.engine.kernels import Q8_BLOCK, address
+from final.engine.kernels import Q8_BLOCK, Q8_ROWS, abi, address, gemv_kernel, unavailable
 from final.engine.kv_cache import KVCache
-from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, int8_available, packing_enabled
-from final.engine.weights import load_weights
+from final.engine.linear import Bf16Linear, Int8Linear, Linear, gemv_enabled, packing_enabled
+from final.engine.weights import load_weights, parameter_shapes
 from final.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ class ModelSpec:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    qkv_bias: bool
     qk_norm: bool
 
     @property
@@ -69,7 +68,6 @@ class ModelSpec:
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
-            qkv_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
         )
 
@@ -89,7 +87,8 @@ class AttentionPlan(Protocol):
 
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """A typed error naming the config key for a quantization this model, device or CPU cannot run."""
+    """A typed error naming the config key for a quantization this model, device or CPU cannot run (int8: the
+    engine's kernel must run here; int8_shapes checks the model's matrices once it is read)."""
     key = "rollout.engine_kwargs.local.quantization"
     if quantization is None:
         return
@@ -97,8 +96,21 @@ def check_quantization(quantization: str | None, device: torch.device, dtype: to
         raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {quantization!r}", key=key)
     if device.type != "cpu" or dtype != torch.float32:
         raise ConfigError(f"{quantization} runs on CPU with dtype float32 (auto), not {device.type} {dtype}", key=key)
-    if quantization == "int8" and not int8_available():
-        raise ConfigError("int8 needs torch's fbgemm quantized engine (an x86 CPU with AVX2)", key=key)
+    if quantization == "int8" and gemv_kernel() is None:
+        raise ConfigError(f"int8 runs on the engine's C kernel only, which cannot run here: {unavailable()} "
+                          "(use quantization: bf16 or null)", key=key)
+
+
+def int8_shapes(hf, quantization: str | None) -> None:
+    """For int8, a ConfigError naming the first matrix it cannot hold: the kernel's blocks need rows of 32s
+    (in_features) and groups of 16 rows (out_features)."""
+    int8 = quantization == "int8"
+    linears = [(n, m) for n, m in hf.named_modules() if int8 and isinstance(m, torch.nn.Linear)]
+    for name, module in linears:
+        if module.in_features % Q8_BLOCK or module.out_features % Q8_ROWS:
+            raise ConfigError(f"int8 needs every matrix's in_features a multiple of {Q8_BLOCK} and out_features of "
+                              f"{Q8_ROWS}; {name} is [{module.out_features}, {module.in_features}]",
+                              key="rollout.engine_kwargs.local.quantization")
 
 
 def _arena_for(hf, tied: bool, quantization: str | None) -> WeightArena:
@@ -112,6 +124,16 @@ def _arena_for(hf, tied: bool, quantization: str | None) -> WeightArena:
     if quantization == "int8":
         return WeightArena(WeightArena.size([n for w in mats for n in (w.numel(), w.numel() // Q8_BLOCK * 4)]))
     return WeightArena(WeightArena.size([w.numel() * (2 if quantization == "bf16" else 4) for w in mats]))
+
+
+def _check_held(model: "CausalLM", hf, path: str) -> None:
+    """ModelError naming the HF parameters the engine's layout has no place for (a bias or norm of an architecture
+    variant this loader does not know would otherwise be dropped silently)."""
+    held = parameter_shapes(model)
+    dropped = [name for name, _ in hf.named_parameters() if name not in held]
+    if dropped:
+        raise ModelError(f"the embedded engine does not hold {', '.join(dropped[:4])}"
+                         f"{f' (and {len(dropped) - 4} more)' if len(dropped) > 4 else ''} of {path}")
 
 
 def _rope_tables(rotary, positions: int, dtype: torch.dtype, device: torch.device
@@ -146,6 +168,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
 
 
 Matrix = Linear | Int8Linear | Bf16Linear  # a weight matrix, fp32 (or the model dtype), int8 or bf16
+
+
+def _biases(*projections: torch.nn.Linear) -> torch.Tensor | None:
+    """The fused matrix's bias: its parts' biases end to end (zeros for a part without one), or None if none has
+    one (HF: attention_bias gives q, k, v and o theirs, Qwen2 q, k and v, mlp_bias gate, up and down)."""
+    if all(p.bias is None for p in projections):
+        return None
+    return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=p.weight.dtype)
+                      for p in projections]).detach().contiguous()
 
 
 @dataclass
@@ -201,12 +232,14 @@ class CausalLM:
         with torch.device("cpu"):
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
         spec = ModelSpec.from_hf_config(hf.config)
+        int8_shapes(hf, quantization)
 
         def t(x: torch.Tensor) -> torch.Tensor:
             return x.detach().to(device).contiguous()
 
         pack = packing_enabled(device, dtype)
-        gemv = gemv_enabled(device, dtype)  # fp32 on CPU (which int8 and bf16 need too): the kernel takes all three
+        # fp32 on CPU (which int8 and bf16 need too): the kernel takes all three; int8 with or without oneDNN
+        gemv = gemv_kernel() if quantization == "int8" else gemv_enabled(device, dtype)
         base = hf.model
         tied = hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
         # the fp32, bf16 or int8 weights the kernel streams, in one buffer on huge pages (final/engine/arena.py)
@@ -233,17 +266,20 @@ class CausalLM:
             att, mlp = theirs.self_attn, theirs.mlp
             layers.append(Layer(
                 wqkv=lin(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                         torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]) if spec.qkv_bias else None),
-                wo=lin(att.o_proj.weight),
-                w_gate_up=lin(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                w_down=lin(mlp.down_proj.weight),
+                         _biases(att.q_proj, att.k_proj, att.v_proj)),
+                wo=lin(att.o_proj.weight, att.o_proj.bias),
+                w_gate_up=lin(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                              _biases(mlp.gate_proj, mlp.up_proj)),
+                w_down=lin(mlp.down_proj.weight, mlp.down_proj.bias),
                 in_norm=t(theirs.input_layernorm.weight),
                 post_norm=t(theirs.post_attention_layernorm.weight),
                 q_norm=t(att.q_norm.weight) if spec.qk_norm else None,
                 k_norm=t(att.k_norm.weight) if spec.qk_norm else None,
             ))
         cos, sin = _rope_tables(base.rotary_emb, spec.max_position_embeddings, dtype, device)
-        return cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin, tied=tied)
+        model = cls(spec, embed, lm_head, t(base.norm.weight), layers, cos, sin, tied=tied)
+        _check_held(model, hf, path)
+        return model
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
@@ -310,19 +346,20 @@ class CausalLM:
         return self._buffers[1], self._buffers[2]
 
     def _kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the kernel's decode step reads, as int64 addresses: [layers, 11] per layer (gemv.c's W_* order) and
-        [3] the lm_head's weight, its int8 scales (or 0) and the final norm. Built once: every weight update writes
+        """What the kernel's decode step reads, as int64 addresses: a row per layer in abi.LAYER_FIELDS' order (the
+        matrices, their int8 scales and biases, or 0, the norms) and abi.HEAD_FIELDS' (the lm_head's weight, its
+        int8 scales or 0, the final norm). Built once: every weight update writes
         into these tensors in place (load_hf_weight; int8 quantizes into its own place too)."""
         if self._tables is None:
             rows = []
             for layer in self.layers:
-                mats = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                rows.append([address(m._gemv_weight()) for m in mats] + [address(m._gemv_scale()) for m in mats]
-                            + [address(layer.wqkv.bias), address(layer.in_norm), address(layer.post_norm)])
-            head = self.lm_head
+                fields = {"n_in": layer.in_norm, "n_post": layer.post_norm}
+                for name, m in (("qkv", layer.wqkv), ("o", layer.wo), ("gu", layer.w_gate_up), ("d", layer.w_down)):
+                    fields.update({f"w_{name}": m._gemv_weight(), f"s_{name}": m._gemv_scale(), f"b_{name}": m.bias})
+                rows.append([address(fields[f]) for f in abi.LAYER_FIELDS])
+            head = {"h_w": self.lm_head._gemv_weight(), "h_s": self.lm_head._gemv_scale(), "h_norm": self.norm}
             self._tables = (torch.tensor(rows, dtype=torch.int64),
-                            torch.tensor([address(head._gemv_weight()), address(head._gemv_scale()),
-                                          address(self.norm)], dtype=torch.int64))
+                            torch.tensor([address(head[f]) for f in abi.HEAD_FIELDS], dtype=torch.int64))
         return self._tables
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True, normed: bool = True) -> torch.Tensor:

@@ -41,6 +41,10 @@ def parameter_shapes(model: "CausalLM") -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (hidden, q_out)
         shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
         shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        for module, matrix, out in (("self_attn.o_proj", layer.wo, hidden), ("mlp.gate_proj", layer.w_gate_up, inter),
+                                    ("mlp.up_proj", layer.w_gate_up, inter), ("mlp.down_proj", layer.w_down, hidden)):
+            if matrix.bias is not None:
+                shapes[p + module + ".bias"] = (out,)
         for hf, ours in _NORMS.items():
             if getattr(layer, ours) is not None:
                 shapes[p + hf + ".weight"] = tuple(getattr(layer, ours).shape)
@@ -92,13 +96,19 @@ def _targets(model: "CausalLM", name: str) -> list:
             return [(layer.wqkv, lo, hi)]
         if kind == "bias" and layer.wqkv.bias is not None:
             return [layer.wqkv.bias[lo:hi]]
-    elif module in ("mlp.gate_proj", "mlp.up_proj") and kind == "weight":
+    elif module in ("mlp.gate_proj", "mlp.up_proj"):
         inter = layer.w_down.in_features
         lo = 0 if module == "mlp.gate_proj" else inter
-        return [(layer.w_gate_up, lo, lo + inter)]
-    elif module in ("self_attn.o_proj", "mlp.down_proj") and kind == "weight":
+        if kind == "weight":
+            return [(layer.w_gate_up, lo, lo + inter)]
+        if kind == "bias" and layer.w_gate_up.bias is not None:
+            return [layer.w_gate_up.bias[lo:lo + inter]]
+    elif module in ("self_attn.o_proj", "mlp.down_proj"):
         matrix = layer.wo if module == "self_attn.o_proj" else layer.w_down
-        return [(matrix, 0, matrix.out_features)]
+        if kind == "weight":
+            return [(matrix, 0, matrix.out_features)]
+        if kind == "bias" and matrix.bias is not None:
+            return [matrix.bias]
     elif module in _NORMS and kind == "weight" and getattr(layer, _NORMS[module]) is not None:
         return [getattr(layer, _NORMS[module])]
     raise WeightsError("is not a parameter of this model", name)

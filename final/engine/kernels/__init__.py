@@ -1,13 +1,17 @@
-"""The engine's own CPU kernel (gemv.c: decode at memory bandwidth), built and loaded here.
+"""The engine's own CPU kernel (gemv.c: decode at memory bandwidth), loaded and called here.
 
 gemv.c has two entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm
 or SwiGLU before and bias/residual after), and `final_decode_step`, a whole decode step (embedding to logits) in one
-call; products.h holds their row loops. Built once with the system gcc (the one a fresh machine already has for pip) into $FINAL_CACHE/kernels,
-named by a hash of the source, flags and compiler, so an edit or another gcc rebuilds it; scripts/install.sh
-builds it ahead (`python -m final.engine.kernels`, __main__.py) so a first engine does not wait. Loaded through
-ctypes (no torch headers, no ninja: a 1 s build), checked against torch on random data before first use. Anything unusual (no gcc, a
-failed build, a CPU without AVX2/FMA, a wrong answer, FINAL_GEMV=0) leaves `gemv_kernel()` None with the reason
-logged once, and the engine uses torch's kernels (final/engine/linear.py) as before.
+call; products.h holds their row loops. abi.py defines their parameters and tables once (gemv.c is compiled
+against the header it generates, and a library of another interface is refused at load); builds.py compiles it
+with the system gcc into $FINAL_CACHE/kernels under a key of the sources, flags and compiler, locked between
+processes; scripts/install.sh builds it ahead (`python -m final.engine.kernels`) so a first engine does not wait.
+Loaded through ctypes (no torch headers, no ninja), then checked against torch (check.py: products at 1 and 3
+rows, decode steps of a random model) before first use; a cached library that fails to load or check is built
+again once. The C side checks sizes and allocations (ValueError, IndexError, MemoryError here, nothing run).
+Anything unusual (no gcc, a failed build, a CPU without AVX2/FMA, a wrong answer, FINAL_GEMV=0) leaves
+`gemv_kernel()` None with the reason logged once (`unavailable()`): fp32 and bf16 then use torch's kernels
+(final/engine/linear.py), and int8, which runs on this kernel only, is a ConfigError at engine start.
 
 One build per instruction set (ISAS): the AVX2 loops everywhere, and where the CPU has AVX-512 (avx512.h) 512-bit
 int8 loops and, with AVX512-BF16, bf16 dot products. The best ISA the CPU lists is built and checked first; one
@@ -17,113 +21,34 @@ and benchmarks compare them on one machine).
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import threading
 from array import array
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from final.engine.kernels import abi
+from final.engine.kernels.builds import ISAS, KernelError, build, candidate_isas, cpu_flags  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.c")
-# what SOURCE includes (in the cache key too)
-HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "team.h", "avx512.h", "attention.h")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-# 512-bit where avx512.h asks for it; gcc's own vectorizing stays 256-bit (its zmm loops made a bf16 batch-1 step
-# 4-6% slower on Zen 4, measured against the same build with this flag)
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=256"]
-# name -> (extra gcc flags, the /proc/cpuinfo flags it needs), best first; gemv.c's final_gemv_cpu_ok checks the same
-# (the bf16 build takes AVX512-VNNI too, for int8's vpdpwssd: every CPU with AVX512-BF16 so far has it)
-ISAS = {"avx512bf16": (_AVX512 + ["-mavx512bf16", "-mavx512vnni"],
-                       {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
-        "avx512": (_AVX512, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-        "avx2": ([], {"avx2", "fma"})}
-ABI = 12  # final_gemv_abi() of the source this wrapper speaks to
 Q8_BLOCK = 32  # int8 weights one kernel scale covers (products.h); K must be a multiple
 Q8_ROWS = 16  # int8 output rows the kernel stores side by side (products.h q8_group); N must be a multiple
-KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # products.h's W_F32, W_Q8, W_BF16
-PREP_NONE, PREP_NORM, PREP_GLU = 0, 1, 2
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+KINDS = {torch.float32: abi.KINDS["W_F32"], torch.int8: abi.KINDS["W_Q8"], torch.bfloat16: abi.KINDS["W_BF16"]}
+PREP_NONE, PREP_NORM, PREP_GLU = (abi.PREPS[k] for k in ("PREP_NONE", "PREP_NORM", "PREP_GLU"))
 
 
-class KernelError(RuntimeError):
-    """The kernel could not be built, loaded or trusted on this machine (the engine falls back, saying why)."""
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or "gcc"
-    found = shutil.which(cc) or (shutil.which("cc") if "CC" not in os.environ else None)
-    if not found:
-        raise KernelError(f"no C compiler: {cc!r} is not on PATH" + (" (the CC variable)" if "CC" in os.environ else ""))
-    return found
-
-
-def flags(isa: str) -> list[str]:
-    """gcc's flags for `isa`'s build, and FINAL_GEMV_CFLAGS' (e.g. -DFINAL_PHASES for bench/profile_decode.py
-    --phases), which are in the cache key too."""
-    return FLAGS + ISAS[isa][0] + os.environ.get("FINAL_GEMV_CFLAGS", "").split()
-
-
-def library_path(cc: str, isa: str = "avx2") -> Path:
-    from final.models import cache_dir
-
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    text = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
-    key = hashlib.sha256(text + " ".join(flags(isa)).encode() + version.encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"gemv-{isa}-{key}.so"
-
-
-def build(isa: str = "avx2") -> Path:
-    """The shared library for this source, instruction set and compiler, compiled if not cached yet."""
-    cc = _compiler()
-    out = library_path(cc, isa)
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([cc, *flags(isa), "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True,
-                          check=False)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise KernelError(f"{cc} could not build {SOURCE.name} for {isa}: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
-    for old in out.parent.glob(f"gemv-{isa}-*.so"):  # earlier sources' builds (a loaded one keeps its map)
-        if old != out:
-            old.unlink(missing_ok=True)
-    for old in out.parent.glob("gemv-????????????????.so"):  # builds from before there was one per ISA
-        old.unlink(missing_ok=True)
-    return out
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none: then only the library's own
-    check decides)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def candidate_isas() -> list[str]:
-    """The builds to try, best first: FINAL_GEMV_ISA's alone if set, else every ISA whose flags the CPU lists."""
-    forced = os.environ.get("FINAL_GEMV_ISA")
-    if forced:
-        if forced not in ISAS:
-            raise KernelError(f"FINAL_GEMV_ISA={forced!r} is none of {sorted(ISAS)}")
-        return [forced]
-    have = cpu_flags()
-    return [isa for isa, (_, need) in ISAS.items() if not have or need <= have]
+def _status(code: int, what: str) -> None:
+    """A C entry point's status as a typed error: MemoryError (an allocation failed), ValueError (sizes the kernel
+    refuses); nothing ran in either case."""
+    if code == abi.STATUS["FINAL_ENOMEM"]:
+        raise MemoryError(f"the engine's kernel could not allocate its buffers for {what}")
+    if code == abi.STATUS["FINAL_ESHAPE"]:
+        raise ValueError(f"the engine's kernel refuses the sizes of {what}")
 
 
 class GemvKernel:
@@ -131,24 +56,34 @@ class GemvKernel:
 
     def __init__(self, path: Path, isa: str = "avx2"):
         lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for the call
-        if lib.final_gemv_abi() != ABI:
-            raise KernelError(f"{path} speaks ABI {lib.final_gemv_abi()}, this wrapper {ABI}")
-        if not lib.final_gemv_cpu_ok():
-            raise KernelError(f"this CPU lacks what the {isa} build needs ({', '.join(sorted(ISAS[isa][1]))})")
-        self.isa = isa
-        self._fn = lib.final_gemv
-        self._fn.argtypes = [_P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _P, _F, _P, _P]
-        self._fn.restype = None
-        self._step = lib.final_decode_step
-        self._step.argtypes = [_P, _I, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, _I, _I, _I, _I, _I, _I, _I, _P,
-                               _P, _P, _P, ctypes.c_int64, _F, _F, _P, _I, _P, _P, _P]
-        self._step.restype = _I
-        self._step_floats = lib.final_decode_step_floats
-        self._step_floats.argtypes = [_I] * 6
-        self._step_floats.restype = ctypes.c_int64
-        self._phases = lib.final_phase_cycles
-        self._phases.argtypes = [_P]
-        self.path = path
+        try:
+            lib.final_abi_text.restype = ctypes.c_char_p
+            built = lib.final_abi_text().decode()
+            if built != abi.text():
+                raise KernelError(f"{path} was built for another interface ({built[:60]}...), not abi.py's")
+            if not lib.final_gemv_cpu_ok():
+                raise KernelError(f"this CPU lacks what the {isa} build needs ({', '.join(sorted(ISAS[isa][1]))})")
+            fns = {name: abi.bind(lib, name) for name in abi.FUNCTIONS}
+        except AttributeError as exc:  # a library without the kernel's entry points
+            self._close(lib)
+            raise KernelError(f"{path} is not a build of gemv.c ({exc})") from exc
+        except KernelError:
+            self._close(lib)
+            raise
+        self._lib, self.isa, self.path = lib, isa, path
+        self._fn, self._step = fns["final_gemv"], fns["final_decode_step"]
+        self._step_floats, self._phases = fns["final_decode_step_floats"], fns["final_phase_cycles"]
+        self._team_check = fns["final_team_check"]
+
+    @staticmethod
+    def _close(lib: ctypes.CDLL) -> None:
+        """Unload a library that failed its checks, so a rebuilt file at the same path loads anew (dlopen would
+        hand back the loaded one by name)."""
+        _ctypes.dlclose(lib._handle)
+
+    def close(self) -> None:
+        """Unload (kernels.load after a failed self-check; no call may run or follow)."""
+        self._close(self._lib)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  res: torch.Tensor | None = None, prep: int = PREP_NONE, norm: torch.Tensor | None = None,
@@ -159,8 +94,10 @@ class GemvKernel:
         n, k = w.shape
         y = torch.empty(m, n, dtype=torch.float32)
         scratch = torch.empty(m, k, dtype=torch.float32) if prep != PREP_NONE else None
-        self._fn(x.data_ptr(), m, k, w.data_ptr(), KINDS[w.dtype], address(scale), n, address(bias), address(res),
-                 prep, address(norm), eps, address(scratch), y.data_ptr())
+        _status(self._fn(*abi.args("final_gemv", x=x.data_ptr(), M=m, K=k, w=w.data_ptr(), kind=KINDS[w.dtype],
+                                   scale=address(scale), N=n, bias=address(bias), res=address(res), prep=prep,
+                                   g=address(norm), eps=eps, scratch=address(scratch), y=y.data_ptr())),
+                f"a [{m}, {k}] x [{n}, {k}] {w.dtype} product")
         return y
 
     def step_floats(self, m: int, hidden: int, inter: int, heads: int, kv_heads: int, dim: int) -> int:
@@ -177,26 +114,41 @@ class GemvKernel:
         residual, RMSNorm, gate|up, SwiGLU, down + residual), the final norm and the lm_head. step: int64 array
         [3 M]: token ids, positions, cached lengths. embed [vocab, hidden]; cos/sin_signed [positions, D] (the
         rope tables). kind: the matrices' dtype (fp32, bf16 or int8, one for all, the lm_head's too). weights [L,
-        11] int64 (gemv.c's W_* fields: the matrices' addresses, their int8 scales or 0, the qkv bias or 0, the
-        two norms), caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape];
-        head [3] int64: the lm_head's weight, its int8 scales or 0, the final norm. buffers: x [M, hidden] and
+        len(abi.LAYER_FIELDS)] int64 (the matrices' addresses, their int8 scales and biases or 0, the two norms),
+        caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; head
+        [len(abi.HEAD_FIELDS)] int64: the lm_head's weight, its int8 scales or 0, the final norm. buffers: x [M,
+        hidden] and
         work [step_floats(...)] floats. prefixes: the rows' cartridges, ([M, L, 2] int64 K/V addresses of [Hkv,
         p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before each row's own tokens. Contiguous
-        fp32. IndexError for a token id or position past the tables (nothing runs then)."""
+        fp32. Nothing runs on an IndexError (a token id or position past the tables, a cached length with no slot
+        left in T), ValueError (sizes no model has: H not a multiple of Hkv, a work buffer too small) or
+        MemoryError (the kernel's buffers)."""
         m = len(step) // 3
         vocab, hidden = embed.shape
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
         x, work = buffers
         ptab, plens = prefixes if prefixes is not None else (None, None)
-        bad = self._step(step.buffer_info()[0], m, embed.data_ptr(), vocab, cos.data_ptr(), sin_signed.data_ptr(),
-                         cos.shape[0], hidden, inter, heads, kv_heads, dim, layers, KINDS[kind], weights.data_ptr(),
-                         caches.data_ptr(), address(ptab), address(plens), tokens, scale, eps, head.data_ptr(),
-                         logits.shape[1], x.data_ptr(), logits.data_ptr(), work.data_ptr())
-        if bad:
-            row = bad - 1
-            raise IndexError(f"decode row {row}: token id {step[row]} (vocabulary {vocab}) or position "
-                             f"{step[m + row]} (rope tables {cos.shape[0]}) out of range")
+        code = self._step(*abi.args(
+            "final_decode_step", rows=step.buffer_info()[0], M=m, embed=embed.data_ptr(), vocab=vocab,
+            cos=cos.data_ptr(), sin=sin_signed.data_ptr(), span=cos.shape[0], hidden=hidden, inter=inter, H=heads,
+            Hkv=kv_heads, D=dim, layers=layers, kind=KINDS[kind], wtab=weights.data_ptr(), ctab=caches.data_ptr(),
+            ptab=address(ptab), plens=address(plens), T=tokens, scale=scale, eps=eps, head=head.data_ptr(),
+            V=logits.shape[1], x=x.data_ptr(), logits=logits.data_ptr(), work=work.data_ptr(),
+            work_floats=work.numel()))
+        if code > 0:
+            row = code - 1
+            raise IndexError(f"decode row {row}: token id {step[row]} (vocabulary {vocab}), position "
+                             f"{step[m + row]} (rope tables {cos.shape[0]}), cached length {step[2 * m + row]} "
+                             f"(cache {tokens} tokens) or prefix length out of range")
+        _status(code, f"a decode step of {m} rows ({heads} heads, {kv_heads} KV heads, head size {dim})")
+
+    def team_check(self, late_us: int) -> int:
+        """How many times the team's waiting threads slept in the kernel while one thread arrived late_us late at
+        the barrier (team.h: spin, yield, then sleep); 0 with one thread."""
+        sleeps = self._team_check(late_us)
+        _status(sleeps, "the team check")
+        return sleeps
 
     def phase_cycles(self) -> torch.Tensor | None:
         """A -DFINAL_PHASES build's TSC cycles since the last call, [threads, 2 (in the phase, of it waiting in a
@@ -206,27 +158,10 @@ class GemvKernel:
         return out[:64 * 2 * n].view(64, 2, n) if n else None
 
     def self_check(self) -> None:
-        """Every prep and epilogue against torch on odd shapes (tails of rows, of K and of the row pairs)."""
-        g = torch.Generator().manual_seed(0)
-        w, x = torch.randn(13, 37, generator=g), torch.randn(3, 74, generator=g)
-        bias, res, norm = torch.randn(13, generator=g), torch.randn(3, 13, generator=g), torch.randn(37, generator=g)
-        h = F.rms_norm(x[:, :37], (37,), norm, 1e-6)
-        tol = 1e-4
-        cases = [(self(x[:, :37].contiguous(), w), F.linear(x[:, :37], w), tol),
-                 (self(x[:, :37].contiguous(), w, bias, res), res + F.linear(x[:, :37], w, bias), tol),
-                 (self(x[:, :37].contiguous(), w, prep=PREP_NORM, norm=norm, eps=1e-6), F.linear(h, w), tol),
-                 (self(x, w, res=res, prep=PREP_GLU), res + F.linear(F.silu(x[:, :37]) * x[:, 37:], w), tol)]
-        q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=g)  # two groups of Q8_ROWS
-        scale = torch.rand(32, 64 // Q8_BLOCK, generator=g) / 100
-        bias32, res32 = torch.randn(32, generator=g), torch.randn(3, 32, generator=g)
-        want = res32 + F.linear(x[:, :64], dequantize(q, scale), bias32)
-        # int8 rounds x to int16 per 32-block: ~1e-5 of the output's scale, as the tests allow
-        cases.append((self(x[:, :64].contiguous(), q, bias32, res32, scale=scale), want, tol * want.abs().max().item()))
-        wb = w.bfloat16()
-        cases.append((self(x[:, :37].contiguous(), wb, bias, res), res + F.linear(x[:, :37], wb.float(), bias), tol))
-        for i, (got, want, atol) in enumerate(cases):
-            if not torch.allclose(got, want, rtol=tol, atol=atol):
-                raise KernelError(f"case {i} differs from torch by {(got - want).abs().max().item():.3g}")
+        """KernelError unless its products and decode steps match torch (check.py)."""
+        from final.engine.kernels.check import self_check
+
+        self_check(self)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +175,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     g = n // Q8_ROWS
     q = q.view(g, Q8_ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n, k)  # [N/16][K/2][16][2]
-    scale = scale.view(g, Q8_ROWS, k // Q8_BLOCK).permute(0, 2, 1).contiguous().view(n, k // Q8_BLOCK)  # [N/16][K/32][16]
+    # [N/16][K/32][16]
+    scale = scale.view(g, Q8_ROWS, k // Q8_BLOCK).permute(0, 2, 1).contiguous().view(n, k // Q8_BLOCK)
     return q, scale
 
 
@@ -263,23 +199,36 @@ def address(t: torch.Tensor | None) -> int:
 
 _lock = threading.Lock()
 _loaded: list[GemvKernel | None] = []  # [] until the first call, then [kernel or None]
+_why: list[str] = []  # why _loaded holds None
 
 
 def gemv_kernel() -> GemvKernel | None:
-    """The checked kernel, or None (FINAL_GEMV=0, or it cannot run here: logged once with the reason)."""
+    """The checked kernel, or None (FINAL_GEMV=0, or it cannot run here: logged once, `unavailable()` says why)."""
     if os.environ.get("FINAL_GEMV", "1") == "0":
         return None
     with _lock:
         if not _loaded:
-            _loaded.append(_load())
+            kernel, why = _load()
+            _loaded.append(kernel)
+            _why[:] = [why]
         return _loaded[0]
 
 
-def _load() -> GemvKernel | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        logger.info("the engine's GEMV kernel needs AVX2/FMA (torch reports %s); using torch's kernels",
-                    torch.backends.cpu.get_cpu_capability())
+def unavailable() -> str | None:
+    """Why gemv_kernel() is None (FINAL_GEMV=0, no gcc, no AVX2, a build that failed or disagreed with torch),
+    or None where the kernel runs."""
+    if gemv_kernel() is not None:
         return None
+    if os.environ.get("FINAL_GEMV", "1") == "0":
+        return "FINAL_GEMV=0 turns the engine's kernel off"
+    return _why[0] if _why and _loaded and _loaded[0] is None else "the engine's kernel is not loaded"
+
+
+def _load() -> tuple[GemvKernel | None, str]:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        why = f"the engine's kernel needs AVX2/FMA (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        logger.info("%s; using torch's kernels", why)
+        return None, why
     failures = []
     try:
         for isa in candidate_isas():
@@ -290,12 +239,12 @@ def _load() -> GemvKernel | None:
                 continue
             if failures:
                 logger.info("the engine's GEMV kernel runs the %s build (%s)", isa, "; ".join(failures))
-            return kernel
+            return kernel, ""
     except KernelError as exc:  # a FINAL_GEMV_ISA that names no build
         failures.append(str(exc))
-    logger.warning("the engine's GEMV kernel is unavailable (%s); using torch's kernels",
-                   "; ".join(failures) or "this CPU lists neither AVX2 nor FMA")
-    return None
+    why = "; ".join(failures) or "this CPU lists neither AVX2 nor FMA"
+    logger.warning("the engine's GEMV kernel is unavailable (%s); using torch's kernels", why)
+    return None, why
 
 
 def use(isa: str) -> GemvKernel:
@@ -308,7 +257,24 @@ def use(isa: str) -> GemvKernel:
 
 
 def load(isa: str) -> GemvKernel:
-    """The build for `isa`, compiled if needed, loaded and checked against torch (KernelError if any step fails)."""
-    kernel = GemvKernel(build(isa), isa)
-    kernel.self_check()
+    """The build for `isa`, compiled if needed, loaded and checked against torch (KernelError if any step fails).
+    A cached library that does not load or check (a truncated file, another interface, a wrong answer) is built
+    again once; one that fails again, or a CPU without the build's instructions, is the error."""
+    path = build(isa)
+    try:
+        return _checked(path, isa)
+    except (KernelError, OSError) as exc:
+        if "this CPU lacks" in str(exc):
+            raise
+        logger.warning("the cached kernel %s failed (%s); building it again", path.name, exc)
+    return _checked(build(isa, fresh=True), isa)
+
+
+def _checked(path: Path, isa: str) -> GemvKernel:
+    kernel = GemvKernel(path, isa)
+    try:
+        kernel.self_check()
+    except KernelError:
+        kernel.close()
+        raise
     return kernel

@@ -92,6 +92,9 @@ static void weighted_sum(const float *w, const float *V, int64_t n, int D, float
 #ifndef KV_AHEAD
 #define KV_AHEAD (256 * 1024) /* bytes of K/V a thread asks for ahead of its attention (a cartridge's are more) */
 #endif
+#if KV_AHEAD < 0
+#error "KV_AHEAD (bytes of K/V prefetched ahead) must be >= 0"
+#endif
 /* Prefetch (into L2) the K/V lines this thread's attention tasks of layer l will read (attend_team's static split of
    the B H head tasks), up to KV_AHEAD bytes: asked for before the qkv product, they arrive while it streams, so
    attention does not wait on memory latency after it (its short reads are too short for the hardware's own

@@ -16,6 +16,8 @@
    Built by final/engine/kernels/__init__.py with the system gcc (-O3 -mavx2 -mfma -fopenmp, no FP contraction
    outside the explicit FMAs, so RoPE is torch's bitwise); its OpenMP is the
    libgomp torch already loaded (same soname), so it shares torch's thread pool and torch.set_num_threads. */
+#define _GNU_SOURCE /* nanosleep, syscall (team.h) under -std=c11 */
+#include "final_abi.h" /* generated from abi.py by builds.py: the entry points' parameters, the tables' fields */
 #include "products.h"
 
 /* a product's activations as its weight kind reads them, in buffers of one call: int8's [M, max K] int16 and block
@@ -31,20 +33,34 @@ typedef struct {
 
 static int64_t scale_stride(Acts a, int M) { return a.stride / Q8_BLOCK + M; }  /* floats per thread in xscp */
 
-/* priv: the per-thread normed rows (and their int8) normed_product uses */
-static Acts acts_alloc(int kind, int M, int K, int priv) {
-  const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * K;
+/* count * size bytes, or NULL where that overflows or malloc fails (the caller returns FINAL_ENOMEM) */
+static void *alloc(size_t count, size_t size) {
+  size_t bytes;
+  return __builtin_mul_overflow(count, size, &bytes) ? NULL : malloc(bytes ? bytes : 1);
+}
+
+/* count * size bytes per thread for `threads` threads (NULL as alloc) */
+static void *alloc_each(size_t count, size_t size, size_t threads) {
+  size_t n;
+  return __builtin_mul_overflow(count, threads, &n) ? NULL : alloc(n, size);
+}
+
+/* priv: the per-thread normed rows (and their int8) normed_product uses. ok: 0 where an allocation failed (then
+   free it with acts_free and return FINAL_ENOMEM) */
+static Acts acts_alloc(int kind, int M, int K, int priv, int *ok) {
+  const size_t T = (size_t)omp_get_max_threads(), n = (size_t)M * (size_t)K;
   Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, (int64_t)n, sync_alloc((int)T)};
-  if (priv) a.hp = malloc(sizeof(float) * n * T);
+  *ok = a.sync != NULL;
+  if (priv) *ok &= (a.hp = alloc_each(n, sizeof(float), T)) != NULL;
   if (kind == W_Q8) {
-    a.xq = malloc(sizeof(int16_t) * n);
-    a.xsc = malloc(sizeof(float) * M * (K / Q8_BLOCK + 1));
+    *ok &= (a.xq = alloc(n, sizeof(int16_t))) != NULL;
+    *ok &= (a.xsc = alloc((size_t)M * (K / Q8_BLOCK + 1), sizeof(float))) != NULL;
     if (priv) {
-      a.xqp = malloc(sizeof(int16_t) * n * T);
-      a.xscp = malloc(sizeof(float) * scale_stride(a, M) * T);
+      *ok &= (a.xqp = alloc_each(n, sizeof(int16_t), T)) != NULL;
+      *ok &= (a.xscp = alloc_each((size_t)scale_stride(a, M), sizeof(float), T)) != NULL;
     }
   } else if (kind == W_BF16) {
-    a.xp = malloc(sizeof(float) * n * T);
+    *ok &= (a.xp = alloc_each(n, sizeof(float), T)) != NULL;
   }
   return a;
 }
@@ -92,6 +108,9 @@ static void prep_team(const float *x, int M, int K, int prep, const float *g, fl
 #ifndef CHUNK_ROWS
 #define CHUNK_ROWS 32 /* output rows a claim takes (two int8 groups) */
 #endif
+#if CHUNK_ROWS < Q8_ROWS || CHUNK_ROWS % Q8_ROWS
+#error "CHUNK_ROWS must be a positive multiple of Q8_ROWS (16): an int8 claim covers whole groups of rows"
+#endif
 /* this thread's rows of y = [res +] [bias +] xs @ w.T, w of `kind` (W_F32, W_BF16, or W_Q8 with its block scales,
    reading xs as xq/xsc), in chunks of CHUNK_ROWS shared out by claim(); xp: the thread's bf16 buffer. No barrier
    after (res may be y: each element is read, then written, by the thread that takes its row). */
@@ -131,6 +150,9 @@ static void product_team(const float *xs, int M, int K, const void *w, int kind,
 #ifndef PRIVATE_ROWS
 #define PRIVATE_ROWS 4
 #endif
+#if PRIVATE_ROWS < 0
+#error "PRIVATE_ROWS (rows each thread norms itself) must be >= 0"
+#endif
 /* y = [bias +] RMSNorm(x) @ w.T with each thread norming (and for int8 quantizing) all M rows itself, in its own
    buffers: no barrier before its share of the product. For M <= PRIVATE_ROWS, doing a few rows' norm on every
    thread costs less than the two barriers (norm, quantize) of preparing them once for the team. */
@@ -150,11 +172,14 @@ static void normed_product(const float *x, int M, int K, const float *g, float e
   product_rows(h, xq, xsc, M, K, w, kind, scale, N, bias, NULL, y, thread_xp(a), a.sync);
 }
 
-int final_gemv_abi(void) { return 12; }
+int final_gemv_abi(void) { return FINAL_ABI; }
+
+/* the interface this library was built for (abi.py's text(); the loader compares it with its own) */
+const char *final_abi_text(void) { return FINAL_ABI_TEXT; }
 
 /* out [PHASE_THREADS][2][PHASES]: the cycles FINAL_PHASES counted since the last call (then zeroed); returns
    PHASES, or 0 in a build without them */
-int final_phase_cycles(uint64_t *out) {
+int final_phase_cycles(FINAL_PHASE_CYCLES_PARAMS) {
 #ifdef FINAL_PHASES
   __builtin_memcpy(out, phase_cycles, sizeof phase_cycles);
   __builtin_memset(phase_cycles, 0, sizeof phase_cycles);
@@ -167,7 +192,7 @@ int final_phase_cycles(uint64_t *out) {
 
 /* whether this CPU runs every instruction set this build was compiled for (a build for a larger set than the CPU
    has is refused before any of its loops runs) */
-int final_gemv_cpu_ok(void) {
+int final_gemv_cpu_ok(FINAL_GEMV_CPU_OK_PARAMS) {
   __builtin_cpu_init();
   int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #ifdef __AVX512BW__
@@ -185,10 +210,19 @@ int final_gemv_cpu_ok(void) {
 
 /* x [M, Kx] (Kx = 2K for PREP_GLU), w [N, K] of `kind`: W_F32, W_BF16 (uint16 bit patterns), or W_Q8 (int8, with
    scale [N, K/32] fp32, both in products.h's interleaved order, N a multiple of 16); bias [N] or NULL, res [M, N]
-   or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. */
-void final_gemv(const float *x, int M, int K, const void *w, int kind, const float *scale, int N, const float *bias,
-                const float *res, int prep, const float *g, float eps, float *scratch, float *y) {
-  Acts q = acts_alloc(kind, M, K, 0);
+   or NULL, g [K] (PREP_NORM), y [M, N]; scratch [M, K] when prep != PREP_NONE. Contiguous. Returns 0, or
+   FINAL_ESHAPE (sizes, kind or prep out of range: nothing ran) or FINAL_ENOMEM. */
+int final_gemv(FINAL_GEMV_PARAMS) {
+  if (M < 1 || K < 1 || N < 1 || kind < W_F32 || kind > W_BF16 || prep < PREP_NONE || prep > PREP_GLU ||
+      (kind == W_Q8 && (K % Q8_BLOCK || N % Q8_ROWS || !scale)) || (prep != PREP_NONE && !scratch) ||
+      (prep == PREP_NORM && !g))
+    return FINAL_ESHAPE;
+  int ok;
+  Acts q = acts_alloc(kind, M, K, 0, &ok);
+  if (!ok) {
+    acts_free(q);
+    return FINAL_ENOMEM;
+  }
 #pragma omp parallel
   {
     sync_init(q.sync);
@@ -197,19 +231,40 @@ void final_gemv(const float *x, int M, int K, const void *w, int kind, const flo
     product_team(prep == PREP_NONE ? x : scratch, M, K, w, kind, scale, N, bias, res, y, q, 0);
   }
   acts_free(q);
+  return 0;
+}
+
+/* The team's barrier, checked: thread 0 arrives late_us microseconds after the others; returns how many times a
+   waiting thread slept in the kernel (team.h sync_team: after its bounded spin), 0 with one thread. */
+int final_team_check(FINAL_TEAM_CHECK_PARAMS) {
+  Sync *s = sync_alloc(omp_get_max_threads());
+  if (!s) return FINAL_ENOMEM;
+  const int before = atomic_load(&team_sleeps);
+#pragma omp parallel
+  {
+    sync_init(s);
+#pragma omp barrier
+    if (omp_get_thread_num() == 0) {
+      const struct timespec late = {late_us / 1000000, (long)(late_us % 1000000) * 1000};
+      nanosleep(&late, NULL);
+    }
+    sync_team(s);
+  }
+  sync_free(s);
+  return atomic_load(&team_sleeps) - before;
 }
 
 #include "attention.h" /* decode attention: RoPE, the K/V cache write, attention (prefetch_kv, attend_team) */
 
 /* ---- the decode step: embedding, every decoder layer and the lm_head in one call and one parallel region ----
    x [M, hidden] is the residual stream, made from the embedding and updated in place. Per layer, a row of `wtab`
-   holds (as int64 addresses) wqkv, wo, wgu, wd (all of `kind`), their int8 block scales or 0, the qkv bias or 0,
-   in_norm, post_norm; `ctab` its K and V cache; ptab/plens the rows' cartridge prefixes or NULL (attend_team).
+   holds (as int64 addresses) wqkv, wo, wgu, wd (all of `kind`), their int8 block scales or 0, their biases or 0,
+   in_norm, post_norm (abi.py LAYER_FIELDS, named W_*, S_*, B_*, N_* here); `ctab` its K and V cache; ptab/plens
+   the rows' cartridge prefixes or NULL (attend_team).
    `rows` [3, M] int64: each row's token id, position and cached length. work: decode_step_floats() floats.
    What the torch forward does with ~10 calls and ~8 parallel regions a layer, and ~15 torch ops around them (the
    embedding, the rope rows, the final norm, the lm_head's own call): after 150 MB of weights have streamed through
    the caches, each of those ops ran cold at ~20 us. */
-enum { W_QKV, W_O, W_GU, W_D, S_QKV, S_O, S_GU, S_D, B_QKV, N_IN, N_POST, W_FIELDS };
 
 /* y = [bias +] RMSNorm(x) @ w.T by the team: each thread norms the rows itself at M <= PRIVATE_ROWS, else the
    team norms them once into h. No barrier after (as product_team). */
@@ -223,41 +278,62 @@ static void normed_team(const float *x, int M, int K, const float *g, float eps,
   }
 }
 
-int64_t final_decode_step_floats(int M, int hidden, int inter, int H, int Hkv, int D) {
-  const int big = hidden > inter ? hidden : inter;
-  return (int64_t)M * ((H + 2 * Hkv) * D + H * D + big + 2 * inter + 2 * D);
+int64_t final_decode_step_floats(FINAL_DECODE_STEP_FLOATS_PARAMS) {
+  const int64_t big = hidden > inter ? hidden : inter;
+  return (int64_t)M * ((int64_t)(H + 2 * Hkv) * D + (int64_t)H * D + big + 2 * (int64_t)inter + 2 * D);
 }
 
-/* x = the embedding rows of the ids, cs = the cos and sin_signed rows at the positions [2, M, D]; returns 0, or
-   1 + the first row whose id is past the embedding's `vocab` rows or whose position is past the tables' `span` */
-static int step_inputs(const int64_t *rows, int M, const float *embed, int64_t vocab, int hidden, const float *cos,
-                       const float *sin, int64_t span, int D, float *x, float *cs) {
+/* the decode step's sizes and rows before anything runs: FINAL_ESHAPE for sizes that are not a model's (H a
+   multiple of Hkv, D even, int8's blocks and groups, the work buffer's floats) or 1 + the first row whose id is
+   past the embedding's `vocab` rows, whose position is past the tables' `span`, whose cached length leaves no
+   slot in the cache's T (the new token is written at it) or whose prefix length is negative; else 0 */
+static int step_check(const int64_t *rows, int M, int64_t vocab, int64_t span, int hidden, int inter, int H, int Hkv,
+                      int D, int layers, int kind, const int64_t *ptab, const int64_t *plens, int64_t T, int V,
+                      int64_t work_floats) {
+  if (M < 1 || hidden < 1 || inter < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || layers < 0 || V < 1 ||
+      T < 1 || kind < W_F32 || kind > W_BF16 || (ptab && !plens) ||
+      work_floats < final_decode_step_floats(M, hidden, inter, H, Hkv, D))
+    return FINAL_ESHAPE;
+  if (kind == W_Q8 && (hidden % Q8_BLOCK || inter % Q8_BLOCK || (H * D) % Q8_BLOCK || ((H + 2 * Hkv) * D) % Q8_ROWS ||
+                       hidden % Q8_ROWS || V % Q8_ROWS))
+    return FINAL_ESHAPE;
   for (int b = 0; b < M; b++)
-    if (rows[b] < 0 || rows[b] >= vocab || rows[M + b] < 0 || rows[M + b] >= span) return 1 + b;
+    if (rows[b] < 0 || rows[b] >= vocab || rows[M + b] < 0 || rows[M + b] >= span || rows[2 * M + b] < 0 ||
+        rows[2 * M + b] >= T || (ptab && plens[b] < 0))
+      return 1 + b;
+  return 0;
+}
+
+/* x = the embedding rows of the ids, cs = the cos and sin_signed rows at the positions [2, M, D] */
+static void step_inputs(const int64_t *rows, int M, const float *embed, int hidden, const float *cos,
+                        const float *sin, int D, float *x, float *cs) {
   for (int b = 0; b < M; b++) {
     __builtin_memcpy(x + (int64_t)b * hidden, embed + rows[b] * hidden, sizeof(float) * hidden);
     __builtin_memcpy(cs + (int64_t)b * D, cos + rows[M + b] * D, sizeof(float) * D);
     __builtin_memcpy(cs + (int64_t)(M + b) * D, sin + rows[M + b] * D, sizeof(float) * D);
   }
-  return 0;
 }
 
-/* head: the lm_head of `kind` [V, hidden] (int64 addresses: weight, its int8 scales or 0, the final norm), logits
-   [M, V]. Returns step_inputs' code (nothing ran unless 0). */
-int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vocab, const float *cos,
-                      const float *sin, int64_t span, int hidden, int inter, int H, int Hkv, int D, int layers,
-                      int kind, const int64_t *wtab, const int64_t *ctab, const int64_t *ptab, const int64_t *plens,
-                      int64_t T, float scale, float eps, const int64_t *head, int V, float *x, float *logits,
-                      float *work) {
+/* head: the lm_head of `kind` [V, hidden] (int64 addresses, abi.py HEAD_FIELDS), logits [M, V]. Returns 0, or
+   step_check's code (nothing ran), or FINAL_ENOMEM (nothing ran). */
+int final_decode_step(FINAL_DECODE_STEP_PARAMS) {
+  const int bad = step_check(rows, M, vocab, span, hidden, inter, H, Hkv, D, layers, kind, ptab, plens, T, V,
+                             work_floats);
+  if (bad) return bad;
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
   float *cs = gu + (int64_t)M * 2 * inter;
   const int64_t *lengths = rows + 2 * M;
-  const int bad = step_inputs(rows, M, embed, vocab, hidden, cos, sin, span, D, x, cs);
-  if (bad) return bad;
-  Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS);  /* the largest input converted */
+  int ok;
+  Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS, &ok);  /* the largest input converted */
   const int64_t att_floats = attend_floats(M, D, lengths, ptab, plens);  /* a thread's attention scratch */
-  float *scratch = malloc(sizeof(float) * att_floats * omp_get_max_threads());
+  float *scratch = att_floats > 0 ? alloc_each((size_t)att_floats, sizeof(float), omp_get_max_threads()) : NULL;
+  if (!ok || !scratch) {
+    acts_free(q);
+    free(scratch);
+    return FINAL_ENOMEM;
+  }
+  step_inputs(rows, M, embed, hidden, cos, sin, D, x, cs);
 #pragma omp parallel
   {
     sync_init(q.sync);
@@ -275,25 +351,26 @@ int final_decode_step(const int64_t *rows, int M, const float *embed, int64_t vo
       });
       PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
                            scale, att, mine, q.sync));
-      PHASE(2, {
-        product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, NULL, x, x, q, 0);
+      PHASE(2, {  /* x += o + bias: HF's residual + o_proj(att) */
+        product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, F(B_O), x, x, q, 0);
         sync_team(q.sync);
       });
       PHASE(3, {
-        normed_team(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, NULL, gu, h, q);
+        normed_team(x, M, hidden, F(N_POST), eps, W(W_GU), kind, F(S_GU), 2 * inter, F(B_GU), gu, h, q);
         sync_team(q.sync);
       });
       /* the SwiGLU, quantized as it is made for an int8 down product */
       PHASE(4, prep_team(gu, M, inter, PREP_GLU, NULL, 0.0f, h, kind == W_Q8 ? q.xq : NULL, q.xsc, q.sync));
       PHASE(5, {
-        product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, NULL, x, x, q, 1);
+        product_team(h, M, inter, W(W_D), kind, F(S_D), hidden, F(B_D), x, x, q, 1);
         sync_team(q.sync);
       });
 #undef W
 #undef F
     }
-    PHASE(6, normed_team(x, M, hidden, (const float *)(intptr_t)head[2], eps, (const void *)(intptr_t)head[0], kind,
-                         (const float *)(intptr_t)head[1], V, NULL, logits, h, q));
+    PHASE(6, normed_team(x, M, hidden, (const float *)(intptr_t)head[H_NORM], eps,
+                         (const void *)(intptr_t)head[H_W], kind, (const float *)(intptr_t)head[H_S], V, NULL, logits,
+                         h, q));
   }
   acts_free(q);
   free(scratch);

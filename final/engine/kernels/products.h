@@ -14,10 +14,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { PREP_NONE = 0, PREP_NORM = 1, PREP_GLU = 2 };
-enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kernels/__init__.py's KINDS) */
+#include "final_abi.h" /* PREP_* and the weight kinds W_F32, W_Q8, W_BF16 (abi.py) */
 #ifndef WIDE
 #define WIDE 8 /* activation rows a pass over a weight row */
+#endif
+#if WIDE < 1 || WIDE > 8
+#error "WIDE (activation rows a pass over a weight row) must be 1..8: rows() has loops and dots[] for 8"
 #endif
 #define Q8_BLOCK 32 /* int8 weights a scale covers */
 #ifndef PFHINT
@@ -39,6 +41,9 @@ enum { W_F32 = 0, W_Q8 = 1, W_BF16 = 2 }; /* the weight kinds (final/engine/kern
 #endif
 #ifndef PF_PAGE_LINES
 #define PF_PAGE_LINES 4 /* lines asked for at a page's start (2 and 8 measured no better) */
+#endif
+#if PREFETCH < 0 || Q8_PREFETCH < 0 || (PF_PAGE != 0 && PF_PAGE != 1) || PF_PAGE_LINES < 1
+#error "PREFETCH and Q8_PREFETCH must be >= 0, PF_PAGE 0 or 1, PF_PAGE_LINES >= 1"
 #endif
 #ifndef PF_PAGE_ROWS
 #define PF_PAGE_ROWS 1 /* the most activation rows a pass that prefetches by page: with more, each line costs more

@@ -2,11 +2,16 @@
    of where the team spends the step. */
 #pragma once
 #include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 /* -DFINAL_PHASES (FINAL_GEMV_CFLAGS, bench/profile_decode.py --phases): TSC cycles per thread in each phase of
    final_decode_step (PHASE()), and of those the cycles spent waiting in the team's barrier; read and reset by
@@ -39,22 +44,39 @@ static __thread int phase_now = -1;  /* -1 outside PHASE (another entry point's 
    kernel after ~100 spins whenever the process holds more OpenMP threads than there are cores - which one torch
    op on any other thread (the caller's, the HTTP server's) makes true for the life of the process, since each
    thread keeps its own team. Each barrier then costs a futex wake-up, and a batch-1 step took 2.2x as long
-   (AGENTS.md). This one spins ~1 ms before yielding the core, so a phase that ends on time costs ~0.2 us, and a
-   thread that lost its core to another process does not make the others spin out their time slice. */
+   (AGENTS.md). This one spins SPIN_PAUSES pauses (~1 ms) so a phase that ends on time costs ~0.2 us, then yields
+   the core SPIN_YIELDS times, then sleeps on a futex (woken by the last thread to arrive, or after 1 ms): a team
+   whose thread lost its core (two engines in one process, Ray actors sharing cores) does not burn the others'. */
+#ifndef SPIN_PAUSES
+#define SPIN_PAUSES (1 << 14)
+#endif
+#ifndef SPIN_YIELDS
+#define SPIN_YIELDS 16
+#endif
+#if SPIN_PAUSES < 0 || SPIN_YIELDS < 0
+#error "SPIN_PAUSES and SPIN_YIELDS must be >= 0"
+#endif
+static _Atomic int team_sleeps;  /* times a waiting thread slept (final_team_check reads it) */
+
 typedef struct {
   _Alignas(64) _Atomic uint64_t left;  /* a thread's unclaimed chunks of the product: first | last + 1 << 32 */
 } Share;
 
 typedef struct {
-  atomic_int arrived, phase;
+  atomic_int arrived, phase, sleepers;  /* sleepers: threads in (or about to enter) the futex wait */
   int n;  /* threads in the team */
   Share *share;  /* one per thread of the team (sync_alloc), claim() */
 } Sync;
 
-/* a team's Sync for up to `threads` threads (omp_get_max_threads() outside the region) */
+/* a team's Sync for up to `threads` threads (omp_get_max_threads() outside the region), NULL if out of memory */
 static Sync *sync_alloc(int threads) {
   Sync *s = malloc(sizeof(Sync));
-  s->share = aligned_alloc(64, sizeof(Share) * (size_t)threads);
+  if (!s) return NULL;
+  s->share = aligned_alloc(64, sizeof(Share) * (size_t)(threads > 0 ? threads : 1));
+  if (!s->share) {
+    free(s);
+    return NULL;
+  }
   return s;
 }
 
@@ -68,6 +90,7 @@ static inline void sync_init(Sync *s) {  /* by every thread of the team, once, t
   if (omp_get_thread_num() == 0) {
     atomic_store(&s->arrived, 0);
     atomic_store(&s->phase, 0);
+    atomic_store(&s->sleepers, 0);
     s->n = omp_get_num_threads();
   }
 }
@@ -118,13 +141,24 @@ static inline void sync_team(Sync *s) {
   const int phase = atomic_load_explicit(&s->phase, memory_order_relaxed);
   if (atomic_fetch_add_explicit(&s->arrived, 1, memory_order_acq_rel) == s->n - 1) {  /* the last to arrive */
     atomic_store_explicit(&s->arrived, 0, memory_order_relaxed);
-    atomic_store_explicit(&s->phase, phase + 1, memory_order_release);
+    atomic_store(&s->phase, phase + 1);  /* seq_cst: ordered before the read of sleepers (a sleeper's mirror) */
+    if (atomic_load(&s->sleepers)) syscall(SYS_futex, (int *)&s->phase, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     return;
   }
   WAIT_BEGIN;
   for (int spins = 0; atomic_load_explicit(&s->phase, memory_order_acquire) == phase; spins++) {
-    if (spins < (1 << 14)) _mm_pause();
-    else sched_yield();
+    if (spins < SPIN_PAUSES) {
+      _mm_pause();
+    } else if (spins < SPIN_PAUSES + SPIN_YIELDS) {
+      sched_yield();
+    } else {  /* the kernel sleeps only while phase is still `phase`; 1 ms at most, whatever a wake-up does */
+      const struct timespec ms = {0, 1000000};
+      atomic_fetch_add(&s->sleepers, 1);
+      syscall(SYS_futex, (int *)&s->phase, FUTEX_WAIT_PRIVATE, phase, &ms, NULL, 0);
+      atomic_fetch_sub(&s->sleepers, 1);
+      atomic_fetch_add_explicit(&team_sleeps, 1, memory_order_relaxed);
+      spins = SPIN_PAUSES + SPIN_YIELDS;  /* no overflow of the count however long it waits */
+    }
   }
   WAIT_END;
 }
