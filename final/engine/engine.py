@@ -37,7 +37,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # fp32 on CPU keeps exact parity with HF; bf16 on CUDA as SGLang does.
+        # fp32 on CPU: HF's numbers to ~1e-4 (sums in another order); bf16 on CUDA as SGLang does.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise EngineError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
