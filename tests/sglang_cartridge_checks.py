@@ -54,17 +54,18 @@ def check_a_failed_load_leaves_no_trace(engines, tmp_path, ask) -> None:
 
     sglang, local, _ = engines
     carts, flush, _ = parts(sglang)
+    assert flush()  # nothing cached but the cartridges: no room can be made by evicting
     free = sglang.rollout.cartridge_memory()["pool_free"]
     fill = random_kv(carts.dims, free - 200)
     assert sglang.rollout.cartridge_target.load_cartridge("fill", fill, fill) == free - 200
-    held = sglang.rollout.cartridge_memory()["pool_tokens"]
-    reserved = carts._free[0]
-    big = random_kv(carts.dims, 600)
-    with pytest.raises(CartridgeError, match="no room for 600 cartridge tokens"):
-        sglang.rollout.cartridge_target.load_cartridge("failed", big, big)
-    assert "failed" not in carts.cartridge_ids() and carts._free[0] == reserved
-    assert sglang.rollout.cartridge_memory()["pool_tokens"] == held  # no slot kept for it
     try:
+        held = sglang.rollout.cartridge_memory()["pool_tokens"]
+        reserved = carts._free[0]
+        big = random_kv(carts.dims, 600)
+        with pytest.raises(CartridgeError, match="no room for 600 cartridge tokens"):
+            sglang.rollout.cartridge_target.load_cartridge("failed", big, big)
+        assert "failed" not in carts.cartridge_ids() and carts._free[0] == reserved
+        assert sglang.rollout.cartridge_memory()["pool_tokens"] == held  # no slot kept for it
         ref = repo_cartridge(sglang, tmp_path, "after-failed")  # the failed one's reserved id, reused
         assert carts.prefix(("after-failed",))[0] == reserved
         assert flush()  # before issue 43, re-injecting "failed" here killed the scheduler
@@ -92,6 +93,7 @@ def check_reserved_id_prompts_sent_first_change_nothing(engines, tmp_path) -> No
 
 def check_compositions_bounded_and_checked_first(engines, ask) -> None:
     from final.errors import PromptError
+    from sglang_helpers import dataproto
     from test_sglang_cartridges import QUESTION
 
     sglang, local, _ = engines
@@ -102,8 +104,9 @@ def check_compositions_bounded_and_checked_first(engines, ask) -> None:
         target.load_cartridge(f"half{i}", kv, kv)
     try:
         held = sglang.rollout.cartridge_memory()["pool_tokens"]
+        data = dataproto(sglang.model_config, [[17, 99, 1000]], non_tensor={"cartridges": [("half0", "half1")]})
         with pytest.raises(PromptError, match="do not fit the context"):
-            carts.prefix(("half0", "half1"), 0, room=1000)
+            sglang.rollout.generate_sequences(data)
         assert sglang.rollout.cartridge_memory()["pool_tokens"] == held  # refused before anything was locked
     finally:
         for i in range(2):
