@@ -97,7 +97,7 @@ def check_compositions_bounded_and_checked_first(engines, ask) -> None:
     from test_sglang_cartridges import QUESTION
 
     sglang, local, _ = engines
-    carts, flush, _ = parts(sglang)
+    carts = parts(sglang)[0]
     target = sglang.rollout.cartridge_target
     halves = [random_kv(carts.dims, 600) for _ in range(2)]  # each fits the context (1024), both do not
     for i, kv in enumerate(halves):

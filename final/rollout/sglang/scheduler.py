@@ -267,7 +267,7 @@ def _reinject(sched) -> None:
     for ids in list(_state(sched)["wanted"]):
         try:
             _inject(sched, ids)
-        except Exception:  # noqa: BLE001 - see above
+        except Exception:  # see above: never out of flush_cache
             logger.exception("cartridges %s could not be injected again", ids)
 
 
