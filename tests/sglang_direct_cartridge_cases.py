@@ -59,7 +59,7 @@ def test_rows_share_one_injection_and_a_flush_reinjects(engines):
     assert after["pool_tokens"] == before["pool_tokens"] >= sum(lengths.values())
     assert after["device_bytes"] == 0 and after["host_bytes"] == sum(
         2 * 2 * 2 * 16 * 4 * n for n in lengths.values())  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
-    assert rollout.engine.flush_cache()  # the radix cache is emptied; the scheduler injects what is loaded again
+    assert asyncio.run(rollout.engine.flush_cache())  # the radix cache emptied; what is loaded injected again
     assert rollout.cartridge_memory()["pool_tokens"] == before["pool_tokens"]
     assert ask(sglang, cartridge="bakery") == ask(local, cartridge="bakery")
 
@@ -81,7 +81,7 @@ def test_unload_frees_reload_and_reserved_ids(engines):
         engine.cartridges.prefix(("doc",))
     with pytest.raises(PromptError, match="reserved for cartridges"):  # retired until the next flush
         sglang.generate([reserved, 17, 99], max_tokens=2)
-    assert engine.flush_cache()
+    assert asyncio.run(engine.flush_cache())
     assert sglang.generate([reserved, 17, 99], max_tokens=2).completions
     sglang.load_cartridge(id="doc", path=str(files["doc"]))
     assert ask(sglang, cartridge="doc") == ask(local, cartridge="doc")
@@ -93,7 +93,7 @@ def test_a_cartridge_missing_from_the_cache_is_an_error_not_garbage(engines):
     sglang, local, files = engines
     engine = sglang.rollout.engine
     engine.engine.collective_rpc("final_cartridge_unload", cartridge_id="bakery")  # a lost re-injection
-    assert engine.flush_cache()
+    assert asyncio.run(engine.flush_cache())
     with pytest.raises(EngineError, match="not served from SGLang's radix cache"):
         ask(sglang, cartridge="bakery")
     sglang.load_cartridge(id="bakery", path=str(files["bakery"]), force_redownload=True)  # replaced: injected again
@@ -203,3 +203,59 @@ def test_a_trained_cartridge_gives_localrollouts_dataproto(engines, tmp_path):
     finally:
         for eng in (local, sglang):
             eng.unload_cartridge("trained")
+
+
+def test_a_failed_load_leaves_no_trace(engines, tmp_path):
+    """Issue 43 finding 1 (see tests/sglang_cartridge_checks.py)."""
+    from sglang_cartridge_checks import check_a_failed_load_leaves_no_trace
+
+    check_a_failed_load_leaves_no_trace(engines, tmp_path, ask)
+
+
+def test_a_prompt_of_reserved_ids_sent_before_a_load_changes_nothing(engines, tmp_path):
+    """Issue 43 finding 2: on 0.5.12 nothing flushes after a single call, so the prompt stays cached until the load."""
+    from sglang_cartridge_checks import check_reserved_id_prompts_sent_first_change_nothing
+
+    check_reserved_id_prompts_sent_first_change_nothing(engines, tmp_path)
+
+
+def test_compositions_are_bounded_and_checked_before_injection(engines):
+    from sglang_cartridge_checks import check_compositions_bounded_and_checked_first
+
+    check_compositions_bounded_and_checked_first(engines, ask)
+
+
+def test_a_flush_leaves_the_callers_loop_serving(engines):
+    """Issue 43 finding 5: the multi-turn path awaits flush_cache on the caller's loop; while SGLang's flush waits,
+    another coroutine on that loop runs (it is what lets the flush finish here)."""
+    import inspect
+    import threading
+
+    sglang, _, _ = engines
+    engine = sglang.rollout.engine
+    manager = engine.engine.tokenizer_manager
+    real, other_ran, order = manager.flush_cache, threading.Event(), []
+
+    async def flush_after_the_other_coroutine(*args, **kwargs):  # SGLang's flush, on the engine loop
+        await asyncio.to_thread(other_ran.wait, 30)  # a bound, not a timing: the other coroutine sets it at once
+        return await real(*args, **kwargs)
+
+    async def as_multi_turn_does():
+        flushed = engine.flush_cache()
+        ok = await flushed if inspect.isawaitable(flushed) else flushed
+        order.append("flush")
+        return ok
+
+    async def other():
+        order.append("other")
+        other_ran.set()
+
+    async def both():
+        return await asyncio.gather(as_multi_turn_does(), other())
+
+    manager.flush_cache = flush_after_the_other_coroutine
+    try:
+        ok, _ = asyncio.run(both())
+    finally:
+        manager.flush_cache = real
+    assert ok and order == ["other", "flush"]

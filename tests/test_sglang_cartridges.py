@@ -270,3 +270,26 @@ def test_a_refused_flush_is_retried_until_the_scheduler_is_idle():
     assert asyncio.run(flush_until_idle(flush)).success and len(calls) == 3
     flush, calls = scheduler(99)  # requests really running: refused, as SGLang said, after FLUSH_TRIES asks
     assert not asyncio.run(flush_until_idle(flush)).success and len(calls) == FLUSH_TRIES
+
+
+def test_a_failed_load_leaves_no_trace(engines, tmp_path):
+    """Issue 43 finding 1: a load refused for room leaves nothing behind; its reserved id is reused, a flush
+    follows (it used to re-inject the failed cartridge and kill the scheduler), everything else serves exactly."""
+    from sglang_cartridge_checks import check_a_failed_load_leaves_no_trace
+
+    check_a_failed_load_leaves_no_trace(engines, tmp_path, ask)
+
+
+def test_a_prompt_of_reserved_ids_sent_before_a_load_changes_nothing(engines, tmp_path):
+    """Issue 43 finding 2: a prompt [r] * 8 cached before a cartridge gets r cannot become that cartridge's KV."""
+    from sglang_cartridge_checks import check_reserved_id_prompts_sent_first_change_nothing
+
+    check_reserved_id_prompts_sent_first_change_nothing(engines, tmp_path)
+
+
+def test_compositions_are_bounded_and_checked_before_injection(engines):
+    """Issue 43 finding 3: a composition too long for the context locks nothing; at most max_compositions
+    compositions stay injected (least recently used released)."""
+    from sglang_cartridge_checks import check_compositions_bounded_and_checked_first
+
+    check_compositions_bounded_and_checked_first(engines, ask)

@@ -54,3 +54,30 @@ def test_a_stream_update_carrying_several_tokens_becomes_one_per_token():
     assert first["meta_info"]["prompt_tokens"] == 4 and last is item
     assert per_token(item, 2) == [item] and len(per_token(item, 0)) == 3
     assert item["output_ids"] == [5, 6, 7] and len(item["meta_info"]["output_token_logprobs"]) == 3  # not altered
+
+
+STAND_IN_PROBE = """
+import torch
+from transformers import AutoModelForCausalLM
+assert getattr(torch.tensor, "_final_unpinned", False), "the stand-in did not act"
+with torch.device("meta"):
+    assert torch.tensor([]).device.type == "meta", "torch.tensor ignores device contexts"
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
+rope = model.model.rotary_emb
+dim, theta = rope.inv_freq.shape[0] * 2, model.config.rope_parameters["rope_theta"]
+expected = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+torch.testing.assert_close(rope.inv_freq, expected, rtol=0, atol=0)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(compat.LANE != "verl09", reason="the verl09 lane's stand-in (tests/sglang_cpu/verl09)")
+def test_the_pin_memory_stand_in_leaves_hf_models_and_device_contexts_alone(smol_dir):
+    """Issue 43, finding 0: with the stand-in acting, torch.tensor ignored `with torch.device(...)`, so transformers 5
+    initialised SmolLM2's RoPE inv_freq from uninitialised memory; an HF-built cartridge and HF's reference logprobs
+    in such a process were off by up to 3.56 nats/token (SGLang 0.5.12 itself served the cartridge exactly)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (STUBS_09, os.environ.get("PYTHONPATH")) if p),
+           "FINAL_SGLANG_CPU_UNPIN": "1"}
+    done = subprocess.run([sys.executable, "-c", STAND_IN_PROBE.format(path=smol_dir)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

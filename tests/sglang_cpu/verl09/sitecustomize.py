@@ -8,9 +8,16 @@ Pinning only speeds up a host-to-device copy; on the CPU device there is no copy
 
 Python imports `sitecustomize` at start from any sys.path entry, so SGLang's spawned scheduler and detokenizer get
 this through PYTHONPATH. It acts only where FINAL_SGLANG_CPU_UNPIN=1, which tests/sglang_helpers.use_sglang_cpu sets
-in the test process at run time: so only processes started after it (SGLang's) are patched, never the test process
-itself, whose embedded engine is the reference (patched there, its greedy tokens changed; the cause was not
-pursued). torch is patched when something imports it, so a process that never does pays nothing.
+in the test process at run time: so only processes started after it (SGLang's) are patched. torch is patched when
+something imports it, so a process that never does pays nothing.
+
+The wrapper must not change what `torch.tensor` is to torch itself: a device context (`with torch.device("meta")`)
+recognises factory functions by identity, from a set `torch.utils._device._device_constructors()` builds once, on
+first use. Built after the swap, it held the wrapper, so the real `torch.tensor` ignored device contexts;
+transformers 5 then took its meta-device model init for a CPU one (`torch.tensor([]).device`), and an HF model
+loaded in a patched process kept an uninitialised RoPE `inv_freq` (a different one per process): HF's SmolLM2
+logprobs and HF-built cartridges were wrong there by nats (issue 43, finding 0). So the set is built first, with
+the real function in it.
 """
 
 import importlib.abc
@@ -22,6 +29,9 @@ import sys
 def _patch(torch) -> None:
     if torch.cuda.is_available() or getattr(torch.tensor, "_final_unpinned", False):
         return
+    import torch.utils._device
+
+    torch.utils._device._device_constructors()  # built now, holding the real torch.tensor (see above)
     original = torch.tensor
 
     def tensor(*args, pin_memory=False, **kwargs):
