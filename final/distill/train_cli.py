@@ -285,7 +285,7 @@ def _eval(args: argparse.Namespace) -> int:
     from final.cartridges.service import CartridgeService
     from final.distill.convs import dedupe, read_conversations
     from final.distill.evaluate import evaluate, table
-    from final.prompts import document_ids
+    from final.distill.synth import teacher_ids
 
     text = read_text(args.text)
     inference, engine, tok = open_engine(args)
@@ -293,7 +293,7 @@ def _eval(args: argparse.Namespace) -> int:
         cart = CartridgeService(engine, inference.model_dir).read_served(args.path, positions=args.positions)
         seen = [r.question for path in args.train_data for r in read_conversations(path, len(tok))]
         convs = dedupe(read_conversations(args.data, len(tok)), seen)[:args.limit]
-        rows = evaluate(engine, tok, document_ids(tok, text), cart, convs)
+        rows = evaluate(engine, tok, teacher_ids(tok, text), cart, convs)
     finally:
         inference.shutdown()
     tokens = sum(len(c.answer_ids) for c in convs)
