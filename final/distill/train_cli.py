@@ -50,6 +50,9 @@ def _question_args(p: argparse.ArgumentParser, chunk: str, question_tokens: int)
     p.add_argument("--plain-system", action="store_true",
                    help="the chunk alone in the system turn, not in the repo's system-prompt template")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
+    p.add_argument("--seed-types", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   help="self-study seed prompts to draw from, comma-separated (default: all of structuring, "
+                        "summarization, question, use_case, creative; e.g. question for fact questions only)")
     p.add_argument("--supervise", choices=("all", "answer"), default="all",
                    help="targets: every token after the system turn (default, the repo's) or the answer's only")
 
@@ -209,7 +212,7 @@ def _synth_config(args: argparse.Namespace, **kw: Any):
     return SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                        question_tokens=args.question_tokens, top_k=args.top_k, cot_probability=args.cot_probability,
                        supervise=args.supervise, template=None if args.plain_system else SynthConfig.template,
-                       **kw)
+                       **({"seed_types": args.seed_types} if args.seed_types else {}), **kw)
 
 
 def _inference(args: argparse.Namespace):
