@@ -305,8 +305,8 @@ def _eval(args: argparse.Namespace) -> int:
         cart = CartridgeService(engine, inference.model_dir).read_served(args.path, positions=args.positions)
         if args.qa is not None:
             report["qa"] = _eval_qa(args, inference, cart)
-        if args.data is not None:
-            report["kl"] = _eval_kl(args, inference, cart)
+        if args.data is not None:  # at the top level, where it always was
+            report.update(_eval_kl(args, inference, cart))
     finally:
         inference.shutdown()
     if args.json:
