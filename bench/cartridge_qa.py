@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| condition | questions | MC acc | MC acc_norm | open: contains | KL |\n|---|---:|---:|---:|---:|---:|")
     for cond, rs in pooled.items():
         n = sum(r.questions for r in rs)
-        mean = lambda key: sum(getattr(r, key) * r.questions for r in rs) / n  # noqa: E731
-        print(f"| {cond} | {n} | {mean('acc'):.3f} | {mean('acc_norm'):.3f} | {mean('contains'):.3f} "
-              f"| {mean('kl'):.3f} |")
+        acc, norm, contains, kl = (sum(getattr(r, key) * r.questions for r in rs) / n
+                                   for key in ("acc", "acc_norm", "contains", "kl"))
+        print(f"| {cond} | {n} | {acc:.3f} | {norm:.3f} | {contains:.3f} | {kl:.3f} |")
     return 0
 
 

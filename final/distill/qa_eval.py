@@ -130,7 +130,7 @@ def _ask(inference: Any, questions: Sequence[Question], cid: str | None,
         sums, norms, right = [], [], None
         for i, choice in enumerate(q.choices):
             cids = tok(choice, add_special_tokens=False).input_ids
-            logits, _ = engine.call(lambda runner: runner.forward_full(prompt + cids, prefix))
+            logits, _ = engine.call(lambda runner, ids=prompt + cids: runner.forward_full(ids, prefix))
             logits = logits[len(prompt) - 1:len(prompt) - 1 + len(cids)].float()
             lp = float(torch.log_softmax(logits, -1).gather(1, torch.tensor(cids)[:, None]).sum())
             sums.append(lp)

@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -33,6 +34,9 @@ from final.errors import CartridgeError, EngineError, PromptError
 from final.rollout.sglang.procs import alive
 
 RPC_POLL_MS = 500
+# Compositions of 2+ cartridges held injected at once (each locks pool slots for its later members); past this the
+# least recently used one is released, so no sequence of orderings can fill the KV pool.
+MAX_COMPOSITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class SGLangCartridges:
         self._free = past_tokenizer + in_tokenizer  # preferred first
         self._retired: list[int] = []
         self._loaded: dict[str, tuple[int, int]] = {}  # id -> (reserved token, length)
-        self._composed: set[tuple[str, ...]] = set()
+        self._composed: OrderedDict[tuple[str, ...], None] = OrderedDict()  # 2+ ids, least recently used first
+        self.max_compositions = MAX_COMPOSITIONS
         self._dir = tempfile.mkdtemp(prefix="final-sglang-cartridges-")  # mode 0700
         self._lock = threading.RLock()
 
@@ -98,7 +103,6 @@ class SGLangCartridges:
         finally:
             os.unlink(path)  # the scheduler keeps its own resident copy
         self._loaded[cartridge_id] = (reserved, length)
-        self._composed.add((cartridge_id,))
         return length
 
     def unload_cartridge(self, cartridge_id: str) -> bool:
@@ -110,11 +114,13 @@ class SGLangCartridges:
             self._rpc(cartridge_id, "final_cartridge_unload", cartridge_id=cartridge_id)
             reserved, _ = self._loaded.pop(cartridge_id)
             self._retired.append(reserved)
-            self._composed = {ids for ids in self._composed if cartridge_id not in ids}
+            for ids in [ids for ids in self._composed if cartridge_id in ids]:
+                del self._composed[ids]
             return True
 
     def cartridge_ids(self) -> list[str]:
-        return sorted(self._loaded)
+        with self._lock:
+            return sorted(self._loaded)
 
     def memory(self) -> dict:
         """Where cartridge KV lives in the scheduler: host_bytes / device_bytes of its resident copies (device_bytes
@@ -137,49 +143,72 @@ class SGLangCartridges:
         reserved); a row whose cartridges + prompt + max_new_tokens exceed the context is refused."""
         out = []
         for i, (row, cartridges, p) in enumerate(zip(rows, wanted, params)):
+            # the prompt after R must not begin with a reserved id either: R + [r_b]... would hit (a, b)'s KV
+            self.check_plain_prompt(row, i)
             if not cartridges:
-                self.check_plain_prompt(row, i)
                 out.append([])
                 continue
-            prefix = self.prefix(tuple(cartridges), i)
-            if len(prefix) + len(row) + (p.get("max_new_tokens") or 0) >= context_len:
-                raise PromptError(f"cartridges {list(cartridges)} ({len(prefix)} tokens) + prompt ({len(row)}) + "
-                                  f"max_new_tokens do not fit the context of {context_len}", i)
-            out.append(prefix)
+            room = context_len - 1 - len(row) - (p.get("max_new_tokens") or 0)  # checked before any injection
+            out.append(self.prefix(tuple(cartridges), i, room=room))
         return out
 
-    def prefix(self, cartridge_ids: tuple[str, ...], index: int | None = None) -> list[int]:
-        """The reserved ids R to prepend for these cartridges (injecting the composition on first use)."""
+    def prefix(self, cartridge_ids: tuple[str, ...], index: int | None = None, room: int | None = None) -> list[int]:
+        """The reserved ids R to prepend for these cartridges (injecting the composition on first use). With `room`,
+        a composition longer than that is refused before anything is injected or locked."""
         with self._lock:
-            return self._prefix(cartridge_ids, index)
+            return self._prefix(cartridge_ids, index, room)
 
-    def _prefix(self, cartridge_ids: tuple[str, ...], index: int | None) -> list[int]:
+    def _prefix(self, cartridge_ids: tuple[str, ...], index: int | None, room: int | None) -> list[int]:
         unknown = [c for c in cartridge_ids if c not in self._loaded]
         if unknown:
             raise PromptError(f"cartridge(s) {unknown} are not loaded (loaded: {self.cartridge_ids()})", index)
         if len(set(cartridge_ids)) != len(cartridge_ids):
             raise PromptError(f"cartridges {list(cartridge_ids)} repeat an id", index)
-        if cartridge_ids not in self._composed:
-            self._rpc(cartridge_ids[0], "final_cartridge_compose", cartridge_ids=list(cartridge_ids))
-            self._composed.add(cartridge_ids)
+        length = sum(self._loaded[c][1] for c in cartridge_ids)
+        if room is not None and length > room:
+            raise PromptError(f"cartridges {list(cartridge_ids)} ({length} tokens) + prompt + max_new_tokens do not "
+                              f"fit the context ({length - room} tokens over)", index)
+        if len(cartridge_ids) > 1:
+            self._compose(cartridge_ids)
         return [t for c in cartridge_ids for t in [self._loaded[c][0]] * self._loaded[c][1]]
 
+    def _compose(self, cartridge_ids: tuple[str, ...]) -> None:
+        """Inject a composition on first use; hold at most max_compositions, releasing the least recently used."""
+        if cartridge_ids in self._composed:
+            self._composed.move_to_end(cartridge_ids)
+            return
+        while len(self._composed) >= self.max_compositions:
+            oldest = next(iter(self._composed))
+            self._rpc(oldest[0], "final_cartridge_release", cartridge_ids=list(oldest))
+            del self._composed[oldest]
+        self._rpc(cartridge_ids[0], "final_cartridge_compose", cartridge_ids=list(cartridge_ids))
+        self._composed[cartridge_ids] = None
+
     def check_plain_prompt(self, ids: Sequence[int], index: int) -> None:
-        """A prompt without cartridges must not begin with a reserved id (it would hit a cartridge's KV)."""
-        reserved = {r for r, _ in self._loaded.values()} | set(self._retired)
+        """A prompt must not begin with a reserved id (it would hit a cartridge's KV, or a retired one's)."""
+        with self._lock:  # loads and unloads change these from other threads
+            reserved = {r for r, _ in self._loaded.values()} | set(self._retired)
         if ids and ids[0] in reserved:
             raise PromptError(f"token id {ids[0]} is reserved for cartridges on the SGLang backend and cannot start "
                               f"a prompt", index)
 
     def active(self) -> bool:
         """Whether requests need looking at: cartridges loaded, or ids retired but possibly still cached."""
-        return bool(self._loaded or self._retired)
-
-    def after_flush(self) -> None:
-        """The radix cache is empty again: retired ids can be reserved anew."""
         with self._lock:
-            self._free.extend(self._retired)
-            self._retired.clear()
+            return bool(self._loaded or self._retired)
+
+    def retired(self) -> list[int]:
+        """The ids retired so far: take this before a flush and hand it to after_flush (an id retired while the
+        flush ran may still be cached)."""
+        with self._lock:
+            return list(self._retired)
+
+    def after_flush(self, retired: Sequence[int]) -> None:
+        """The radix cache was emptied after `retired` was taken: those ids can be reserved anew."""
+        with self._lock:
+            done = [r for r in retired if r in self._retired]
+            self._retired = [r for r in self._retired if r not in done]
+            self._free.extend(done)
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)

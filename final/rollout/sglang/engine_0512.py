@@ -142,12 +142,21 @@ class DirectSGLangEngine:
         rids = [r["rid"] for r, _ in planned]
         return Submission(future, lambda: self._abort(future, rids))
 
-    def flush_cache(self) -> bool:
-        """Empty the radix cache (SGLang refuses while requests run); the scheduler re-injects loaded cartridges."""
-        flush = flush_until_idle(self.engine.tokenizer_manager.flush_cache)
-        ok = asyncio.run_coroutine_threadsafe(flush, self.loop).result().success
+    async def flush_cache(self) -> bool:
+        """Empty the radix cache (SGLang refuses while requests run); the scheduler re-injects loaded cartridges.
+        A coroutine, as SGLang's own: the multi-turn path awaits it on the caller's loop, which keeps serving while
+        the engine loop flushes (retries included)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._flush(), self.loop))
+
+    def flush_cache_blocking(self) -> bool:
+        """flush_cache for a caller off any event loop (a weight update on the rollout's thread)."""
+        return asyncio.run_coroutine_threadsafe(self._flush(), self.loop).result()
+
+    async def _flush(self) -> bool:  # on the engine loop
+        retired = self.cartridges.retired() if self.cartridges is not None else []
+        ok = (await flush_until_idle(self.engine.tokenizer_manager.flush_cache)).success
         if ok and self.cartridges is not None:
-            self.cartridges.after_flush()
+            self.cartridges.after_flush(retired)
         return ok
 
     def update_weights(self, named: list, version: int | None = None) -> None:
@@ -163,7 +172,7 @@ class DirectSGLangEngine:
         success, message = asyncio.run_coroutine_threadsafe(update, self.loop).result()
         if not success:
             raise EngineError(f"SGLang refused the weight update: {message}")
-        if not self.flush_cache():
+        if not self.flush_cache_blocking():
             raise EngineError("SGLang updated the weights but could not flush its radix cache (requests running)")
 
     def shutdown(self) -> None:

@@ -147,9 +147,10 @@ class FinalSGLangEngine(verl_sglang.AsyncEngine):
     async def flush_cache(self):
         # The tokenizer manager answers through its receive loop, which only a first request would create.
         self.tokenizer_manager.auto_create_handle_loop()
+        retired = self.cartridges.retired() if self.cartridges is not None else []
         out = await flush_until_idle(super().flush_cache)
         if self.cartridges is not None and out.success:
-            self.cartridges.after_flush()
+            self.cartridges.after_flush(retired)
         return out
 
     def cancel_tasks(self) -> None:

@@ -22,8 +22,10 @@ What differs:
 - SGLang loads its tokenizer (skip_tokenizer_init false in its ServerArgs). Stop strings are then SGLang's own;
   prompts and outputs are still token ids.
 - Token streams are SGLang's own (`stream=True`), bridged from the engine's loop to the caller's.
-- veRL does not drive this engine, so nothing flushes the radix cache after a call (veRL 0.6.0 does after every
-  generate_sequences): an unloaded cartridge's slots are freed when the pool needs room, or by flush_cache.
+- veRL does not drive this engine, so a batch call (generate, score) leaves the radix cache as it is (veRL 0.6.0
+  flushes after every generate_sequences); a multi-turn call flushes once at its end (final/rollout/multi_turn.py,
+  veRL's request-level lifecycle, awaited without blocking the caller's loop), and so does a weight update. An
+  unloaded cartridge's slots are freed when the pool needs room, or by the next flush.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ speak whichever is installed.
 
 Injection of a cartridge (or of an ordered composition of cartridges), given reserved token ids R:
   slots = the KV slots of the longest cached prefix of R, plus fresh ones from the allocator (evicting if needed)
-  k_buffer[l][fresh] = K_l (and V): the cartridge's post-RoPE KV, [T, H_kv, D] per layer
+  k_buffer[l][slots] = K_l (and V): the cartridge's post-RoPE KV, [T, H_kv, D] per layer (every slot: a cached
+  prefix of R may hold KV that a prompt of reserved ids computed)
   tree_cache.insert(R, slots); lock the node so it is never evicted
 A request R + prompt then matches R in the radix cache: the prompt is prefilled at positions p.. and attends to
 the cartridge. Each cartridge's KV stays resident in host memory (pinned on CUDA; the pool slots are its only
@@ -112,6 +113,7 @@ def install(scheduler_cls: type) -> None:
     scheduler_cls.final_cartridge_load = _rpc_method(_load)
     scheduler_cls.final_cartridge_compose = _rpc_method(_compose)
     scheduler_cls.final_cartridge_unload = _rpc_method(_unload)
+    scheduler_cls.final_cartridge_release = _rpc_method(_release)
     scheduler_cls.final_cartridge_memory = _rpc_method(_memory)
     scheduler_cls._final_cartridges_installed = True
 
@@ -190,8 +192,13 @@ def _load(sched, params: dict) -> None:
         if tuple(t.shape) != expected:
             raise RuntimeError(f"cartridge {params['cartridge_id']!r}: KV of shape {tuple(t.shape)}, the pool needs "
                                f"[T, {pool.head_num}, {pool.head_dim}]")
-    _state(sched)["store"][params["cartridge_id"]] = (int(params["reserved"]), keys, values)
-    _compose(sched, {"cartridge_ids": [params["cartridge_id"]]})
+    cid, store = params["cartridge_id"], _state(sched)["store"]
+    store[cid] = (int(params["reserved"]), keys, values)
+    try:
+        _compose(sched, {"cartridge_ids": [cid]})
+    except BaseException:  # all or nothing: a cartridge that could not be injected leaves no trace here
+        store.pop(cid, None)
+        raise
 
 
 def _resident(t: torch.Tensor, pool) -> torch.Tensor:
@@ -227,25 +234,41 @@ def _compose(sched, params: dict) -> None:
     missing = [c for c in ids if c not in state["store"]]
     if missing:
         raise RuntimeError(f"cartridges {missing} are not loaded in the scheduler")
+    _inject(sched, ids)  # wanted only once injected: a failed injection is not retried at every flush
     if ids not in state["wanted"]:
         state["wanted"].append(ids)
-    _inject(sched, ids)
+
+
+def _release(sched, params: dict) -> None:
+    """Stop holding a composition (the parent bounds how many it keeps): its slots become evictable."""
+    _forget(sched, _state(sched), tuple(params["cartridge_ids"]))
+
+
+def _forget(sched, state: dict, ids: tuple[str, ...]) -> None:
+    if ids in state["wanted"]:
+        state["wanted"].remove(ids)
+    node = state["locked"].pop(ids, None)
+    if node is not None:  # evictable from now on; its reserved ids are not reused before the next flush
+        sched.tree_cache.dec_lock_ref(node)
 
 
 def _unload(sched, params: dict) -> None:
     cid = params["cartridge_id"]
     state = _state(sched)
     for ids in [w for w in state["wanted"] if cid in w]:
-        state["wanted"].remove(ids)
-        node = state["locked"].pop(ids, None)
-        if node is not None:  # evictable from now on; its reserved ids are not reused before the next flush
-            sched.tree_cache.dec_lock_ref(node)
+        _forget(sched, state, ids)
     state["store"].pop(cid, None)
 
 
 def _reinject(sched) -> None:
+    """Inject what is wanted again. Runs inside SGLang's flush_cache / resume: an exception there would kill the
+    scheduler, so a composition that no longer fits is logged and left out (a request for it then fails its
+    cache-hit check with an error, never an answer from other KV); the next flush tries it again."""
     for ids in list(_state(sched)["wanted"]):
-        _inject(sched, ids)
+        try:
+            _inject(sched, ids)
+        except Exception:  # noqa: BLE001 - see above
+            logger.exception("cartridges %s could not be injected again", ids)
 
 
 def _key(state: dict, ids: tuple[str, ...]) -> list[int]:
@@ -254,6 +277,10 @@ def _key(state: dict, ids: tuple[str, ...]) -> list[int]:
 
 
 def _inject(sched, ids: tuple[str, ...]) -> None:
+    """Write the composition's KV into pool slots cached under its reserved ids R, and lock them. All of R's slots
+    are written, the cached ones too: a cached prefix of R need not be ours (a prompt of reserved ids sent before
+    the load, a cartridge unloaded with that id still cached), and its slots hold whatever computed them. Nothing
+    is left behind on failure (fresh slots are freed)."""
     state = _state(sched)
     if ids in state["locked"]:
         return
@@ -261,24 +288,42 @@ def _inject(sched, ids: tuple[str, ...]) -> None:
     cache, allocator = sched.tree_cache, sched.token_to_kv_pool_allocator
     parts = [state["store"][c] for c in ids]
     key = _key(state, ids)
-    have = _match(cache, key).device_indices
+    matched = _match(cache, key)
+    have = matched.device_indices.to(torch.int64)
     need = len(key) - len(have)
-    if need > 0:
-        fresh = allocator.alloc(need)
-        if fresh is None:
-            _evict(cache, need)
-            fresh = allocator.alloc(need)
-        if fresh is None:
-            raise RuntimeError(f"no room for {need} cartridge tokens in the KV pool "
-                               f"({allocator.available_size()} free); raise mem_fraction_static")
-        start = len(have)
+    fresh = _alloc(sched, need, matched.last_device_node) if need > 0 else have[:0]
+    slots = torch.cat([have, fresh.to(torch.int64)])
+    try:
         for layer in range(pool.layer_num):
-            k = torch.cat([ks[layer] for _, ks, _ in parts])[start:]
-            v = torch.cat([vs[layer] for _, _, vs in parts])[start:]
-            pool.k_buffer[layer][fresh] = k.to(pool.device, non_blocking=True)
-            pool.v_buffer[layer][fresh] = v.to(pool.device, non_blocking=True)
-        _insert(cache, key, torch.cat([have.to(torch.int64), fresh.to(torch.int64)]))
+            k = torch.cat([ks[layer] for _, ks, _ in parts])
+            v = torch.cat([vs[layer] for _, _, vs in parts])
+            pool.k_buffer[layer][slots] = k.to(pool.device, non_blocking=True)
+            pool.v_buffer[layer][slots] = v.to(pool.device, non_blocking=True)
+        if need > 0:
+            _insert(cache, key, slots)
+    except BaseException:
+        if need > 0:
+            allocator.free(fresh)
+        raise
     node = _match(cache, key).last_device_node
     cache.inc_lock_ref(node)
     state["locked"][ids] = node
-    logger.info("cartridges %s injected: %d tokens (%d written)", ids, len(key), max(need, 0))
+    logger.info("cartridges %s injected: %d tokens (%d new slots)", ids, len(key), max(need, 0))
+
+
+def _alloc(sched, need: int, matched) -> torch.Tensor:
+    """`need` free pool slots, evicting unlocked cache entries if needed, but not the cached prefix `matched`
+    that the injection reuses (locked meanwhile)."""
+    cache, allocator = sched.tree_cache, sched.token_to_kv_pool_allocator
+    fresh = allocator.alloc(need)
+    if fresh is None:
+        cache.inc_lock_ref(matched)
+        try:
+            _evict(cache, need)
+        finally:
+            cache.dec_lock_ref(matched)
+        fresh = allocator.alloc(need)
+    if fresh is None:
+        raise RuntimeError(f"no room for {need} cartridge tokens in the KV pool "
+                           f"({allocator.available_size()} free); raise mem_fraction_static")
+    return fresh
