@@ -47,7 +47,7 @@ def main() -> int:
     from final.distill.rows import observe
     from final.distill.match import fit_values
     from final.distill.select import attention_mass, gather_kv, select_kv, select_positions
-    from final.distill.synth import ChunkContext, system_text
+    from final.distill.synth import ChunkContext, teacher_system
     from final.distill.train import Student
     from final.inf import local_engine
     from final.models import resolve_model_path
@@ -69,7 +69,7 @@ def main() -> int:
         for count in args.observe:
             cfg = DistillConfig(tokens=max(args.tokens), init_questions=count, seed=args.seed)
             t0 = time.perf_counter()
-            with ChunkContext(inference, system_text(text, cfg.synth.template), "__select-bench") as teacher:
+            with ChunkContext(inference, teacher_system(text), "__select-bench") as teacher:
                 _, convs = observe(inference, teacher, doc, cfg)
                 mass = attention_mass(student, teacher.doc_ids, convs)
                 keys, values = student.prefill(teacher.doc_ids)

@@ -60,21 +60,26 @@ def test_student_turns_keep_its_reasoning_up_to_the_solution_length_and_call_wit
     assert student_turns(problem, "cut mid-li", finished=False)[0][0] == ""
 
 
-def test_student_rows_read_its_own_reasoning_and_learn_only_the_call(tool_model, tmp_path):
+def test_student_rows_read_its_own_reasoning_and_learn_the_call_and_the_answer_the_verdict_asks_for(tool_model,
+                                                                                                    tmp_path):
     """Played through the real rollout: the student's reasoning is in the row with mask 0; the call (run by the
-    real tool) and the closing answer are the targets."""
+    real tool) and the closing answer are the targets. The tool rejected the student's 8 (reward=0.0, which the row
+    shows the model), so the closing answer is the problem's 7, not the rejected 8 again."""
     from transformers import AutoTokenizer
 
     [problem] = load_problems(write_gsm8k(tmp_path / "g.jsonl"))
     tok = AutoTokenizer.from_pretrained(tool_model)
     builder = TraceBuilder(load_config(tool_config(tool_model, TOOLS)), tok, tok.eos_token_id)
-    [row], [call] = builder.play(problem, student_turns(problem, "Ann has 3 + 4 = 8 pens.\nAnn", finished=False))
+    [row], [call] = builder.play_student(problem, "Ann has 3 + 4 = 8 pens.\nAnn", finished=False)
     assert call["arguments"] == {"answer": "8"} and call["response"] == "Current parsed answer='8' reward=0.0"
     context = tok.decode([t for t, m in zip(row.answer_ids, row.mask) if not m])
     targets = tok.decode([t for t, m in zip(row.answer_ids, row.mask) if m])
     assert context.startswith("Ann has 3 + 4 = 8 pens.") and "reward=0.0" in context
-    assert targets.lstrip().startswith("<tool_call>") and targets.endswith("#### 8<|im_end|>")
-    assert "pens" not in targets
+    assert targets.lstrip().startswith("<tool_call>") and targets.endswith("#### 7<|im_end|>")
+    assert "pens" not in targets and "#### 8" not in targets
+    [row], [call] = builder.play_student(problem, "Ann has 3 + 4 = 7 pens.\nAnn", finished=False)  # accepted
+    assert call["response"] == "Current parsed answer='7' reward=1.0"
+    assert tok.decode([t for t, m in zip(row.answer_ids, row.mask) if m]).endswith("#### 7<|im_end|>")
 
 
 def test_traces_from_a_student_cartridge_end_to_end(tool_model, tmp_path):

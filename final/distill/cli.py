@@ -8,7 +8,8 @@ handlers are in final/distill/train_cli.py.
   synth   --text FILE --out JSONL    self-study: the model asks and answers questions about chunks (resumable)
   train   --data JSONL --text FILE --tokens P --out PATH   distil the conversations into a P-token cartridge
   distill --text FILE --tokens P --out PATH    on-policy: the student samples, final is the teacher (resumable)
-  eval    PATH --text FILE --data JSONL   KL to the full-document teacher: no doc, first P tokens, cartridge
+  eval    PATH --qa QA.jsonl [--data JSONL]  QA accuracy (and KL): no doc, first P and K*P tokens, whole doc,
+                                     cartridge
 """
 
 from __future__ import annotations

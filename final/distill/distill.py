@@ -9,9 +9,10 @@ Each step:
      final.distill.verl_rollout; the file is re-read at each step through force_redownload);
      with on_policy_fraction < 1 the remaining questions are answered by the teacher instead (T=0, off-policy,
      self-study's data made on the fly);
-  3. teacher: the same base model with the whole document in its system turn (the repo's template), served as a
-     cartridge built once and shared by every row, scores every token after the system turn with top-k
-     logprobs (InferenceEngine.score: any backend);
+  3. teacher: the same base model with the whole document as its system turn (synth.teacher_system: the one
+     teacher of training, validation, the `match` start and evaluation; the repo's template only frames the
+     question writer's chunk in step 1), served as a cartridge built once and shared by every row, scores every
+     token after the system turn with top-k logprobs (InferenceEngine.score: any backend);
   4. gradient: the loss (final.distill.losses: forward_topk, reverse_k1 or reverse_k3 on the student's own tokens,
      forward top-k on the question's) on the HF student with the cartridge as its trainable KV prefix; Adam;
   5. sync: the cartridge is written atomically to OUT in the repo's layout (+ manifest) and the next step samples
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from final.distill.convs import Conversation
 from final.distill.losses import LOSSES
 from final.distill.rows import ask_batch, make_row, observe, validation_rows
-from final.distill.synth import ChunkContext, SynthConfig, system_text
+from final.distill.synth import ChunkContext, SynthConfig, teacher_system
 from final.distill.train import (Student, TrainableKV, check_training, checkpoint_path, digest, initial_ids,
                                  make_batch)
 from final.distill.trainer import SCHEDULES, Trainer
@@ -215,7 +216,7 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
         raise CartridgeError("document text is empty", field="text")
     save = _saver(out, model, cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    with ChunkContext(inference, system_text(text, cfg.synth.template), "__distill-teacher") as teacher:
+    with ChunkContext(inference, teacher_system(text), "__distill-teacher") as teacher:
         trainer, first = _trainer(inference, teacher, text, doc, out, cfg, model=model, device=device, dtype=dtype)
         done = trainer.resume(cfg.steps)
         val = _validation(inference, teacher, doc, cfg, pad, trainer, first)
@@ -267,8 +268,8 @@ def _keep_best(trainer: Trainer, save: Callable[..., Path]) -> None:
     """OUT ends as the best cartridge validation judged (and the last record says which)."""
     best = trainer.best
     trainer.history[-1].update(kept_step=best["step"], kept_validation_kl=best["kl"])
-    if best["step"] != len(trainer.history):
-        save(trainer.best_cartridge(), kept_step=str(best["step"]), validation_kl=f"{best['kl']:.6f}")
+    # written even when the last step is the best (the same cartridge): its manifest says so as well
+    save(trainer.best_cartridge(), kept_step=str(best["step"]), validation_kl=f"{best['kl']:.6f}")
 
 
 def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], out: Path, cfg: DistillConfig, *,

@@ -10,8 +10,12 @@ which makes it a true KL (>= 0; validation judges by it).
 The reverse forms need the token to be the student's own sample (on-policy rows); the teacher gives log p of it:
 - `reverse_k1`: Thinking Machines' on-policy distillation / a policy gradient with per-token advantage
   -(log q - log p): the surrogate (log q - log p).detach() * log q has the gradient of KL(q || p) on the sample.
-- `reverse_k3`: veRL's `low_var_kl` (k3 = exp(log p - log q) - (log p - log q) - 1, backpropagated directly), the
-  only signal of the public on-policy cartridge trainer. Its reported KL is k3's value (>= 0, unbiased).
+- `reverse_k3`: veRL's `low_var_kl` k3 = exp(r) - r - 1, r = log p - log q, as the reported KL (>= 0, unbiased, low
+  variance). Backpropagating k3 itself (what the public on-policy cartridge trainer does) is wrong: its gradient
+  averaged over the student's samples is sum_x q (1 - p/q) grad log q = -sum_x p grad log q, the *forward* KL's.
+  The sample's own probability depends on the cartridge too, so the loss adds the score-function term
+  k3.detach() * log q; the sum's expectation, E_q[(k3 + 1 - p/q) grad log q] = E_q[(log q - log p) grad log q], is
+  the reverse KL's gradient (tests/test_distill_losses.py checks both against the exact one on a small vocabulary).
 Each step reports the forward top-k KL over every target (one figure that compares across losses and runs) and,
 on sampled tokens, the mean k1 = log q - log p, an unbiased estimate of KL(q || p) (negative on one token at times).
 """
@@ -19,6 +23,7 @@ on sampled tokens, the mean k1 = log q - log p, an unbiased estimate of KL(q || 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,7 +73,7 @@ def reverse_k3(logq: torch.Tensor, t: Targets) -> tuple[torch.Tensor, torch.Tens
     lq = logq.gather(1, t.token_ids[:, None])[:, 0]
     r = t.token_logprobs - lq
     k3 = r.exp() - r - 1
-    return k3, k3.detach()
+    return k3 + k3.detach() * lq, k3.detach()  # pathwise + score-function term: the reverse KL's gradient
 
 
 _FORMS = {"forward_topk": forward_topk, "forward_topk_tail": forward_topk_tail, "reverse_k1": reverse_k1,
@@ -98,3 +103,12 @@ def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
             loss = torch.where(t.sampled, _FORMS[name](logq, t)[0], loss)
         reverse = float(reverse_k1(logq, t)[1][t.sampled].mean())
     return StepLoss(loss.mean(), float(kl.mean()), float(tail.mean()), reverse, int(loss.numel()))
+
+
+def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk") -> StepLoss:
+    """The step's loss over every target token of a batch (final.distill.train.Batch), with its KL figures: the
+    student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
+    beside train(), so that the trainer and both training loops import it without importing each other."""
+    keys, values = cache.full()
+    logq = student.log_probs(keys, values, batch.ids, batch.where)
+    return step_loss(loss, logq, batch.targets)

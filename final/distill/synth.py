@@ -75,8 +75,21 @@ def seed_prompt(kind: str, rng: random.Random) -> str:
 
 
 def system_text(chunk: str, template: str | None = SYSTEM_TEMPLATE) -> str:
-    """The teacher's system turn for a chunk (or the whole document): the one rule synth, distill and eval share."""
+    """The question writer's system turn for a chunk (self-study's, in the repo's template by default)."""
     return template.format(subcorpus=chunk) if template else chunk
+
+
+def teacher_system(document: str) -> str:
+    """The teacher every cartridge is trained toward and judged against: how a user asks about a document, the
+    document itself as the system turn (no template). The one definition `distill` (its targets, its validation
+    set, the `match` start), `eval` and the QA evaluation (final.distill.qa_eval) share; a cartridge stands for
+    exactly this turn, so what follows it is the user's conversation as it would follow the document."""
+    return document
+
+
+def teacher_ids(tokenizer: Any, document: str) -> list[int]:
+    """The teacher's system turn as token ids (a cartridge of the whole document is these ids' KV)."""
+    return document_ids(tokenizer, teacher_system(document))
 
 
 @dataclass

@@ -16,7 +16,10 @@ Student rows (`--student CART`, DAgger): a cartridge trained on reference turns 
 its own reasoning, in states the references never show it, and never reaches the call. So the model with that
 cartridge writes its own first turn; the row keeps its reasoning as context (mask 0: not a target), cut at the
 reference solution's line count (or where it called or answered), and supervises what a tool-using model writes
-from there: the call, with the last number it reasoned to, then the closing answer.
+from there: the call, with the last number it reasoned to, then the closing answer. The closing answer honours the
+tool's verdict, which the row shows the model: the submitted number where the tool accepted it (reward=1.0), else
+the expert's, the problem's answer (`verdict_turns`; repeating a number the tool rejected would teach the cartridge
+to ignore the tool).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_pro
 ANNOTATION = re.compile(r"<<[^>]*>>")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 CALL_OPEN = "<tool_call>"
+VERDICT = re.compile(r"reward=(-?\d+(?:\.\d+)?)")  # in the tool's response text: what the model reads
 
 # A reference turn: (the model's own text, read but not a target; the text it must write)
 Turn = tuple[str, str]
@@ -76,6 +80,20 @@ def student_turns(problem: Problem, text: str, finished: bool) -> list[Turn]:
     answer = numbers[-1].replace(",", "") if numbers else problem.ground_truth
     call, closing = call_turns(answer)
     return [(reasoning + "\n" if reasoning else "", call), ("", closing)]
+
+
+def accepted(call: dict) -> bool:
+    """Whether the tool's response (the text the model reads after its call) says the submission was right."""
+    found = VERDICT.search(str(call.get("response", "")))
+    return found is not None and float(found.group(1)) > 0
+
+
+def verdict_turns(problem: Problem, turns: list[Turn], call: dict) -> list[Turn]:
+    """`turns` (student_turns') with the closing answer the tool's verdict on the call asks for: unchanged where
+    the tool accepted the submitted number, else the problem's own answer."""
+    if accepted(call):
+        return turns
+    return turns[:-1] + [("", call_turns(problem.ground_truth)[1])]
 
 
 class ReplayEngine:
@@ -170,6 +188,15 @@ class TraceBuilder:
         return chat_ids(self.tokenizer, build_messages(problem, self.schemas, self.renders_tools),
                         add_generation_prompt=True)
 
+    def play_student(self, problem: Problem, text: str, finished: bool) -> tuple[list[TraceRow], list[dict]]:
+        """play() with the student's first turn `text` kept as context (student_turns), then, where the tool
+        rejected its number, played again with the closing answer the verdict asks for (verdict_turns)."""
+        turns = student_turns(problem, text, finished)
+        trace, calls = self.play(problem, turns)
+        if calls and not accepted(calls[0]):
+            trace, calls = self.play(problem, verdict_turns(problem, turns, calls[0]))
+        return trace, calls
+
     def play(self, problem: Problem, turns: Sequence[str | Turn] | None = None) -> tuple[list[TraceRow], list[dict]]:
         """One problem through the rollout, answered with `turns` (default: its reference turns): its rows and the
         tool calls it made (name, arguments, response)."""
@@ -237,7 +264,7 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     own = student_answers(student, builder, problems, student_tokens, progress) if student else None
     rows = []
     for i, problem in enumerate(tqdm(problems, desc="traces", unit="problem", disable=not progress)):
-        trace, calls = builder.play(problem, student_turns(problem, *own[i]) if own else None)
+        trace, calls = builder.play_student(problem, *own[i]) if own else builder.play(problem)
         if not calls or calls[0].get("reward") is None or calls[0].get("error"):
             raise ConfigError(f"problem {problem.index}: the reference call did not run: {calls}", key="--tools")
         base = 100 * problem.index + (STUDENT_ROW_IDS if own else 0)

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from final.distill.convs import Conversation
-from final.distill.losses import StepLoss, Targets, step_loss
+from final.distill.losses import Targets
 from final.distill.trainer import Trainer
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
@@ -178,13 +178,6 @@ def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device)
         (top_ids, torch.long), (top_lps, torch.float32), (tokens, torch.long), (token_lps, torch.float32),
         (sampled, torch.bool))))
     return Batch(ids.to(device), where.to(device), t)
-
-
-def distill_loss(student: Student, cache: TrainableKV, batch: Batch, loss: str = "forward_topk") -> StepLoss:
-    """The step's loss over every target token (final.distill.losses), with its KL figures."""
-    keys, values = cache.full()
-    logq = student.log_probs(keys, values, batch.ids, batch.where)
-    return step_loss(loss, logq, batch.targets)
 
 
 def batch_order(n: int, batch: int, step: int, seed: int) -> list[int]:

@@ -50,6 +50,9 @@ def _question_args(p: argparse.ArgumentParser, chunk: str, question_tokens: int)
     p.add_argument("--plain-system", action="store_true",
                    help="the chunk alone in the system turn, not in the repo's system-prompt template")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
+    p.add_argument("--seed-types", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   help="self-study seed prompts to draw from, comma-separated (default: all of structuring, "
+                        "summarization, question, use_case, creative; e.g. question for fact questions only)")
     p.add_argument("--supervise", choices=("all", "answer"), default="all",
                    help="targets: every token after the system turn (default, the repo's) or the answer's only")
 
@@ -92,10 +95,17 @@ def register_training(sub: Any) -> None:
     _register_distill(sub)
     _register_traces(sub)
 
-    e = sub.add_parser("eval", help="KL of a trained cartridge to the full-document teacher on held-out questions")
+    e = sub.add_parser("eval", help="a trained cartridge against no document, the document's first p and k*p "
+                                     "tokens and the whole document: QA accuracy (--qa) and KL (--data)")
     e.add_argument("path", type=Path)
-    e.add_argument("--text", required=True, type=Path, help="the document the cartridge stands for")
-    e.add_argument("--data", required=True, type=Path, help="held-out JSONL from `final cartridge synth --seed N`")
+    e.add_argument("--text", type=Path, help="the document the cartridge stands for (default: the --qa set's)")
+    e.add_argument("--qa", type=Path, help="question set (bench/qa/NAME.jsonl, its document NAME.txt beside it): "
+                                           "multiple-choice acc/acc_norm, open answers, KL, with 95%% intervals")
+    e.add_argument("--split", choices=("tune", "test", "all"), default="tune",
+                   help="which half of the --qa set to ask (default tune; test is for the final figures only)")
+    e.add_argument("--multiple", type=int, default=8, help="k of the first-k*p-tokens row (default 8)")
+    e.add_argument("--open-tokens", type=int, default=32, help="greedy tokens of an open answer (default 32)")
+    e.add_argument("--data", type=Path, help="held-out JSONL from `final cartridge synth --seed N` (KL table)")
     e.add_argument("--train-data", type=Path, action="append", default=[],
                    help="training JSONL: held-out rows asking one of its questions are dropped (repeatable)")
     e.add_argument("--positions", choices=("after_prefix", "from_zero"),
@@ -202,7 +212,7 @@ def _synth_config(args: argparse.Namespace, **kw: Any):
     return SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                        question_tokens=args.question_tokens, top_k=args.top_k, cot_probability=args.cot_probability,
                        supervise=args.supervise, template=None if args.plain_system else SynthConfig.template,
-                       **kw)
+                       **({"seed_types": args.seed_types} if args.seed_types else {}), **kw)
 
 
 def _inference(args: argparse.Namespace):
@@ -280,27 +290,60 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from final.cartridges.service import CartridgeService
-    from final.distill.convs import dedupe, read_conversations
-    from final.distill.evaluate import evaluate, table
-    from final.prompts import document_ids
+    from final.errors import CartridgeError
 
-    text = read_text(args.text)
+    if args.qa is None and args.data is None:
+        raise CartridgeError("give --qa (questions) or --data (held-out conversations), or both", field="qa")
+    if args.text is None and args.qa is None:
+        raise CartridgeError("--data needs --text, the document the cartridge stands for", field="text")
+    if args.multiple < 1 or args.open_tokens < 1:
+        raise CartridgeError("--multiple and --open-tokens must be at least 1", field="multiple")
     inference, engine, tok = open_engine(args)
+    report: dict = {}
     try:
         cart = CartridgeService(engine, inference.model_dir).read_served(args.path, positions=args.positions)
-        seen = [r.question for path in args.train_data for r in read_conversations(path, len(tok))]
-        convs = dedupe(read_conversations(args.data, len(tok)), seen)[:args.limit]
-        rows = evaluate(engine, tok, document_ids(tok, text), cart, convs)
+        if args.qa is not None:
+            report["qa"] = _eval_qa(args, inference, cart)
+        if args.data is not None:  # at the top level, where it always was
+            report.update(_eval_kl(args, inference, cart))
     finally:
         inference.shutdown()
-    tokens = sum(len(c.answer_ids) for c in convs)
     if args.json:
-        print(json.dumps({"conversations": len(convs), "answer_tokens": tokens,
-                          "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
-    else:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _eval_qa(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
+    import dataclasses
+
+    from final.distill.qa import load_qa
+    from final.distill.qa_eval import qa_evaluate, table
+
+    qa = load_qa(args.qa, None if args.split == "all" else args.split, document=args.text)
+    rows = qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
+                       open_tokens=args.open_tokens)
+    if not args.json:
+        print(f"{qa.name}: {len(qa.questions)} questions ({args.split})")
+        print(table(rows))
+    return {"set": qa.name, "split": args.split, "questions": len(qa.questions),
+            "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def _eval_kl(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
+    import dataclasses
+
+    from final.distill.convs import dedupe, read_conversations
+    from final.distill.evaluate import evaluate, table
+    from final.distill.synth import teacher_ids
+
+    tok = inference.tokenizer
+    text = read_text(args.text) if args.text is not None else read_text(args.qa.with_suffix(".txt"))
+    seen = [r.question for path in args.train_data for r in read_conversations(path, len(tok))]
+    convs = dedupe(read_conversations(args.data, len(tok)), seen)[:args.limit]
+    rows = evaluate(inference.engine, tok, teacher_ids(tok, text), cart, convs)
+    tokens = sum(len(c.answer_ids) for c in convs)
+    if not args.json:
         print(f"{len(convs)} held-out conversations, {tokens} answer tokens")
         print(table(rows))
-    return 0
+    return {"conversations": len(convs), "answer_tokens": tokens, "rows": [dataclasses.asdict(r) for r in rows]}

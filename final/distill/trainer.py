@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from final.distill.losses import distill_loss
 from final.errors import CartridgeError
 
 
@@ -49,8 +50,6 @@ class Trainer:
     def step(self, batch: Any, updates: int = 1, **extra: Any) -> dict:
         """`updates` Adam steps on one batch (final.distill.train.Batch); returns and keeps the step's record. Its
         loss and KL are the first update's: the batch as it came, before the cartridge learned from it."""
-        from final.distill.train import distill_loss
-
         t0 = time.perf_counter()
         first = None
         lr = scheduled_lr(self.lr, self.schedule, len(self.history), self.steps)
@@ -78,8 +77,6 @@ class Trainer:
     def validate(self, batch: Any) -> float:
         """The cartridge's KL (the teacher's top-k plus a bucket for the rest: losses.forward_topk_tail) on a batch
         it is not trained on."""
-        from final.distill.train import distill_loss
-
         return distill_loss(self.student, self.cache, batch, "forward_topk").tail_kl
 
     def keep_if_best(self, kl: float, step: int) -> bool:

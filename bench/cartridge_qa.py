@@ -1,0 +1,90 @@
+"""Do cartridges know their documents? QA accuracy and KL per method and p on the question sets (bench/qa).
+
+    .venv/bin/python bench/cartridge_qa.py [--sets brennock,kestrel,lake_ivra] [--split tune] [--tokens 64]
+        [--multiple 8] [--work DIR] [--label NAME] [-- distill flags...]
+
+For each set: `final cartridge distill` of its document at p = --tokens with the distill flags given after `--`
+(none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
+half is for final figures only) - no document, the first p and k*p tokens, the whole document, the cartridge -
+MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set and one pooled over
+the sets (every question counted once), and writes summary.json in --work. Runs resume: a finished cartridge in
+--work is evaluated again without training (its minutes are read back from summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sets", default="brennock,kestrel,lake_ivra")
+    p.add_argument("--split", choices=("tune", "test", "all"), default="tune")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--multiple", type=int, default=8)
+    p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_qa"))
+    p.add_argument("--label", default="distill (defaults)", help="the method's name in the table")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    summary_path = args.work / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    pooled: dict[str, list] = {}
+    for name in args.sets.split(","):
+        rows, minutes = run_set(name, args, extra, summary.get(name, {}).get("minutes"))
+        summary[name] = {"minutes": minutes, "flags": extra, "split": args.split,
+                         "rows": [dataclasses.asdict(r) for r in rows]}
+        summary_path.write_text(json.dumps(summary, indent=2))
+        from final.distill.qa_eval import table
+
+        print(f"\n{name} ({args.split}, {rows[0].questions} questions; {args.label}: {minutes:.1f} min)")
+        print(table(rows), flush=True)
+        for r in rows:
+            pooled.setdefault(r.condition, []).append(r)
+    print(f"\npooled over {args.sets} ({args.split}):")
+    print("| condition | questions | MC acc | MC acc_norm | open: contains | KL |\n|---|---:|---:|---:|---:|---:|")
+    for cond, rs in pooled.items():
+        n = sum(r.questions for r in rs)
+        acc, norm, contains, kl = (sum(getattr(r, key) * r.questions for r in rs) / n
+                                   for key in ("acc", "acc_norm", "contains", "kl"))
+        print(f"| {cond} | {n} | {acc:.3f} | {norm:.3f} | {contains:.3f} | {kl:.3f} |")
+    return 0
+
+
+def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: float | None):
+    from final.cartridges.service import CartridgeService
+    from final.distill.cli import main as cli
+    from final.distill.qa import load_qa
+    from final.distill.qa_eval import qa_evaluate
+    from final.inf import local_engine
+
+    qa = load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if args.split == "all" else args.split)
+    out = args.work / f"{name}_p{args.tokens}.pt"
+    if minutes is None or not out.is_file():
+        t0 = time.perf_counter()
+        code = cli(["cartridge", "distill", "--model", args.model, "--text", str(ROOT / "bench" / "qa" / f"{name}.txt"),
+                    "--tokens", str(args.tokens), "--out", str(out), "--quiet", *extra])
+        if code:
+            raise SystemExit(code)
+        minutes = (time.perf_counter() - t0) / 60
+    inference = local_engine(args.model, dtype="float32")
+    try:
+        cart = CartridgeService(inference.engine, inference.model_dir).read_served(out)
+        return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple), minutes
+    finally:
+        inference.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Does a cartridge know its document? Accuracy on questions users ask (final.distill.qa), beside KL.
+
+For each condition - no document (the plain chat), the document's first p tokens, its first k*p tokens, the whole
+document (in context: the ceiling) and the cartridge - every question is asked as a user asks it, after the
+condition's prefix (the teacher's system turn, final.distill.synth.teacher_ids, cut or whole; or the cartridge):
+- multiple choice, as lm-eval scores it: each option as the assistant's answer, by the sum of its tokens'
+  log-likelihoods; `acc` takes the highest sum, `acc_norm` the highest sum per byte of the option;
+- open answer: a greedy generation of `open_tokens` tokens must contain the reference (`contains`; `exact`: the
+  whole answer is the reference, case, spacing and punctuation aside);
+- KL(whole document || condition) per token of the right option, the teacher being the whole document in context.
+Each figure comes with a 95% interval: Wilson's for the shares, the normal one for the mean KL.
+Forwards are the engine's serving forward after a loaded prefix, so what is measured is what is served.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from final.cartridges.build import build_from_text
+from final.cartridges.format import CartridgeKV
+from final.compat import chat_ids
+from final.distill.evaluate import kl_and_top1
+from final.distill.qa import Question
+from final.distill.synth import teacher_ids
+from final.errors import CartridgeError
+from final.prompts import continuation_ids
+
+WHOLE = "whole document"
+
+
+@dataclass
+class QARow:
+    condition: str
+    prefix_tokens: int
+    questions: int
+    acc: float
+    acc_ci: tuple[float, float]
+    acc_norm: float
+    acc_norm_ci: tuple[float, float]
+    contains: float
+    contains_ci: tuple[float, float]
+    exact: float
+    kl: float  # mean KL(whole document || condition) per token of the right option, nats
+    kl_ci: tuple[float, float]
+    kv_bytes: int
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% score interval of a share k/n (sound at small n and at 0 or n, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    mid, half = (p + z * z / (2 * n)), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n))
+
+
+def mean_ci(xs: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    n = len(xs)
+    if n < 2:
+        return (xs[0], xs[0]) if xs else (0.0, 0.0)
+    m = sum(xs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m - z * sd / math.sqrt(n), m + z * sd / math.sqrt(n)
+
+
+def normalise(text: str) -> str:
+    text = re.sub(r"(?<=\d),(?=\d)", "", text.lower())
+    return " ".join(re.sub(r"[^a-z0-9.\- ]+", " ", text).split()).strip(" .")
+
+
+def conditions(engine: Any, tokenizer: Any, text: str, cart: CartridgeKV | None, p: int | None,
+               multiple: int) -> list[tuple[str, CartridgeKV | None]]:
+    """(name, prefix) in table order; the first-p and first-k*p rows only where shorter than the document."""
+    ids = teacher_ids(tokenizer, text)
+    full = build_from_text(engine, ids)
+    p = cart.num_tokens if cart is not None else p
+    out: list[tuple[str, CartridgeKV | None]] = [("no document", None)]
+    for n in dict.fromkeys(x for x in (p, (p or 0) * multiple) if x):
+        if n < len(ids):
+            out.append((f"first {n} tokens", CartridgeKV([k[:, :, :n] for k in full.keys],
+                                                         [v[:, :, :n] for v in full.values], 1)))
+    out.append((WHOLE, full))
+    if cart is not None:
+        out.append(("cartridge", CartridgeKV([k.to(full.dtype) for k in cart.keys],
+                                             [v.to(full.dtype) for v in cart.values], cart.num_frozen_tokens)))
+    return out
+
+
+def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: CartridgeKV | None = None, *,
+                p: int | None = None, multiple: int = 8, open_tokens: int = 32) -> list[QARow]:
+    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows."""
+    if not questions:
+        raise CartridgeError("no questions to ask", field="qa")
+    if cart is None and p is None:
+        raise CartridgeError("give a cartridge or p", field="tokens")
+    engine, tok = inference.engine, inference.tokenizer
+    conds = conditions(engine, tok, text, cart, p, multiple)
+    scored = {}
+    for name, kv in conds:
+        cid = f"__qa-{uuid.uuid4().hex[:8]}" if kv is not None else None
+        if kv is not None:
+            inference.cartridges.add(cid, kv)
+        try:
+            scored[name] = _ask(inference, questions, cid, open_tokens)
+        finally:
+            if cid is not None:
+                inference.unload_cartridge(cid)
+    teacher = [logits for _, _, _, logits in scored[WHOLE]]
+    return [_row(name, kv, scored[name], teacher, questions) for name, kv in conds]
+
+
+def _ask(inference: Any, questions: Sequence[Question], cid: str | None,
+         open_tokens: int) -> list[tuple[bool, bool, str, torch.Tensor]]:
+    """Per question: (acc hit, acc_norm hit, greedy answer, logits over the right option's tokens)."""
+    engine, tok = inference.engine, inference.tokenizer
+    prefix = engine.prefixes.get((cid,)) if cid is not None else None
+    prompts = []
+    for q in questions:
+        user = [{"role": "user", "content": q.question}]
+        prompts.append(continuation_ids(tok, user) if cid is not None else
+                       chat_ids(tok, user, add_generation_prompt=True))
+    out = []
+    for q, prompt in zip(questions, prompts):
+        sums, norms, right = [], [], None
+        for i, choice in enumerate(q.choices):
+            cids = tok(choice, add_special_tokens=False).input_ids
+            logits, _ = engine.call(lambda runner, ids=prompt + cids: runner.forward_full(ids, prefix))
+            logits = logits[len(prompt) - 1:len(prompt) - 1 + len(cids)].float()
+            lp = float(torch.log_softmax(logits, -1).gather(1, torch.tensor(cids)[:, None]).sum())
+            sums.append(lp)
+            norms.append(lp / len(choice.encode()))
+            if i == q.answer:
+                right = logits
+        out.append([_argmax(sums) == q.answer, _argmax(norms) == q.answer, "", right])
+    gen = inference.generate(prompts, cartridge=cid, temperature=0.0, max_tokens=open_tokens)
+    for row, text in zip(out, gen.completions):
+        row[2] = text
+    return [tuple(row) for row in out]
+
+
+def _argmax(xs: Sequence[float]) -> int:
+    return max(range(len(xs)), key=xs.__getitem__)
+
+
+def _row(name: str, kv: CartridgeKV | None, got: list, teacher: list[torch.Tensor],
+         questions: Sequence[Question]) -> QARow:
+    n = len(got)
+    acc, norm = sum(g[0] for g in got), sum(g[1] for g in got)
+    contains = sum(normalise(q.reference) in normalise(g[2]) for q, g in zip(questions, got))
+    exact = sum(normalise(q.reference) == normalise(g[2]) for q, g in zip(questions, got))
+    kls = [float(kl_and_top1(t, g[3])[0].mean()) for t, g in zip(teacher, got)]
+    return QARow(name, kv.num_tokens if kv is not None else 0, n, acc / n, wilson(acc, n), norm / n, wilson(norm, n),
+                 contains / n, wilson(contains, n), exact / n, sum(kls) / n, mean_ci(kls),
+                 kv.nbytes if kv is not None else 0)
+
+
+def table(rows: Sequence[QARow]) -> str:
+    """A markdown table, 95% intervals in brackets."""
+    def share(x: float, ci: tuple[float, float]) -> str:
+        return f"{x:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+    lines = ["| condition | prefix tokens | MC acc | MC acc_norm | open: contains | open: exact | KL to whole "
+             "document (nats/token) | KV bytes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.condition} | {r.prefix_tokens} | {share(r.acc, r.acc_ci)} | {share(r.acc_norm, r.acc_norm_ci)} "
+              f"| {share(r.contains, r.contains_ci)} | {r.exact:.2f} | {r.kl:.3f} [{r.kl_ci[0]:.3f}, "
+              f"{r.kl_ci[1]:.3f}] | {r.kv_bytes:,} |" for r in rows]
+    return "\n".join(lines)

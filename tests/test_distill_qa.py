@@ -1,0 +1,115 @@
+"""The QA sets (bench/qa) and the QA evaluation (`final cartridge eval --qa`): the shipped sets are well formed and
+cover their documents, bad files are refused by file, line and field, and the evaluation's conditions agree where
+they are the same KV (tiny model, real engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cartridges_helpers import TINY
+from serve_helpers import DOC_A
+from final.distill.qa import load_qa
+from final.distill.qa_eval import WHOLE, normalise, qa_evaluate, wilson
+from final.errors import CartridgeError
+
+from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
+
+QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
+SETS = ("brennock", "kestrel", "lake_ivra")
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_each_shipped_set_has_40_questions_over_the_whole_document_in_two_halves(name):
+    qa = load_qa(QA / f"{name}.jsonl")
+    assert len(qa.questions) >= 40 and all(len(q.choices) == 4 for q in qa.questions)
+    for split in ("tune", "test"):
+        half = load_qa(QA / f"{name}.jsonl", split).questions
+        assert len(half) >= 20 and {q.split for q in half} == {split}
+        positions = [q.position for q in half]
+        assert min(positions) < 0.1 and max(positions) > 0.85  # each half spans the document
+    assert len({q.answer for q in qa.questions}) == 4  # the right option is not always in one place
+    assert 3_000 < len(qa.document) < 6_000  # ~1,000 tokens
+
+
+def line(**kw) -> str:
+    row = {"id": "a", "split": "tune", "question": "Who keeps the light?", "choices": ["Mara", "Pip", "Jot", "Fen"],
+           "answer": 0, "reference": "Mara", "support": "Mara Quill"}
+    return json.dumps({k: v for k, v in {**row, **kw}.items() if v is not None})
+
+
+@pytest.mark.parametrize("text, field", [
+    (line(split="dev"), "split"), (line(answer=4), "answer"), (line(answer=True), "answer"),
+    (line(choices=["Mara", "Mara"]), "choices"), (line(support="Mara Quilt"), "support"),
+    (line(question=""), "question"), (line(reference=None), "reference"), ("[1, 2]", "line 2"),
+    ("{not json", "line 2"), (line(id="first"), "id"),
+])
+def test_a_bad_question_line_names_its_file_line_and_field(tmp_path, text, field):
+    (tmp_path / "s.txt").write_text(DOC_A)
+    path = tmp_path / "s.jsonl"
+    path.write_text(line(id="first") + "\n" + text + "\n")
+    with pytest.raises(CartridgeError) as err:
+        load_qa(path)
+    assert err.value.field == field and str(path) in str(err.value) and "line 2" in str(err.value)
+
+
+def test_a_missing_document_or_split_is_named(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text(line() + "\n")
+    with pytest.raises(CartridgeError) as err:
+        load_qa(path)
+    assert err.value.field == "document"
+    with pytest.raises(CartridgeError) as err:
+        load_qa(path, "dev", document=QA / "brennock.txt")
+    assert err.value.field == "split"
+
+
+def test_wilson_interval_and_answer_normalisation():
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert normalise("It has 6,300 people.") == "it has 6300 people" and "6300" in normalise("6,300")
+
+
+def test_the_conditions_that_are_the_same_kv_score_the_same(inference, tmp_path):
+    """A cartridge that is the whole document's KV scores as the whole document (KL 0, same answers); the whole
+    document's KL to itself is 0, and every row asks every question."""
+    from final.cartridges.build import build_from_text
+    from final.distill.synth import teacher_ids
+
+    (tmp_path / "s.txt").write_text(DOC_A)
+    rows = [line(id="a"), line(id="b", question="How many cats does she keep?", choices=["three", "two", "one"],
+                               reference="three", support="three cats")]
+    (tmp_path / "s.jsonl").write_text("\n".join(rows) + "\n")
+    qa = load_qa(tmp_path / "s.jsonl")
+    cart = build_from_text(inference.engine, teacher_ids(inference.tokenizer, DOC_A))
+    got = {r.condition: r for r in qa_evaluate(inference, qa.document, qa.questions, cart, multiple=2,
+                                               open_tokens=4)}
+    assert list(got) == ["no document", WHOLE, "cartridge"]  # first p / k*p: not shorter than the document
+    assert got[WHOLE].kl == 0 and got["cartridge"].kl == pytest.approx(0, abs=1e-5)
+    for key in ("acc", "acc_norm", "contains"):
+        assert getattr(got["cartridge"], key) == getattr(got[WHOLE], key)
+    assert got["no document"].kl > 0.01 and all(r.questions == 2 for r in got.values())
+
+
+def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
+    from final.cartridges.build import build_from_text
+    from final.cartridges.format import save_cartridge
+    from final.distill.cli import main
+    from final.distill.synth import teacher_ids
+
+    (tmp_path / "s.txt").write_text(DOC_A)
+    (tmp_path / "s.jsonl").write_text(line(id="a") + "\n" + line(id="b", split="test") + "\n")
+    ids = teacher_ids(inference.tokenizer, DOC_A)
+    path = save_cartridge(build_from_text(inference.engine, ids[:4]), tmp_path / "c.pt")
+    assert main(["cartridge", "eval", str(path), "--model", TINY, "--qa", str(tmp_path / "s.jsonl"),
+                 "--multiple", "2", "--open-tokens", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["qa"]
+    assert report["questions"] == 1 and report["split"] == "tune"  # the test half is not asked by default
+    assert [r["condition"] for r in report["rows"]] == ["no document", "first 4 tokens", "first 8 tokens", WHOLE,
+                                                        "cartridge"]
+    first, cart = report["rows"][1], report["rows"][4]
+    assert cart["kl"] == pytest.approx(first["kl"], abs=1e-6)  # the cartridge is the first 4 tokens' KV
+    assert main(["cartridge", "eval", str(path), "--model", TINY]) != 0
+    assert "field 'qa': give --qa" in capsys.readouterr().err
