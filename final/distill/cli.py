@@ -30,7 +30,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=DEFAULT_MODEL, help=f"model path or builtin name (default {DEFAULT_MODEL})")
-        p.add_argument("--dtype", default="float32", help="engine dtype (float32 for exact parity; auto, bfloat16)")
+        p.add_argument("--dtype", default="float32", help="engine dtype (float32: HF's numbers to ~1e-4; auto, bf16)")
         p.add_argument("--raw", action="store_true", help="plain text instead of a chat system turn")
 
     b = sub.add_parser("build", help="build a cartridge by prefilling a text")

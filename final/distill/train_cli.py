@@ -128,10 +128,11 @@ def _register_distill(sub: Any) -> None:
     d.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature")
     d.add_argument("--answer-tokens", type=int, default=128)
     d.add_argument("--loss", help="on the student's own tokens: forward_topk, forward_topk_tail, reverse_k1 or "
-                                  "reverse_k3 (default: DistillConfig's; see README for the measurement)")
+                                  "reverse_k3 (default: DistillConfig's; see docs/guides/train-cartridge.md)")
     d.add_argument("--on-policy-fraction", type=float, default=1.0,
                    help="share of each step's questions the student answers; the rest the teacher (off-policy)")
-    d.add_argument("--lr", type=float, help="Adam's learning rate (default: DistillConfig's, measured: see README)")
+    d.add_argument("--lr", type=float,
+                   help="Adam's learning rate (default: DistillConfig's, measured: docs/guides/train-cartridge.md)")
     d.add_argument("--schedule", help="the lr over --steps: cosine (DistillConfig's default) decays it to 0 at the "
                                       "last step, constant keeps it")
     d.add_argument("--updates", type=int, default=1, help="Adam steps on each step's rows (default 1)")

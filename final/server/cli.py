@@ -20,7 +20,7 @@ from final.cli import add_replica_args
 from final.sampling import Limits
 
 DEFAULT_PORT = 10210  # Tokasaurus' default
-# flag, limits key, type, what it bounds (README "Limits")
+# flag, limits key, type, what it bounds (docs/reference/limits.md)
 LIMIT_FLAGS = (
     ("--max-n", "max_n", int, "most samples per prompt"),
     ("--max-prompts", "max_prompts", int, "most prompts per request"),
