@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from final.errors import CartridgeError
 
@@ -111,21 +111,25 @@ def append(path: Path, rows: Iterable[Conversation]) -> None:
         os.fsync(fh.fileno())
 
 
+def jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON is a
+    CartridgeError naming the file and the line (the rule of every JSONL file final reads for training)."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CartridgeError(f"line {n} is not JSON: {exc}", file=str(path), field=f"line {n}") from None
+
+
 def read_conversations(path: str | Path, vocab_size: int) -> list[Conversation]:
     """Parse and check every row; a problem names the file, the line and the field."""
     path = Path(path)
     name = str(path)
     if not path.is_file():
         raise CartridgeError("conversation file does not exist", file=name, field="data")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CartridgeError(f"line {n} is not JSON: {exc}", file=name, field=f"line {n}") from None
-        rows.append(_row(obj, n, name, vocab_size))
+    rows = [_row(obj, n, name, vocab_size) for n, obj in jsonl_objects(path)]
     if not rows:
         raise CartridgeError("has no conversations", file=name, field="data")
     return rows

@@ -15,10 +15,10 @@ A problem names the file, the line and the field (CartridgeError).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from final.distill.convs import jsonl_objects
 from final.errors import CartridgeError
 
 SPLITS = ("tune", "test")
@@ -58,13 +58,7 @@ def load_qa(path: str | Path, split: str | None = None, document: str | Path | N
     text = doc_path.read_text()
     questions: list[Question] = []
     seen: set[str] = set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CartridgeError(f"line {n} is not JSON: {exc}", file=name, field=f"line {n}") from None
+    for n, obj in jsonl_objects(path):
         q = _question(obj, n, name, text)
         if q.id in seen:
             raise CartridgeError(f"line {n}: id {q.id!r} appears twice", file=name, field="id")
