@@ -94,7 +94,10 @@ def register_training(sub: Any) -> None:
     t.set_defaults(cartridge_func=_train)
     _register_distill(sub)
     _register_traces(sub)
+    _register_eval(sub)
 
+
+def _register_eval(sub: Any) -> None:
     e = sub.add_parser("eval", help="a trained cartridge against no document, the document's first p and k*p "
                                      "tokens and the whole document: QA accuracy (--qa) and KL (--data)")
     e.add_argument("path", type=Path)
