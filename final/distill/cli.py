@@ -10,6 +10,8 @@ handlers are in final/distill/train_cli.py.
   distill --text FILE --tokens P --out PATH    on-policy: the student samples, final is the teacher (resumable)
   eval    PATH --qa QA.jsonl [--data JSONL]  QA accuracy (and KL): no doc, first P and K*P tokens, whole doc,
                                      cartridge
+  eval    PATH --qa QA.jsonl --compose CART_B --compose-qa QA_B.jsonl   two cartridges served together
+                                     (final.distill.qa_compose): alone, composed, in context, both in context
 """
 
 from __future__ import annotations

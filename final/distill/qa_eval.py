@@ -107,23 +107,26 @@ def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: 
         if kv is not None:
             inference.cartridges.add(cid, kv)
         try:
-            scored[name] = _ask(inference, questions, cid, open_tokens)
+            scored[name] = ask(inference, questions, (cid,) if cid is not None else (), open_tokens)
         finally:
             if cid is not None:
                 inference.unload_cartridge(cid)
     teacher = [logits for _, _, _, logits in scored[WHOLE]]
-    return [_row(name, kv, scored[name], teacher, questions) for name, kv in conds]
+    return [row(name, kv.num_tokens if kv is not None else 0, kv.nbytes if kv is not None else 0, scored[name],
+                teacher, questions) for name, kv in conds]
 
 
-def _ask(inference: Any, questions: Sequence[Question], cid: str | None,
-         open_tokens: int) -> list[tuple[bool, bool, str, torch.Tensor]]:
-    """Per question: (acc hit, acc_norm hit, greedy answer, logits over the right option's tokens)."""
+def ask(inference: Any, questions: Sequence[Question], cartridges: tuple[str, ...],
+        open_tokens: int) -> list[tuple[bool, bool, str, torch.Tensor]]:
+    """Per question: (acc hit, acc_norm hit, greedy answer, logits over the right option's tokens), after the
+    loaded `cartridges` composed in order (none: the plain chat) - the prefix the engine serves a request
+    naming them (PrefixTable.get), and generate(cartridge=[...]) for the open answers."""
     engine, tok = inference.engine, inference.tokenizer
-    prefix = engine.prefixes.get((cid,)) if cid is not None else None
+    prefix = engine.prefixes.get(tuple(cartridges))
     prompts = []
     for q in questions:
         user = [{"role": "user", "content": q.question}]
-        prompts.append(continuation_ids(tok, user) if cid is not None else
+        prompts.append(continuation_ids(tok, user) if cartridges else
                        chat_ids(tok, user, add_generation_prompt=True))
     out = []
     for q, prompt in zip(questions, prompts):
@@ -138,26 +141,26 @@ def _ask(inference: Any, questions: Sequence[Question], cid: str | None,
             if i == q.answer:
                 right = logits
         out.append([_argmax(sums) == q.answer, _argmax(norms) == q.answer, "", right])
-    gen = inference.generate(prompts, cartridge=cid, temperature=0.0, max_tokens=open_tokens)
-    for row, text in zip(out, gen.completions):
-        row[2] = text
-    return [tuple(row) for row in out]
+    gen = inference.generate(prompts, cartridge=list(cartridges) or None, temperature=0.0, max_tokens=open_tokens)
+    for got, text in zip(out, gen.completions):
+        got[2] = text
+    return [tuple(got) for got in out]
 
 
 def _argmax(xs: Sequence[float]) -> int:
     return max(range(len(xs)), key=xs.__getitem__)
 
 
-def _row(name: str, kv: CartridgeKV | None, got: list, teacher: list[torch.Tensor],
-         questions: Sequence[Question]) -> QARow:
+def row(name: str, prefix_tokens: int, kv_bytes: int, got: list, teacher: list[torch.Tensor],
+        questions: Sequence[Question]) -> QARow:
+    """A condition's figures from ask()'s answers; KL to `teacher` (the logits ask() gave under the teacher)."""
     n = len(got)
     acc, norm = sum(g[0] for g in got), sum(g[1] for g in got)
     contains = sum(normalise(q.reference) in normalise(g[2]) for q, g in zip(questions, got))
     exact = sum(normalise(q.reference) == normalise(g[2]) for q, g in zip(questions, got))
     kls = [float(kl_and_top1(t, g[3])[0].mean()) for t, g in zip(teacher, got)]
-    return QARow(name, kv.num_tokens if kv is not None else 0, n, acc / n, wilson(acc, n), norm / n, wilson(norm, n),
-                 contains / n, wilson(contains, n), exact / n, sum(kls) / n, mean_ci(kls),
-                 kv.nbytes if kv is not None else 0)
+    return QARow(name, prefix_tokens, n, acc / n, wilson(acc, n), norm / n, wilson(norm, n), contains / n,
+                 wilson(contains, n), exact / n, sum(kls) / n, mean_ci(kls), kv_bytes)
 
 
 def table(rows: Sequence[QARow]) -> str:

@@ -1,0 +1,93 @@
+"""Do two cartridges served together still know both documents? QA accuracy of a composition (bench/qa sets).
+
+    .venv/bin/python bench/cartridge_compose.py CART_A CART_B [--sets brennock,kestrel] [--split tune]
+        [--work DIR] [--one-order] [--open-tokens 32] [--positions after_prefix|from_zero]
+    .venv/bin/python bench/cartridge_compose.py --first-tokens 64 [--sets brennock,kestrel] ...
+
+CART_A stands for the first set's document, CART_B for the second's (e.g. `final cartridge distill` outputs);
+`--first-tokens P` instead builds each document's first-P-token prefix cartridge (the `prefix` start of
+`final cartridge distill`, no training) into --work and uses those. Then final.distill.qa_compose on each set's
+--split half (tune unless told: the test half is for final figures only): no document, each document in context,
+both documents in one system turn (both orders unless --one-order), each cartridge alone, both cartridges composed
+as the store serves `cartridge=[a, b]` - MC acc / acc_norm with 95% Wilson intervals, the ratio composed / own
+cartridge alone, open answers, KL to the set's own document in context. Prints a markdown table per set and writes
+summary.json in --work. The same figures as `final cartridge eval CART_A --qa A.jsonl --compose CART_B
+--compose-qa B.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+QA = ROOT / "bench" / "qa"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("carts", nargs="*", type=Path, help="CART_A CART_B: the two sets' cartridges, in --sets order")
+    p.add_argument("--first-tokens", type=int, help="build the documents' first-P-token prefix cartridges instead")
+    p.add_argument("--sets", default="brennock,kestrel", help="the two question sets (bench/qa/NAME.jsonl)")
+    p.add_argument("--split", choices=("tune", "test", "all"), default="tune")
+    p.add_argument("--one-order", action="store_true", help="both documents in context only in --sets order")
+    p.add_argument("--open-tokens", type=int, default=32)
+    p.add_argument("--positions", choices=("after_prefix", "from_zero"), help="both cartridges' convention "
+                   "(default: each one's manifest or run config)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_compose"))
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    names = args.sets.split(",")
+    if len(names) != 2 or (len(args.carts) == 2) == (args.first_tokens is not None):
+        p.error("give two --sets and either two cartridge files or --first-tokens P")
+    from final.distill.qa import load_qa
+    from final.distill.qa_compose import ComposeSet, compose_evaluate, compose_table
+    from final.inf import local_engine
+
+    sets = [load_qa(QA / f"{n}.jsonl", None if args.split == "all" else args.split) for n in names]
+    args.work.mkdir(parents=True, exist_ok=True)
+    inference = local_engine(args.model, dtype="float32")
+    try:
+        carts = _cartridges(inference, args, sets)
+        result = compose_evaluate(inference, *(ComposeSet(qa.name, qa.document, qa.questions, cart)
+                                               for qa, cart in zip(sets, carts)),
+                                  open_tokens=args.open_tokens, both_orders=not args.one_order)
+    finally:
+        inference.shutdown()
+    summary = {"sets": names, "split": args.split, "cartridges": [str(c) for c in args.carts] or None,
+               "first_tokens": args.first_tokens, "separator": result.separator, "composed": result.composed,
+               "keeps": result.keeps(),
+               "rows": {n: [dataclasses.asdict(r) for r in result.rows[n]] for n in names}, "ratios": result.ratios}
+    (args.work / "summary.json").write_text(json.dumps(summary, indent=2))
+    for qa in sets:
+        print(f"\n{qa.name} ({args.split}, {len(qa.questions)} questions)")
+        print(compose_table(result, qa.name))
+    keeps = summary["keeps"]
+    print(f"\ncomposed / alone, the smaller over both sets (MC acc): {'-' if keeps is None else f'{keeps:.2f}x'}; "
+          f"wrote {args.work / 'summary.json'}")
+    return 0
+
+
+def _cartridges(inference, args: argparse.Namespace, sets) -> list:
+    """The two cartridges as served: read from the files given, or built from the first P tokens (and saved)."""
+    from final.cartridges.build import build_from_text
+    from final.cartridges.format import save_cartridge
+    from final.cartridges.service import CartridgeService
+    from final.distill.train import initial_ids
+
+    if args.first_tokens is None:
+        service = CartridgeService(inference.engine, inference.model_dir)
+        return [service.read_served(path, positions=args.positions) for path in args.carts]
+    carts = [build_from_text(inference.engine, initial_ids(inference.tokenizer, qa.document, args.first_tokens))
+             for qa in sets]
+    for qa, cart in zip(sets, carts):
+        save_cartridge(cart, args.work / f"{qa.name}_first{args.first_tokens}.pt")
+    return carts
+
+
+if __name__ == "__main__":
+    sys.exit(main())
