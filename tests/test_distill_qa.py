@@ -18,10 +18,11 @@ from final.errors import CartridgeError
 from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
 
 QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
-SETS = ("brennock", "kestrel", "lake_ivra")
+SETS = ("brennock", "kestrel", "lake_ivra")  # ~1,000 tokens each
+LONG = ("skarrow",)  # ~6,700 tokens: near SmolLM2's 8,192-token window
 
 
-@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("name", SETS + LONG)
 def test_each_shipped_set_has_40_questions_over_the_whole_document_in_two_halves(name):
     qa = load_qa(QA / f"{name}.jsonl")
     assert len(qa.questions) >= 40 and all(len(q.choices) == 4 for q in qa.questions)
@@ -31,7 +32,7 @@ def test_each_shipped_set_has_40_questions_over_the_whole_document_in_two_halves
         positions = [q.position for q in half]
         assert min(positions) < 0.1 and max(positions) > 0.85  # each half spans the document
     assert len({q.answer for q in qa.questions}) == 4  # the right option is not always in one place
-    assert 3_000 < len(qa.document) < 6_000  # ~1,000 tokens
+    assert 24_000 < len(qa.document) < 30_000 if name in LONG else 3_000 < len(qa.document) < 6_000
 
 
 def line(**kw) -> str:
@@ -113,3 +114,52 @@ def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
     assert cart["kl"] == pytest.approx(first["kl"], abs=1e-6)  # the cartridge is the first 4 tokens' KV
     assert main(["cartridge", "eval", str(path), "--model", TINY]) != 0
     assert "field 'qa': give --qa" in capsys.readouterr().err
+
+
+def test_the_relevant_chunk_row_asks_each_question_after_its_own_window(inference, tmp_path, capsys):
+    """`chunk_tokens` / --chunk-tokens add the relevant-chunk row, last: each question after the window of the
+    document around its support (which it contains; shifted to fit at the document's start; the whole support even
+    where longer); a window as long as the document is the whole document (KL 0, same choices); a bad N or a support
+    not in the text is refused by field."""
+    from final.distill.cli import main
+    from final.distill.qa import Question
+    from final.distill.qa_eval import CHUNK, relevant_chunks
+
+    (tmp_path / "s.txt").write_text(DOC_A)
+    rows = [line(id="a"), line(id="b", question="How many cats does she keep?", choices=["three", "two", "one"],
+                               reference="three", support="three cats named Pip"),
+            line(id="c", split="test", question="What does she keep?", support="The lighthouse keeper")]
+    (tmp_path / "s.jsonl").write_text("\n".join(rows) + "\n")
+    qs = load_qa(tmp_path / "s.jsonl").questions
+    tok = inference.tokenizer
+    chunks = relevant_chunks(tok, DOC_A, qs, 6)
+    assert all(q.support in c and c in DOC_A for q, c in zip(qs, chunks)) and len(set(chunks)) == 3
+    assert all(5 <= len(tok(c, add_special_tokens=False).input_ids) <= 7 for c in chunks)  # ~6, re-tokenised
+    assert DOC_A.startswith(chunks[2])  # at the document's start the window is shifted, not cut
+    assert all(q.support in c for q, c in zip(qs, relevant_chunks(tok, DOC_A, qs, 1)))
+    assert relevant_chunks(tok, DOC_A, qs, 10_000) == [DOC_A] * 3
+
+    got = {r.condition: r for r in qa_evaluate(inference, DOC_A, qs[:2], p=4, multiple=2, open_tokens=4,
+                                               chunk_tokens=10_000)}
+    assert list(got) == ["no document", "first 4 tokens", "first 8 tokens", WHOLE, CHUNK]
+    assert got[CHUNK].kl == pytest.approx(0, abs=1e-5) and got[CHUNK].questions == 2
+    assert (got[CHUNK].acc, got[CHUNK].acc_norm, got[CHUNK].prefix_tokens) == (
+        got[WHOLE].acc, got[WHOLE].acc_norm, got[WHOLE].prefix_tokens)
+    for bad, field in ((0, "chunk_tokens"), (6, "support")):
+        with pytest.raises(CartridgeError) as err:
+            qa_evaluate(inference, DOC_A, [Question("x", "tune", "Who?", ("a", "b"), 0, "a", "Orvanis lamp", 0.0)],
+                        p=4, chunk_tokens=bad)
+        assert err.value.field == field
+
+    path = tmp_path / "c.pt"
+    assert main(["cartridge", "build", "--text", str(tmp_path / "s.txt"), "--out", str(path), "--model", TINY]) == 0
+    capsys.readouterr()
+    assert main(["cartridge", "eval", str(path), "--model", TINY, "--qa", str(tmp_path / "s.jsonl"), "--multiple",
+                 "2", "--open-tokens", "4", "--chunk-tokens", "6", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["qa"]["rows"]
+    assert [r["condition"] for r in report] == ["no document", WHOLE, "cartridge", CHUNK]
+    chunk = report[3]
+    assert chunk["questions"] == 2 and chunk["kl"] > 0 and chunk["prefix_tokens"] < report[1]["prefix_tokens"]
+    assert main(["cartridge", "eval", str(path), "--model", TINY, "--qa", str(tmp_path / "s.jsonl"),
+                 "--chunk-tokens", "0"]) != 0
+    assert "field 'chunk_tokens'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ handlers are in final/distill/train_cli.py.
   train   --data JSONL --text FILE --tokens P --out PATH   distil the conversations into a P-token cartridge
   distill --text FILE --tokens P --out PATH    on-policy: the student samples, final is the teacher (resumable)
   eval    PATH --qa QA.jsonl [--data JSONL]  QA accuracy (and KL): no doc, first P and K*P tokens, whole doc,
-                                     cartridge
+                                     cartridge [, the relevant chunk alone: --chunk-tokens N]
   eval    PATH --qa QA.jsonl --compose CART_B --compose-qa QA_B.jsonl   two cartridges served together
                                      (final.distill.qa_compose): alone, composed, in context, both in context
 """

@@ -1,8 +1,10 @@
 """Does a cartridge know its document? Accuracy on questions users ask (final.distill.qa), beside KL.
 
 For each condition - no document (the plain chat), the document's first p tokens, its first k*p tokens, the whole
-document (in context: the ceiling) and the cartridge - every question is asked as a user asks it, after the
-condition's prefix (the teacher's system turn, final.distill.synth.teacher_ids, cut or whole; or the cartridge):
+document (in context: the ceiling), the cartridge and, when asked (`chunk_tokens`), the relevant chunk alone (each
+question after its own window of the document around its support span: what a long document's reader would see
+if it were handed the right passage) - every question is asked as a user asks it, after the condition's prefix (the
+teacher's system turn, final.distill.synth.teacher_ids, of the document cut, whole or chunked; or the cartridge):
 - multiple choice, as lm-eval scores it: each option as the assistant's answer, by the sum of its tokens'
   log-likelihoods; `acc` takes the highest sum, `acc_norm` the highest sum per byte of the option;
 - open answer: a greedy generation of `open_tokens` tokens must contain the reference (`contains`; `exact`: the
@@ -32,6 +34,7 @@ from final.errors import CartridgeError
 from final.prompts import continuation_ids
 
 WHOLE = "whole document"
+CHUNK = "relevant chunk"
 
 
 @dataclass
@@ -48,7 +51,7 @@ class QARow:
     exact: float
     kl: float  # mean KL(whole document || condition) per token of the right option, nats
     kl_ci: tuple[float, float]
-    kv_bytes: int
+    kv_bytes: int  # the relevant-chunk row: prefix tokens and KV bytes are the mean over its questions' chunks
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -93,27 +96,69 @@ def conditions(engine: Any, tokenizer: Any, text: str, cart: CartridgeKV | None,
 
 
 def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: CartridgeKV | None = None, *,
-                p: int | None = None, multiple: int = 8, open_tokens: int = 32) -> list[QARow]:
-    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows."""
+                p: int | None = None, multiple: int = 8, open_tokens: int = 32,
+                chunk_tokens: int | None = None) -> list[QARow]:
+    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows;
+    `chunk_tokens`: add the relevant-chunk row (relevant_chunks()), last."""
     if not questions:
         raise CartridgeError("no questions to ask", field="qa")
     if cart is None and p is None:
         raise CartridgeError("give a cartridge or p", field="tokens")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise CartridgeError(f"must be at least 1, got {chunk_tokens}", field="chunk_tokens")
     engine, tok = inference.engine, inference.tokenizer
+    chunks = relevant_chunks(tok, text, questions, chunk_tokens) if chunk_tokens is not None else None
     conds = conditions(engine, tok, text, cart, p, multiple)
-    scored = {}
-    for name, kv in conds:
-        cid = f"__qa-{uuid.uuid4().hex[:8]}" if kv is not None else None
-        if kv is not None:
-            inference.cartridges.add(cid, kv)
-        try:
-            scored[name] = ask(inference, questions, (cid,) if cid is not None else (), open_tokens)
-        finally:
-            if cid is not None:
-                inference.unload_cartridge(cid)
+    scored = {name: _ask_after(inference, kv, questions, open_tokens) for name, kv in conds}
     teacher = [logits for _, _, _, logits in scored[WHOLE]]
-    return [row(name, kv.num_tokens if kv is not None else 0, kv.nbytes if kv is not None else 0, scored[name],
-                teacher, questions) for name, kv in conds]
+    rows = [row(name, *_size(kv), scored[name], teacher, questions) for name, kv in conds]
+    if chunks is not None:  # each question after its own chunk: one prefix a question, built when asked
+        got, sizes = [], []
+        for chunk, q in zip(chunks, questions):
+            kv = build_from_text(engine, teacher_ids(tok, chunk))
+            got.append(_ask_after(inference, kv, [q], open_tokens)[0])
+            sizes.append(_size(kv))
+        rows.append(row(CHUNK, *(round(sum(x) / len(x)) for x in zip(*sizes)), got, teacher, questions))
+    return rows
+
+
+def relevant_chunks(tokenizer: Any, text: str, questions: Sequence[Question], tokens: int) -> list[str]:
+    """Per question, the window of `tokens` document tokens centred on its support span: shifted, not shrunk, where
+    it would pass the document's start or end, and the whole support even where that is longer. A fixed window
+    rather than the support's paragraph: every question gets the same amount of context whatever its paragraph's
+    length (skarrow's run from ~20 to ~230 tokens), the size of the chunks a long document's cartridge is taught
+    from, and no paragraph markup is needed. The chunk is the document's own text (character offsets), so a
+    window as long as the document is the document."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    out = []
+    for q in questions:
+        start = text.find(q.support)
+        if start < 0:
+            raise CartridgeError(f"question {q.id!r}: support not in the document", field="support")
+        end = start + len(q.support)
+        first = next(i for i, (_, b) in enumerate(offsets) if b > start)
+        last = max(i for i, (a, _) in enumerate(offsets) if a < end) + 1
+        lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
+        hi = max(last, min(len(offsets), lo + tokens))
+        out.append(text[offsets[lo][0]:offsets[hi - 1][1]])
+    return out
+
+
+def _ask_after(inference: Any, kv: CartridgeKV | None, questions: Sequence[Question],
+               open_tokens: int) -> list[tuple[bool, bool, str, torch.Tensor]]:
+    """ask() after `kv` served as a temporary cartridge (None: the plain chat)."""
+    cid = f"__qa-{uuid.uuid4().hex[:8]}" if kv is not None else None
+    if kv is not None:
+        inference.cartridges.add(cid, kv)
+    try:
+        return ask(inference, questions, (cid,) if cid is not None else (), open_tokens)
+    finally:
+        if cid is not None:
+            inference.unload_cartridge(cid)
+
+
+def _size(kv: CartridgeKV | None) -> tuple[int, int]:
+    return (kv.num_tokens, kv.nbytes) if kv is not None else (0, 0)
 
 
 def ask(inference: Any, questions: Sequence[Question], cartridges: tuple[str, ...],

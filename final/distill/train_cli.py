@@ -116,6 +116,9 @@ def _register_eval(sub: Any) -> None:
                    help="with --compose: both documents in context only as PATH's then CART_B's (default: both "
                         "orders; the composed cartridges are asked in one, which scores as the other)")
     e.add_argument("--open-tokens", type=int, default=32, help="greedy tokens of an open answer (default 32)")
+    e.add_argument("--chunk-tokens", type=int, metavar="N",
+                   help="add the relevant-chunk row: each question after the N-token window of the document "
+                        "around its support span alone (default: no such row)")
     e.add_argument("--data", type=Path, help="held-out JSONL from `final cartridge synth --seed N` (KL table)")
     e.add_argument("--train-data", type=Path, action="append", default=[],
                    help="training JSONL: held-out rows asking one of its questions are dropped (repeatable)")
@@ -313,6 +316,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.multiple < 1 or args.open_tokens < 1:
         raise CartridgeError("--multiple and --open-tokens must be at least 1", field="multiple")
     _check_compose_flags(args)
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        raise CartridgeError(f"--chunk-tokens must be at least 1, got {args.chunk_tokens}", field="chunk_tokens")
     inference, engine, tok = open_engine(args)
     report: dict = {}
     try:
@@ -338,7 +343,7 @@ def _eval_qa(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
 
     qa = load_qa(args.qa, None if args.split == "all" else args.split, document=args.text)
     rows = qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
-                       open_tokens=args.open_tokens)
+                       open_tokens=args.open_tokens, chunk_tokens=args.chunk_tokens)
     if not args.json:
         print(f"{qa.name}: {len(qa.questions)} questions ({args.split})")
         print(table(rows))
