@@ -1,10 +1,10 @@
 """Do cartridges know their documents? QA accuracy and KL per method and p on the question sets (bench/qa).
 
     .venv/bin/python bench/cartridge_qa.py [--sets brennock,kestrel,lake_ivra] [--split tune] [--tokens 64]
-        [--multiple 8] [--work DIR] [--label NAME] [-- distill flags...]
+        [--command learn|distill] [--multiple 8] [--chunk-tokens N] [--work DIR] [--label NAME] [-- flags...]
 
-For each set: `final cartridge distill` of its document at p = --tokens with the distill flags given after `--`
-(none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
+For each set: `final cartridge learn` (or `distill`: --command) of its document at p = --tokens with the flags
+given after `--` (none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
 half is for final figures only) - no document, the first p and k*p tokens, the whole document, the cartridge -
 MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set and one pooled over
 the sets (every question counted once), and writes summary.json in --work. Runs resume: a finished cartridge in
@@ -32,18 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", default="brennock,kestrel,lake_ivra")
     p.add_argument("--split", choices=("tune", "test", "all"), default="tune")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--command", choices=("learn", "distill"), default="learn",
+                   help="how the cartridge is trained (default learn, the fact recipe)")
     p.add_argument("--multiple", type=int, default=8)
+    p.add_argument("--chunk-tokens", type=int, help="add the relevant-chunk row (each question after the N-token "
+                                                    "window around its support alone)")
     p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_qa"))
-    p.add_argument("--label", default="distill (defaults)", help="the method's name in the table")
+    p.add_argument("--label", help="the method's name in the table (default: the command, with its flags)")
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = p.parse_args(argv)
+    args.label = args.label or " ".join([args.command, *extra])
     args.work.mkdir(parents=True, exist_ok=True)
     summary_path = args.work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     pooled: dict[str, list] = {}
     for name in args.sets.split(","):
         rows, minutes = run_set(name, args, extra, summary.get(name, {}).get("minutes"))
-        summary[name] = {"minutes": minutes, "flags": extra, "split": args.split,
+        summary[name] = {"minutes": minutes, "command": args.command, "flags": extra, "split": args.split,
                          "rows": [dataclasses.asdict(r) for r in rows]}
         summary_path.write_text(json.dumps(summary, indent=2))
         from final.distill.qa_eval import table
@@ -73,7 +78,7 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     out = args.work / f"{name}_p{args.tokens}.pt"
     if minutes is None or not out.is_file():
         t0 = time.perf_counter()
-        code = cli(["cartridge", "distill", "--model", args.model, "--text", str(ROOT / "bench" / "qa" / f"{name}.txt"),
+        code = cli(["cartridge", args.command, "--model", args.model, "--text", str(ROOT / "bench" / "qa" / f"{name}.txt"),
                     "--tokens", str(args.tokens), "--out", str(out), "--quiet", *extra])
         if code:
             raise SystemExit(code)
@@ -81,7 +86,8 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     inference = local_engine(args.model, dtype="float32")
     try:
         cart = CartridgeService(inference.engine, inference.model_dir).read_served(out)
-        return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple), minutes
+        return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
+                           chunk_tokens=args.chunk_tokens), minutes
     finally:
         inference.shutdown()
 

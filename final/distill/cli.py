@@ -7,6 +7,7 @@ handlers are in final/distill/train_cli.py.
   convert IN OUT                     rewrite a cartridge as .pt or .safetensors (by OUT's suffix), with a manifest
   synth   --text FILE --out JSONL    self-study: the model asks and answers questions about chunks (resumable)
   train   --data JSONL --text FILE --tokens P --out PATH   distil the conversations into a P-token cartridge
+  learn   --text FILE --tokens P --out PATH    a cartridge of the document's facts: fact rows, then training
   distill --text FILE --tokens P --out PATH    on-policy: the student samples, final is the teacher (resumable)
   eval    PATH --qa QA.jsonl [--data JSONL]  QA accuracy (and KL): no doc, first P and K*P tokens, whole doc,
                                      cartridge [, the relevant chunk alone: --chunk-tokens N]
@@ -64,9 +65,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("out", type=Path)
     c.add_argument("--save-dtype", help="dtype of the written tensors (default: unchanged)")
     c.set_defaults(cartridge_func=_convert)
+    from final.distill.learn import register_learn
     from final.distill.train_cli import register_training
 
     register_training(sub)
+    register_learn(sub)
     parser.set_defaults(func=run)
     return parser
 

@@ -1,0 +1,185 @@
+"""Fact rows: training conversations made from the document's own sentences, so every fact is asked about.
+
+Self-study's questions are written by the model itself (synth.py): a 135M model writes vague or invented questions
+about a few salient facts, and a cartridge trained on them learns the teacher's style of answer, not the facts
+(bench/RESULTS.md, issue 42: 0.26-0.30 MC accuracy on brennock's tune half, first 512 tokens 0.48). Here nothing is
+generated: per sentence of the document,
+  - quote rows: a question naming one of the sentence's cues (names, numbers; templates below) answered by the
+    sentence and the next `quote_sentences - 1` verbatim;
+  - cloze rows: the sentence with one cue blanked out, answered by the cue (a short answer, as a user's factual
+    question gets);
+and the teacher - the model with the document as its system turn (synth.teacher_system), or with the
+`teacher_tokens` window of the document around the sentence for documents longer than the model reads well
+(a 135M model answers a 6.7k-token document's questions at 0.40 and the 256-token window's at 0.77: bench/qa
+skarrow) - scores every token after the system turn (its top-k logprobs), as synth's rows. Every sentence gets
+rows, so the cartridge is taught the whole document, not the parts a question writer happens to pick.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from final.distill.convs import Conversation, append
+from final.distill.synth import ChunkContext, teacher_system
+from final.errors import CartridgeError
+from final.prompts import continuation_ids
+
+QUOTE = ("What does the document say about {cue}?", "Tell me about {cue}.", "What do we know about {cue}?",
+         "What is said about {cue} in the document?")
+CLOZE = ('Fill in the blank from the document: "{blanked}"',
+         'According to the document, what goes in the blank? "{blanked}"')
+KINDS = ("quote", "cloze")
+_NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+                 "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                 "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
+# A cue: a run of capitalised words (joined by of/the/de/and), a number with its inner separators, or a number
+# written as words ("eleven households").
+_CUE = re.compile(r"[A-Z][\w'-]*(?:\s+(?:(?:of|the|de|and)\s+)?[A-Z][\w'-]*)*|\d(?:[\d,.:/-]*\d)?|"
+                  rf"\b(?:{_NUMBER_WORDS})(?:[ -](?:{_NUMBER_WORDS}))*\b")
+# Capitalised only because a sentence starts with them: never a cue on their own.
+_FUNCTION = frozenset("a an and as at by for from in it its on the their there these this those to when where "
+                      "which while with after before during since until each every all some most many".split())
+# A sentence ends at . ! ? (and a closing quote or bracket) before whitespace, or at a line break.
+_SENTENCE = re.compile(r"[^\n]+?(?:[.!?][\"')\]]*(?=\s)|$)", re.M)
+
+
+@dataclass
+class FactConfig:
+    kinds: tuple[str, ...] = KINDS
+    quote_sentences: int = 2  # sentences in a quote row's answer
+    cues: int = 3  # quote rows per sentence (one per cue, at most)
+    teacher_tokens: int | None = None  # None: the whole document is the teacher's system turn
+    top_k: int = 20
+    seed: int = 0
+
+    def check(self) -> None:
+        unknown = sorted(set(self.kinds) - set(KINDS))
+        if unknown or not self.kinds:
+            raise CartridgeError(f"unknown fact kinds {unknown}; choose from {list(KINDS)}", field="fact_kinds")
+        for key in ("quote_sentences", "cues", "top_k"):
+            if getattr(self, key) < 1:
+                raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
+        if self.teacher_tokens is not None and self.teacher_tokens < 16:
+            raise CartridgeError(f"must be at least 16, got {self.teacher_tokens}", field="teacher_tokens")
+
+
+@dataclass
+class FactPrompt:
+    kind: str
+    question: str
+    answer: str
+    span: tuple[int, int]  # the characters of the document the row is about (the teacher's window centres on it)
+
+
+def sentences(text: str) -> list[tuple[int, int]]:
+    """The document's sentences as character spans (stripped; blank ones dropped)."""
+    spans = []
+    for m in _SENTENCE.finditer(text):
+        s = m.group(0)
+        lead = len(s) - len(s.lstrip())
+        if s.strip():
+            spans.append((m.start() + lead, m.start() + len(s.rstrip())))
+    return spans
+
+
+def names(text: str) -> frozenset[str]:
+    """Capitalised words the document uses inside a sentence: the names a sentence's first word may be."""
+    return frozenset(m.group(1) for m in re.finditer(r"(?<=[a-z,;] )([A-Z][\w'-]*)", text))
+
+
+def cues(sentence: str, known: frozenset[str] = frozenset()) -> list[str]:
+    """The names and numbers a question about this sentence can name, in order, each once. The sentence's first
+    word counts only as part of a longer name or where `known` (names()) has it: "Today", "During" are not names."""
+    out = []
+    for m in _CUE.finditer(sentence):
+        words = m.group(0).split()
+        while words and words[0].lower() in _FUNCTION:  # "The Sallow River" -> "Sallow River"; "It" -> nothing
+            words = words[1:]
+        if m.start() == 0 and len(words) == 1 and words[0] not in known:
+            continue
+        cue = " ".join(words).rstrip(".,:")
+        if cue and cue not in out:
+            out.append(cue)
+    return out
+
+
+def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
+    """Per sentence, in document order: up to `cues` quote rows and one cloze row per cue (cfg.kinds)."""
+    rng = random.Random(cfg.seed)
+    spans = sentences(text)
+    known = names(text)
+    out = []
+    for i, (lo, hi) in enumerate(spans):
+        sentence = text[lo:hi]
+        found = cues(sentence, known)
+        if "quote" in cfg.kinds:
+            end = spans[min(i + cfg.quote_sentences, len(spans)) - 1][1]
+            # a sentence without names or numbers is still quoted, asked about by its opening words
+            for cue in found[:cfg.cues] or [" ".join(sentence.split()[:5]).rstrip(".,:;")]:
+                out.append(FactPrompt("quote", rng.choice(QUOTE).format(cue=cue), text[lo:end], (lo, end)))
+        if "cloze" in cfg.kinds:
+            for cue in found:
+                at = sentence.find(cue)
+                if at <= 0:  # the sentence's subject: blanking it leaves nothing to ask from
+                    continue
+                blanked = sentence[:at] + "___" + sentence[at + len(cue):]
+                out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (lo, hi)))
+    return out
+
+
+def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int) -> str:
+    """The `tokens`-token window of `text` centred on the character span `span`: shifted, not shrunk, at the
+    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same)."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    start, end = span
+    first = next(i for i, (_, b) in enumerate(offsets) if b > start)
+    last = max(i for i, (a, _) in enumerate(offsets) if a < end) + 1
+    lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
+    hi = max(last, min(len(offsets), lo + tokens))
+    return text[offsets[lo][0]:offsets[hi - 1][1]]
+
+
+def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> list[Conversation]:
+    """The fact prompts scored by the teacher: every token after the system turn gets its top-k (as synth's rows
+    with supervise="all": the question's names are targets too). The answer ends with the end-of-turn token, so
+    the cartridge also learns where an answer stops."""
+    cfg.check()
+    prompts = fact_prompts(text, cfg)
+    if not prompts:
+        raise CartridgeError("the document has no sentences to ask about", field="text")
+    tok = inference.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    groups: dict[str, list[int]] = {}  # the teacher's system turn -> the rows it scores
+    for i, fp in enumerate(prompts):
+        system = (teacher_window(tok, text, fp.span, cfg.teacher_tokens) if cfg.teacher_tokens
+                  else teacher_system(text))
+        groups.setdefault(system, []).append(i)
+    rows: list[Conversation | None] = [None] * len(prompts)
+    for g, (system, ids) in enumerate(groups.items()):
+        with ChunkContext(inference, system, f"__facts-{cfg.seed}-{g}") as ctx:
+            for b in range(0, len(ids), batch):
+                part = ids[b:b + batch]
+                asked = [continuation_ids(tok, [{"role": "user", "content": prompts[i].question}]) for i in part]
+                answers = [tok(prompts[i].answer, add_special_tokens=False).input_ids + [end] for i in part]
+                for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
+                    fp = prompts[i]
+                    rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
+                                           [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
+                                           fp.answer, _token_span(tok, text, fp.span), 1)
+    return [r for r in rows if r is not None]
+
+
+def _token_span(tokenizer: Any, text: str, span: tuple[int, int]) -> tuple[int, int]:
+    return (len(tokenizer(text[:span[0]], add_special_tokens=False).input_ids),
+            len(tokenizer(text[:span[1]], add_special_tokens=False).input_ids))
+
+
+def write_fact_rows(inference: Any, text: str, out: str | Path, cfg: FactConfig) -> int:
+    """fact_rows appended to the JSONL `out` (read by `final cartridge train`); returns how many."""
+    rows = fact_rows(inference, text, cfg)
+    append(Path(out), rows)
+    return len(rows)

@@ -1,0 +1,74 @@
+"""`final cartridge learn`: a cartridge that knows its document's facts, in one command.
+
+The recipe measured on the QA sets' tuning halves (bench/RESULTS.md, issue 42): fact rows (final/distill/facts.py:
+every sentence asked about, answered from the document, scored by the teacher) written beside the cartridge as
+OUT.facts.jsonl, then the off-policy trainer (final/distill/train.py) over them for --steps, the KV starting as the
+document's first P tokens. Nothing is generated, so a step costs one forward and backward pass: the on-policy
+loop (`distill`), whose questions the model writes itself, spends most of its time sampling and, on the tuning
+documents, teaches the teacher's style of answer rather than its facts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+STEPS = 240
+BATCH = 8
+LR = 2e-2
+
+
+def register_learn(sub: Any) -> None:
+    from final.distill.train_cli import _model_args
+
+    p = sub.add_parser("learn", help="a cartridge of a document's facts: fact rows from every sentence, then "
+                                     "off-policy training (the recipe measured on QA accuracy)")
+    p.add_argument("--text", required=True, type=Path, help="the document the cartridge will stand for")
+    p.add_argument("--tokens", required=True, type=int, help="P: the cartridge's length in tokens")
+    p.add_argument("--out", required=True, type=Path, help="the cartridge (+ OUT.facts.jsonl, OUT.ckpt)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    p.add_argument("--batch", type=int, default=BATCH, help=f"rows per step (default {BATCH})")
+    p.add_argument("--lr", type=float, default=LR, help=f"Adam's learning rate (default {LR})")
+    p.add_argument("--teacher-tokens", type=int, metavar="N",
+                   help="teach each row from the N-token window of the document around its sentence instead of "
+                        "the whole document (for documents longer than the model reads well)")
+    p.add_argument("--fact-kinds", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   default=("quote", "cloze"), help="rows to make: quote, cloze (default both)")
+    p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _model_args(p)
+    p.set_defaults(cartridge_func=_learn)
+
+
+def _learn(args: argparse.Namespace) -> int:
+    from final.distill.facts import FactConfig, write_fact_rows
+    from final.distill.train import TrainConfig, train_cartridge
+    from final.distill.train_cli import open_engine, read_text
+
+    text = read_text(args.text)
+    facts = FactConfig(kinds=args.fact_kinds, teacher_tokens=args.teacher_tokens, top_k=args.top_k, seed=args.seed)
+    facts.check()
+    train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+    train.check()
+    data = args.out.with_name(args.out.name + ".facts.jsonl")
+    t0 = time.perf_counter()
+    if not data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on
+        inference = open_engine(args)[0]
+        try:
+            tmp = data.with_name(data.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            rows = write_fact_rows(inference, text, tmp, facts)
+            tmp.replace(data)
+        finally:
+            inference.shutdown()
+        print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
+    summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device, dtype=args.dtype,
+                              source_document=str(args.text), progress=not args.quiet)
+    print(f"wrote {summary['out']} ({summary['tokens']} tokens): KL {summary['first_kl']:.4f} -> "
+          f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
+          f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
+    return 0

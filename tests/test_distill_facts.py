@@ -1,0 +1,114 @@
+"""Fact rows (final/distill/facts.py) and `final cartridge learn`: every sentence asked about, answered from the
+document, scored by the real teacher (tiny model, real engine); the command trains a cartridge from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cartridges_helpers import TINY
+from final.distill.cli import main
+from final.distill.facts import FactConfig, cues, fact_prompts, fact_rows, names, sentences, teacher_window
+from final.errors import CartridgeError
+
+from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
+
+DOC = ("Brennock Ferry is a small town on the Sallow River. It was founded in 1742 by Odo Brennock.\n"
+       "Today the town has roughly 6,300 people. The first settlement had eleven households.\n\n"
+       "The mill closed in 1903! Was it rebuilt? Nobody knows.")
+
+
+def test_sentences_split_at_end_marks_and_line_breaks_and_keep_the_text():
+    spans = sentences(DOC)
+    assert [DOC[a:b] for a, b in spans] == [
+        "Brennock Ferry is a small town on the Sallow River.", "It was founded in 1742 by Odo Brennock.",
+        "Today the town has roughly 6,300 people.", "The first settlement had eleven households.",
+        "The mill closed in 1903!", "Was it rebuilt?", "Nobody knows."]
+
+
+def test_cues_are_names_and_numbers_not_sentence_openers():
+    known = names(DOC)
+    assert cues("Brennock Ferry is a small town on the Sallow River.", known) == ["Brennock Ferry", "Sallow River"]
+    assert cues("It was founded in 1742 by Odo Brennock.", known) == ["1742", "Odo Brennock"]
+    assert cues("Today the town has roughly 6,300 people.", known) == ["6,300"]  # "Today" is no name
+    assert cues("The first settlement had eleven households.", known) == ["eleven"]
+    assert cues("Nobody knows.", known) == []
+
+
+def test_every_sentence_is_asked_about_and_answers_come_from_the_document():
+    prompts = fact_prompts(DOC, FactConfig())
+    spans = sentences(DOC)
+    quoted = {fp.span[0] for fp in prompts if fp.kind == "quote"}
+    assert quoted == {a for a, _ in spans}  # a sentence without cues is asked about by its opening words
+    for fp in prompts:
+        assert fp.answer in DOC
+        if fp.kind == "cloze":
+            sentence = DOC[fp.span[0]:fp.span[1]]
+            assert "___" in fp.question and fp.answer in sentence
+            assert fp.question.count("___") == 1 and sentence.replace(fp.answer, "___", 1) in fp.question
+        else:
+            assert fp.answer.startswith(DOC[fp.span[0]:fp.span[1]])  # the sentence and the next
+    assert {fp.answer for fp in prompts if fp.kind == "cloze"} >= {"1742", "Odo Brennock", "6,300", "eleven",
+                                                                   "Sallow River", "1903"}
+    only = fact_prompts(DOC, FactConfig(kinds=("cloze",)))
+    assert only and all(fp.kind == "cloze" for fp in only)
+
+
+def test_the_teacher_window_holds_the_span_and_has_the_asked_length(inference):
+    tok = inference.tokenizer
+    start = DOC.index("The mill")
+    span = (start, start + len("The mill closed in 1903!"))
+    for n in (4, 12, 10_000):
+        window = teacher_window(tok, DOC, span, n)
+        assert DOC[span[0]:span[1]] in window and window in DOC
+        if n < len(tok(DOC, add_special_tokens=False).input_ids):
+            assert len(tok(window, add_special_tokens=False).input_ids) <= max(n, 12)
+    assert teacher_window(tok, DOC, span, 10_000) == DOC
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_fact_rows_carry_the_teachers_scores_of_the_documents_answers(inference, window):
+    from final.distill.synth import ChunkContext, teacher_system
+
+    cfg = FactConfig(kinds=("cloze",), teacher_tokens=window, top_k=4)
+    rows = fact_rows(inference, DOC, cfg)
+    tok = inference.tokenizer
+    assert len(rows) == len(fact_prompts(DOC, cfg))
+    row = rows[0]
+    assert tok.decode(row.answer_ids[:-1]) == row.answer and row.target_start == 1
+    assert len(row.top_ids) == len(row.prompt_ids) + len(row.answer_ids) - 1
+    system = teacher_system(DOC) if window is None else teacher_window(tok, DOC, fact_prompts(DOC, cfg)[0].span, 16)
+    with ChunkContext(inference, system, "__check") as ctx:
+        (tops, _), = ctx.teacher_scores([row.prompt_ids], [row.answer_ids], 4)
+    assert [[t for t, _ in top] for top in tops] == row.top_ids
+    assert all(abs(a - b) < 1e-4 for top, lps in zip(tops, row.top_logprobs) for (_, a), b in zip(top, lps))
+
+
+def test_bad_fact_settings_are_named():
+    with pytest.raises(CartridgeError, match="fact_kinds"):
+        FactConfig(kinds=("quiz",)).check()
+    with pytest.raises(CartridgeError, match="teacher_tokens"):
+        FactConfig(teacher_tokens=3).check()
+    with pytest.raises(CartridgeError, match="quote_sentences"):
+        FactConfig(quote_sentences=0).check()
+
+
+def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOC)
+    out = tmp_path / "c.pt"
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out", str(out),
+            "--steps", "2", "--batch", "2", "--model", TINY, "--quiet"]
+    assert main(args) == 0
+    data = tmp_path / "c.pt.facts.jsonl"
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert {r["seed_type"] for r in rows} == {"quote", "cloze"} and out.is_file()
+    manifest = json.loads((tmp_path / "c.pt.manifest.json").read_text())
+    assert manifest["num_tokens"] == 8 and manifest["source_document"] == str(tmp_path / "doc.txt")
+    assert "fact rows" in capsys.readouterr().out
+    before = data.read_bytes()
+    assert main(args) == 0  # the rows a checkpoint was trained on are kept, not rewritten
+    assert data.read_bytes() == before and "fact rows" not in capsys.readouterr().out
+    assert main(args + ["--fact-kinds", "quiz"]) != 0
+    assert main(["cartridge", "learn", "--text", str(tmp_path / "none.txt"), "--tokens", "8", "--out",
+                 str(tmp_path / "d.pt"), "--model", TINY]) != 0
