@@ -110,5 +110,11 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
     assert main(args) == 0  # the rows a checkpoint was trained on are kept, not rewritten
     assert data.read_bytes() == before and "fact rows" not in capsys.readouterr().out
     assert main(args + ["--fact-kinds", "quiz"]) != 0
+    # rows made with other settings (or from another document) are refused, not trained on
+    assert main(args + ["--fact-kinds", "cloze"]) != 0
+    assert "facts differ" in capsys.readouterr().err
+    (tmp_path / "doc.txt").write_text(DOC + " A new sentence.")
+    assert main(args) != 0
+    assert "text_sha256 differ" in capsys.readouterr().err
     assert main(["cartridge", "learn", "--text", str(tmp_path / "none.txt"), "--tokens", "8", "--out",
                  str(tmp_path / "d.pt"), "--model", TINY]) != 0

@@ -11,6 +11,9 @@ documents, teaches the teacher's style of answer rather than its facts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -55,13 +58,18 @@ def _learn(args: argparse.Namespace) -> int:
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
     train.check()
     data = args.out.with_name(args.out.name + ".facts.jsonl")
+    made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,
+                 "facts": dataclasses.asdict(facts)}
     t0 = time.perf_counter()
-    if not data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on
+    if data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
+        _check_made_with(data, made_with)  # ...if they were made from this document with these settings
+    else:
         inference = open_engine(args)[0]
         try:
             tmp = data.with_name(data.name + ".tmp")
             tmp.unlink(missing_ok=True)
             rows = write_fact_rows(inference, text, tmp, facts)
+            _meta(data).write_text(json.dumps(made_with, indent=2))
             tmp.replace(data)
         finally:
             inference.shutdown()
@@ -72,3 +80,24 @@ def _learn(args: argparse.Namespace) -> int:
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
     return 0
+
+
+def _meta(data: Path) -> Path:
+    return data.with_name(data.name + ".json")
+
+
+def _check_made_with(data: Path, made_with: dict) -> None:
+    """Rows made from another document, model or fact settings would train the wrong cartridge: refuse them."""
+    from final.errors import CartridgeError
+
+    meta = _meta(data)
+    try:
+        recorded = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    want = json.loads(json.dumps(made_with))  # tuples as lists, as read back
+    if recorded != want:
+        changed = sorted(k for k in want if not isinstance(recorded, dict) or recorded.get(k) != want[k])
+        raise CartridgeError(f"{data.name} was made with other settings ({', '.join(changed)} differ, or {meta.name} "
+                             "is missing): remove it and the checkpoint, or choose another --out", file=str(data),
+                             field="out")
