@@ -131,16 +131,29 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
     return out
 
 
-def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int) -> str:
+def token_offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
+    """Each document token's character span: computed once per document, read by every window and span below."""
+    return [tuple(o) for o in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping]
+
+
+def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int,
+                   offsets: list[tuple[int, int]] | None = None) -> str:
     """The `tokens`-token window of `text` centred on the character span `span`: shifted, not shrunk, at the
-    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same)."""
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
-    start, end = span
-    first = next(i for i, (_, b) in enumerate(offsets) if b > start)
-    last = max(i for i, (a, _) in enumerate(offsets) if a < end) + 1
+    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same).
+    `offsets`: token_offsets(tokenizer, text), for callers asking many windows of one document."""
+    offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
+    first, last = _token_range(offsets, span)
     lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
     hi = max(last, min(len(offsets), lo + tokens))
     return text[offsets[lo][0]:offsets[hi - 1][1]]
+
+
+def _token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:
+    """The tokens [first, last) that overlap the character span."""
+    start, end = span
+    first = next(i for i, (_, b) in enumerate(offsets) if b > start)
+    last = max(i for i, (a, _) in enumerate(offsets) if a < end) + 1
+    return first, last
 
 
 def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> list[Conversation]:
@@ -152,10 +165,11 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
     if not prompts:
         raise CartridgeError("the document has no sentences to ask about", field="text")
     tok = inference.tokenizer
+    offsets = token_offsets(tok, text)
     end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     groups: dict[str, list[int]] = {}  # the teacher's system turn -> the rows it scores
     for i, fp in enumerate(prompts):
-        system = (teacher_window(tok, text, fp.span, cfg.teacher_tokens) if cfg.teacher_tokens
+        system = (teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets) if cfg.teacher_tokens
                   else teacher_system(text))
         groups.setdefault(system, []).append(i)
     rows: list[Conversation | None] = [None] * len(prompts)
@@ -169,13 +183,8 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
                     fp = prompts[i]
                     rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
-                                           fp.answer, _token_span(tok, text, fp.span), 1)
+                                           fp.answer, _token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
-
-
-def _token_span(tokenizer: Any, text: str, span: tuple[int, int]) -> tuple[int, int]:
-    return (len(tokenizer(text[:span[0]], add_special_tokens=False).input_ids),
-            len(tokenizer(text[:span[1]], add_special_tokens=False).input_ids))
 
 
 def write_fact_rows(inference: Any, text: str, out: str | Path, cfg: FactConfig) -> int:

@@ -28,7 +28,7 @@ from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV
 from final.compat import chat_ids
 from final.distill.evaluate import kl_and_top1
-from final.distill.facts import teacher_window
+from final.distill.facts import teacher_window, token_offsets
 from final.distill.qa import Question
 from final.distill.synth import teacher_ids
 from final.errors import CartridgeError
@@ -130,12 +130,13 @@ def relevant_chunks(tokenizer: Any, text: str, questions: Sequence[Question], to
     length (skarrow's run from ~20 to ~230 tokens), the size of the chunks a long document's cartridge is taught
     from, and no paragraph markup is needed. The chunk is the document's own text (character offsets), so a
     window as long as the document is the document."""
+    offsets = token_offsets(tokenizer, text)
     out = []
     for q in questions:
         start = text.find(q.support)
         if start < 0:
             raise CartridgeError(f"question {q.id!r}: support not in the document", field="support")
-        out.append(teacher_window(tokenizer, text, (start, start + len(q.support)), tokens))
+        out.append(teacher_window(tokenizer, text, (start, start + len(q.support)), tokens, offsets))
     return out
 
 
