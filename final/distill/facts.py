@@ -21,7 +21,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from final.distill.convs import Conversation, append
 from final.distill.synth import ChunkContext, teacher_system
