@@ -55,6 +55,20 @@ def test_every_sentence_is_asked_about_and_answers_come_from_the_document():
     assert only and all(fp.kind == "cloze" for fp in only)
 
 
+def test_cloze_context_quotes_the_sentences_before_the_blank_so_a_pronoun_has_its_subject():
+    plain = {fp.answer: fp for fp in fact_prompts(DOC, FactConfig(kinds=("cloze",)))}
+    wide = {fp.answer: fp for fp in fact_prompts(DOC, FactConfig(kinds=("cloze",), cloze_context=1))}
+    assert plain.keys() == wide.keys()
+    assert "Brennock Ferry" not in plain["1742"].question  # "It was founded in ___ by Odo Brennock."
+    assert ('"Brennock Ferry is a small town on the Sallow River. It was founded in ___ by Odo Brennock."'
+            in wide["1742"].question)
+    assert DOC[slice(*wide["1742"].span)] == DOC[:DOC.index("Odo Brennock.") + len("Odo Brennock.")]
+    first = wide["Sallow River"]  # the first sentence has nothing before it
+    assert first.question == plain["Sallow River"].question and first.span == plain["Sallow River"].span
+    with pytest.raises(CartridgeError, match="cloze_context"):
+        FactConfig(cloze_context=-1).check()
+
+
 def test_the_teacher_window_holds_the_span_and_has_the_asked_length(inference):
     tok = inference.tokenizer
     start = DOC.index("The mill")

@@ -52,6 +52,9 @@ class FactConfig:
     kinds: tuple[str, ...] = KINDS
     quote_sentences: int = 2  # sentences in a quote row's answer
     cues: int = 3  # quote rows per sentence (one per cue, at most)
+    # sentences before a cloze row's blanked one, quoted with it: "It was founded in ___" names no subject, and a
+    # user's question about that fact does ("When was Brennock Ferry founded?")
+    cloze_context: int = 0
     teacher_tokens: int | None = None  # None: the whole document is the teacher's system turn
     top_k: int = 20
     seed: int = 0
@@ -63,6 +66,8 @@ class FactConfig:
         for key in ("quote_sentences", "cues", "top_k"):
             if getattr(self, key) < 1:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
+        if self.cloze_context < 0:
+            raise CartridgeError(f"must be at least 0, got {self.cloze_context}", field="cloze_context")
         if self.teacher_tokens is not None and self.teacher_tokens < 16:
             raise CartridgeError(f"must be at least 16, got {self.teacher_tokens}", field="teacher_tokens")
 
@@ -122,12 +127,13 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
             for cue in found[:cfg.cues] or [" ".join(sentence.split()[:5]).rstrip(".,:;")]:
                 out.append(FactPrompt("quote", rng.choice(QUOTE).format(cue=cue), text[lo:end], (lo, end)))
         if "cloze" in cfg.kinds:
+            start = spans[max(0, i - cfg.cloze_context)][0]  # the context sentences, as the document has them
             for cue in found:
                 at = sentence.find(cue)
                 if at <= 0:  # the sentence's subject: blanking it leaves nothing to ask from
                     continue
-                blanked = sentence[:at] + "___" + sentence[at + len(cue):]
-                out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (lo, hi)))
+                blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(cue):]
+                out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (start, hi)))
     return out
 
 

@@ -39,6 +39,8 @@ def register_learn(sub: Any) -> None:
                         "the whole document (for documents longer than the model reads well)")
     p.add_argument("--fact-kinds", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
                    default=("quote", "cloze"), help="rows to make: quote, cloze (default both)")
+    p.add_argument("--cloze-context", type=int, default=0, metavar="N",
+                   help="sentences before a cloze row's blanked one, quoted with it (default 0)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -53,7 +55,8 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.train_cli import open_engine, read_text
 
     text = read_text(args.text)
-    facts = FactConfig(kinds=args.fact_kinds, teacher_tokens=args.teacher_tokens, top_k=args.top_k, seed=args.seed)
+    facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
+                       top_k=args.top_k, seed=args.seed)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
     train.check()
