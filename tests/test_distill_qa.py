@@ -20,6 +20,7 @@ from test_cartridges_train import inference  # noqa: F401  (the module's engine 
 QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
 SETS = ("brennock", "kestrel", "lake_ivra")  # ~1,000 tokens each
 LONG = ("skarrow",)  # ~6,700 tokens: near SmolLM2's 8,192-token window
+HELD_OUT = ("corvane", "orrin_vale")  # ~1,000 tokens each, all test: fresh held-out data for the final judgement
 
 
 @pytest.mark.parametrize("name", SETS + LONG)
@@ -34,6 +35,17 @@ def test_each_shipped_set_has_40_questions_over_the_whole_document_in_two_halves
     assert len({q.answer for q in qa.questions}) == 4  # the right option is not always in one place
     assert 24_000 < len(qa.document) < 30_000 if name in LONG else 3_000 < len(qa.document) < 6_000
 
+
+
+@pytest.mark.parametrize("name", HELD_OUT)
+def test_each_held_out_set_is_all_test_over_the_whole_document(name):
+    qa = load_qa(QA / f"{name}.jsonl")
+    assert len(qa.questions) >= 40 and all(len(q.choices) == 4 for q in qa.questions)
+    assert {q.split for q in qa.questions} == {"test"} and not load_qa(QA / f"{name}.jsonl", "tune").questions
+    positions = [q.position for q in qa.questions]
+    assert min(positions) < 0.1 and max(positions) > 0.85
+    assert len({q.answer for q in qa.questions}) == 4
+    assert 3_000 < len(qa.document) < 6_000
 
 def line(**kw) -> str:
     row = {"id": "a", "split": "tune", "question": "Who keeps the light?", "choices": ["Mara", "Pip", "Jot", "Fen"],
