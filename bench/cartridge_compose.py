@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cartridge_compose.py CART_A CART_B [--sets brennock,kestrel] [--split tune]
         [--work DIR] [--one-order] [--open-tokens 32] [--positions after_prefix|from_zero]
+        [--variant concatenated|aligned|one-sink]
     .venv/bin/python bench/cartridge_compose.py --first-tokens 64 [--sets brennock,kestrel] ...
 
 CART_A stands for the first set's document, CART_B for the second's (e.g. `final cartridge distill` outputs);
@@ -11,7 +12,10 @@ CART_A stands for the first set's document, CART_B for the second's (e.g. `final
 both documents in one system turn (both orders unless --one-order), each cartridge alone, both cartridges composed
 as the store serves `cartridge=[a, b]` - MC acc / acc_norm with 95% Wilson intervals, the ratio composed / own
 cartridge alone, open answers, KL to the set's own document in context. Prints a markdown table per set and writes
-summary.json in --work. The same figures as `final cartridge eval CART_A --qa A.jsonl --compose CART_B
+summary.json in --work. `--variant` tests a serving-side explanation of what composition loses (bench/RESULTS.md):
+`aligned` rotates each cartridge's keys forward by the other's length, so the prompt after [A, B] sits at the
+distance from each that it trained at; `one-sink` drops B's first token (the attention sink every sequence's token
+0 becomes), so the composition holds one. The "alone" rows then show the changed cartridges alone. The same figures as `final cartridge eval CART_A --qa A.jsonl --compose CART_B
 --compose-qa B.jsonl`.
 """
 
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--open-tokens", type=int, default=32)
     p.add_argument("--positions", choices=("after_prefix", "from_zero"), help="both cartridges' convention "
                    "(default: each one's manifest or run config)")
+    p.add_argument("--variant", choices=("concatenated", "aligned", "one-sink"), default="concatenated",
+                   help="change the two cartridges before composing them (default: served as they are)")
     p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_compose"))
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = p.parse_args(argv)
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     inference = local_engine(args.model, dtype="float32")
     try:
-        carts = _cartridges(inference, args, sets)
+        carts = _variant(_cartridges(inference, args, sets), args.variant, inference.model_dir)
         result = compose_evaluate(inference, *(ComposeSet(qa.name, qa.document, qa.questions, cart)
                                                for qa, cart in zip(sets, carts)),
                                   open_tokens=args.open_tokens, both_orders=not args.one_order)
@@ -86,6 +92,22 @@ def _cartridges(inference, args: argparse.Namespace, sets) -> list:
              for qa in sets]
     for qa, cart in zip(sets, carts):
         save_cartridge(cart, args.work / f"{qa.name}_first{args.first_tokens}.pt")
+    return carts
+
+
+def _variant(carts: list, variant: str, model_dir) -> list:
+    from final.cartridges.format import CartridgeKV
+    from final.cartridges.positions import rotate, rotation
+
+    a, b = carts
+    if variant == "aligned":
+        def moved(cart, by: int):
+            cos, sin = rotation(model_dir, by, cart.head_dim, "aligned")
+            return CartridgeKV([rotate(k, cos, sin) for k in cart.keys], cart.values, cart.num_frozen_tokens)
+        return [moved(a, b.num_tokens), moved(b, a.num_tokens)]
+    if variant == "one-sink":
+        return [a, CartridgeKV([k[:, :, 1:] for k in b.keys], [v[:, :, 1:] for v in b.values],
+                               max(0, b.num_frozen_tokens - 1))]
     return carts
 
 
