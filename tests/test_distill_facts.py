@@ -127,6 +127,8 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
     # rows made with other settings (or from another document) are refused, not trained on
     assert main(args + ["--fact-kinds", "cloze"]) != 0
     assert "facts differ" in capsys.readouterr().err
+    assert main(args + ["--cloze-context", "1"]) != 0  # the flag reaches the rows' settings
+    assert "facts differ" in capsys.readouterr().err
     (tmp_path / "doc.txt").write_text(DOC + " A new sentence.")
     assert main(args) != 0
     assert "text_sha256 differ" in capsys.readouterr().err
