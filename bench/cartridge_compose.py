@@ -15,8 +15,8 @@ cartridge alone, open answers, KL to the set's own document in context. Prints a
 summary.json in --work. `--variant` tests a serving-side explanation of what composition loses (bench/RESULTS.md):
 `aligned` rotates each cartridge's keys forward by the other's length, so the prompt after [A, B] sits at the
 distance from each that it trained at; `one-sink` drops B's first token (the attention sink every sequence's token
-0 becomes), so the composition holds one. The "alone" rows then show the changed cartridges alone. The same figures as `final cartridge eval CART_A --qa A.jsonl --compose CART_B
---compose-qa B.jsonl`.
+0 becomes), so the composition holds one. The "alone" rows then show the changed cartridges alone. The same
+figures as `final cartridge eval CART_A --qa A.jsonl --compose CART_B --compose-qa B.jsonl`.
 """
 
 from __future__ import annotations
@@ -97,19 +97,15 @@ def _cartridges(inference, args: argparse.Namespace, sets) -> list:
 
 def _variant(carts: list, variant: str, model_dir) -> list:
     from final.cartridges.format import CartridgeKV
-    from final.cartridges.positions import rotate, rotation
+    from final.cartridges.positions import moved
 
     a, b = carts
     if variant == "aligned":
-        def moved(cart, by: int):
-            cos, sin = rotation(model_dir, by, cart.head_dim, "aligned")
-            return CartridgeKV([rotate(k, cos, sin) for k in cart.keys], cart.values, cart.num_frozen_tokens)
-        return [moved(a, b.num_tokens), moved(b, a.num_tokens)]
+        return [moved(a, b.num_tokens, model_dir, "aligned"), moved(b, a.num_tokens, model_dir, "aligned")]
     if variant == "one-sink":
         return [a, CartridgeKV([k[:, :, 1:] for k in b.keys], [v[:, :, 1:] for v in b.values],
                                max(0, b.num_frozen_tokens - 1))]
     return carts
-
 
 if __name__ == "__main__":
     sys.exit(main())

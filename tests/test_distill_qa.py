@@ -36,7 +36,6 @@ def test_each_shipped_set_has_40_questions_over_the_whole_document_in_two_halves
     assert 24_000 < len(qa.document) < 30_000 if name in LONG else 3_000 < len(qa.document) < 6_000
 
 
-
 @pytest.mark.parametrize("name", HELD_OUT)
 def test_each_held_out_set_is_all_test_over_the_whole_document(name):
     qa = load_qa(QA / f"{name}.jsonl")
@@ -46,6 +45,7 @@ def test_each_held_out_set_is_all_test_over_the_whole_document(name):
     assert min(positions) < 0.1 and max(positions) > 0.85
     assert len({q.answer for q in qa.questions}) == 4
     assert 3_000 < len(qa.document) < 6_000
+
 
 def line(**kw) -> str:
     row = {"id": "a", "split": "tune", "question": "Who keeps the light?", "choices": ["Mara", "Pip", "Jot", "Fen"],

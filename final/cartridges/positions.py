@@ -45,9 +45,13 @@ def to_after_prefix(cart: CartridgeKV, positions: str, model_dir: str | Path | N
     if model_dir is None:
         raise CartridgeError("converting a from_zero cartridge needs the model's folder (its RoPE settings)",
                              file=name, field="positions")
-    cos, sin = rotation(model_dir, cart.num_tokens, cart.head_dim, name)
-    keys = [rotate(k, cos, sin) for k in cart.keys]
-    return CartridgeKV(keys, cart.values, cart.num_frozen_tokens)
+    return moved(cart, cart.num_tokens, model_dir, name)
+
+
+def moved(cart: CartridgeKV, by: int, model_dir: str | Path, name: str) -> CartridgeKV:
+    """The cartridge with every stored key rotated by R_by: as if each of its tokens sat `by` positions later."""
+    cos, sin = rotation(model_dir, by, cart.head_dim, name)
+    return CartridgeKV([rotate(k, cos, sin) for k in cart.keys], cart.values, cart.num_frozen_tokens)
 
 
 def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
