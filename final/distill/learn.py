@@ -21,6 +21,7 @@ from typing import Any
 STEPS = 240
 BATCH = 8
 LR = 2e-2
+PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 
 
 def register_learn(sub: Any) -> None:
@@ -41,6 +42,9 @@ def register_learn(sub: Any) -> None:
                    default=("quote", "cloze"), help="rows to make: quote, cloze (default both)")
     p.add_argument("--cloze-context", type=int, default=0, metavar="N",
                    help="sentences before a cloze row's blanked one, quoted with it (default 0)")
+    p.add_argument("--beside", type=float, default=0.0, metavar="F",
+                   help="train F of the steps beside another cartridge (one the model writes), in front or "
+                        "after, so the cartridge still answers when composed (default 0)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -51,6 +55,7 @@ def register_learn(sub: Any) -> None:
 
 def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig, write_fact_rows
+    from final.distill.partners import partner_texts
     from final.distill.train import TrainConfig, train_cartridge
     from final.distill.train_cli import open_engine, read_text
 
@@ -58,27 +63,34 @@ def _learn(args: argparse.Namespace) -> int:
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed)
     facts.check()
-    train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+    train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                        beside=args.beside)
     train.check()
     data = args.out.with_name(args.out.name + ".facts.jsonl")
     made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,
                  "facts": dataclasses.asdict(facts)}
+    partners = args.out.with_name(args.out.name + ".partners.json")
     t0 = time.perf_counter()
-    if data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
+    fresh = not data.is_file()
+    if not fresh:  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
         _check_made_with(data, made_with)  # ...if they were made from this document with these settings
-    else:
+    if fresh or (train.beside and not partners.is_file()):
         inference = open_engine(args)[0]
         try:
-            tmp = data.with_name(data.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            rows = write_fact_rows(inference, text, tmp, facts)
-            _meta(data).write_text(json.dumps(made_with, indent=2))
-            tmp.replace(data)
+            if fresh:
+                tmp = data.with_name(data.name + ".tmp")
+                tmp.unlink(missing_ok=True)
+                rows = write_fact_rows(inference, text, tmp, facts)
+                _meta(data).write_text(json.dumps(made_with, indent=2))
+                tmp.replace(data)
+                print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
+            if train.beside and not partners.is_file():
+                partners.write_text(json.dumps(partner_texts(inference, PARTNERS, args.tokens), indent=2))
         finally:
             inference.shutdown()
-        print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
+    texts = json.loads(partners.read_text()) if train.beside else []
     summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device, dtype=args.dtype,
-                              source_document=str(args.text), progress=not args.quiet)
+                              source_document=str(args.text), progress=not args.quiet, partners=texts)
     print(f"wrote {summary['out']} ({summary['tokens']} tokens): KL {summary['first_kl']:.4f} -> "
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")

@@ -41,9 +41,14 @@ class TrainConfig:
     frozen_tokens: int = 1
     seed: int = 0
     checkpoint_every: int = 10
+    # the share of steps trained beside a partner cartridge (in front of it or after it, as `cartridge=[a, b]`
+    # serves two): a cartridge only ever trained alone loses 30-40% of its accuracy composed (bench/RESULTS.md)
+    beside: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
+        if not 0.0 <= self.beside <= 1.0:
+            raise CartridgeError(f"must be in [0, 1], got {self.beside}", field="beside")
 
 
 def check_training(cfg: object, counts: Sequence[str]) -> None:
@@ -154,6 +159,8 @@ class Batch:
     ids: torch.Tensor  # [B, T] each row's token stream after the cartridge, right-padded
     where: torch.Tensor  # [B, T] the positions that predict a target token (row-major order = the targets' order)
     targets: Targets
+    # a frozen partner cartridge served with the trained one for this batch: (keys, values, in_front)
+    beside: tuple[list[torch.Tensor], list[torch.Tensor], bool] | None = None
 
 
 def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device) -> Batch:
@@ -193,6 +200,15 @@ def batch_order(n: int, batch: int, step: int, seed: int) -> list[int]:
     return out
 
 
+def partner_for(step: int, cfg: TrainConfig, partners: Sequence[Any]) -> tuple[Any, bool] | None:
+    """The partner (and whether it goes in front) of step `step`, or None: seeded by step, so a resumed run trains
+    beside the same partners."""
+    rng = random.Random(f"{cfg.seed}/beside/{step}")
+    if not partners or rng.random() >= cfg.beside:
+        return None
+    return rng.choice(partners), rng.random() < 0.5
+
+
 def checkpoint_path(out: str | Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".ckpt")
@@ -200,10 +216,11 @@ def checkpoint_path(out: str | Path) -> Path:
 
 def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
           ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
-          identity: dict | None = None) -> list[dict]:
+          identity: dict | None = None, partners: Sequence[Any] = ()) -> list[dict]:
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
     every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
-    included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must."""
+    included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must.
+    `partners`: frozen (keys, values) cartridges, one served beside the trained one on cfg.beside of the steps."""
     from tqdm import tqdm
 
     trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})})
@@ -212,7 +229,12 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
                total=cfg.steps)
     for step in bar:
         rows = [convs[i] for i in batch_order(len(convs), cfg.batch, step, cfg.seed)]
-        rec = trainer.step(make_batch(rows, pad_id, student.device))
+        batch = make_batch(rows, pad_id, student.device)
+        partner = partner_for(step, cfg, partners)
+        if partner is not None:
+            (keys, values), front = partner
+            batch.beside = (keys, values, front)
+        rec = trainer.step(batch, beside=None if partner is None else ("front" if partner[1] else "behind"))
         bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -228,8 +250,10 @@ def digest(ids: Sequence[int]) -> str:
 
 
 def _resume_key(cfg: TrainConfig) -> dict:
-    """What must match for a resume to continue the same run (the step budget may grow)."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("steps", "checkpoint_every")}
+    """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
+    checkpoints from before it existed still resume)."""
+    return {k: v for k, v in asdict(cfg).items()
+            if k not in ("steps", "checkpoint_every") and not (k == "beside" and not v)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
@@ -261,18 +285,22 @@ def _init_ids(tok, convs: Sequence[Conversation], tokens: int, text: str | None,
 def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str | None = None,
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
-                    source_document: str | None = None, progress: bool = True) -> dict:
+                    source_document: str | None = None, progress: bool = True, partners: Sequence[str] = ()) -> dict:
     """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
-    conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under)."""
+    conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
+    `partners`: texts whose first P tokens, as cartridges, are served beside this one on cfg.beside of the steps."""
     from transformers import AutoTokenizer
 
     from final.distill.convs import read_conversations
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
     from final.models import resolve_model_path
+    from final.prompts import document_ids
 
     cfg.check()
+    if cfg.beside and not partners:
+        raise CartridgeError("training beside partners needs partner texts", field="beside")
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path, device, dtype)
@@ -283,11 +311,15 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     from final.cartridges.manifest import sha256_file
 
     identity = {"model": model, "data_sha256": sha256_file(data), "init": digest(init)}
-    losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity)
+    beside = [document_ids(tok, t)[:cfg.tokens] for t in partners] if cfg.beside else []
+    if beside:
+        identity["partners"] = [digest(ids) for ids in beside]
+    losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
+                   partners=[student.prefill(ids) for ids in beside])
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
     labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
-              "init": init_kind, "steps": str(cfg.steps),
+              "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
                                           source_document=source_document, labels=labels,
