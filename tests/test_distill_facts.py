@@ -69,6 +69,17 @@ def test_cloze_context_quotes_the_sentences_before_the_blank_so_a_pronoun_has_it
         FactConfig(cloze_context=-1).check()
 
 
+def test_ask_rows_turn_each_cue_into_a_question_word_and_stop_at_its_clause():
+    asked = {a: q for a, q in [(p.answer, p.question) for p in fact_prompts(DOC, FactConfig(kinds=("ask",)))]}
+    assert asked["eleven"] == "The first settlement had how many households?"
+    assert asked["1742"] == "It was founded in which year by Odo Brennock?"
+    assert asked["Odo Brennock"] == "It was founded in 1742 by what?"
+    assert asked["Brennock Ferry"] == "What is a small town on the Sallow River?"  # the subject: what it is
+    assert asked["6,300"] == "Today the town has roughly how many people?"  # a comma inside a number ends nothing
+    assert asked["Sallow River"] == "Brennock Ferry is a small town on the what?"
+    assert all(p.kind == "ask" and p.question.endswith("?") for p in fact_prompts(DOC, FactConfig(kinds=("ask",))))
+
+
 def test_the_teacher_window_holds_the_span_and_has_the_asked_length(inference):
     tok = inference.tokenizer
     start = DOC.index("The mill")

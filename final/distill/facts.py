@@ -8,6 +8,8 @@ generated: per sentence of the document,
     sentence and the next `quote_sentences - 1` verbatim;
   - cloze rows: the sentence with one cue blanked out, answered by the cue (a short answer, as a user's factual
     question gets);
+  - ask rows (made when asked for): the sentence up to the end of a cue's clause, the cue turned into a question
+    word ("The first settlement had how many households?"), answered by the cue: the form a user's question has;
 and the teacher - the model with the document as its system turn (synth.teacher_system), or with the
 `teacher_tokens` window of the document around the sentence for documents longer than the model reads well
 (a 135M model answers a 6.7k-token document's questions at 0.40 and the 256-token window's at 0.77: bench/qa
@@ -32,7 +34,10 @@ QUOTE = ("What does the document say about {cue}?", "Tell me about {cue}.", "Wha
          "What is said about {cue} in the document?")
 CLOZE = ('Fill in the blank from the document: "{blanked}"',
          'According to the document, what goes in the blank? "{blanked}"')
-KINDS = ("quote", "cloze")
+KINDS = ("quote", "cloze", "ask")
+DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
+_YEAR = re.compile(r"1\d{3}|20\d{2}")
+_CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 _NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
                  "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
                  "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
@@ -49,7 +54,7 @@ _SENTENCE = re.compile(r"[^\n]+?(?:[.!?][\"')\]]*(?=\s)|$)", re.M)
 
 @dataclass
 class FactConfig:
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
     quote_sentences: int = 2  # sentences in a quote row's answer
     cues: int = 3  # quote rows per sentence (one per cue, at most)
     # sentences before a cloze row's blanked one, quoted with it: "It was founded in ___" names no subject, and a
@@ -134,6 +139,27 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
                     continue
                 blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(cue):]
                 out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (start, hi)))
+        if "ask" in cfg.kinds:
+            out += [FactPrompt("ask", q, cue, (lo, hi)) for cue, q in asked(sentence, found)]
+    return out
+
+
+def asked(sentence: str, found: list[str]) -> list[tuple[str, str]]:
+    """(cue, question) per cue: the sentence up to the end of the cue's clause, the cue turned into a question
+    word, as a user asks ("The first settlement had eleven households" -> "The first settlement had how many
+    households?"; a sentence's subject -> "What ...?"). Unlike a cloze row, nothing after the clause is shown."""
+    out = []
+    for cue in found:
+        at = sentence.find(cue)
+        end = _CLAUSE_END.search(sentence, at + len(cue))
+        tail = sentence[at + len(cue):end.start() if end else len(sentence)].rstrip()
+        if at == 0:
+            if tail.strip():
+                out.append((cue, "What" + tail + "?"))
+            continue
+        word = "which year" if _YEAR.fullmatch(cue) else "how many" if cue[0].isdigit() or cue[0].islower() \
+            else "what"
+        out.append((cue, sentence[:at] + word + tail + "?"))
     return out
 
 

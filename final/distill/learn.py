@@ -25,6 +25,7 @@ PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.
 
 
 def register_learn(sub: Any) -> None:
+    from final.distill.facts import DEFAULT_KINDS, KINDS
     from final.distill.train_cli import _model_args
 
     p = sub.add_parser("learn", help="a cartridge of a document's facts: fact rows from every sentence, then "
@@ -39,7 +40,8 @@ def register_learn(sub: Any) -> None:
                    help="teach each row from the N-token window of the document around its sentence instead of "
                         "the whole document (for documents longer than the model reads well)")
     p.add_argument("--fact-kinds", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
-                   default=("quote", "cloze"), help="rows to make: quote, cloze (default both)")
+                   default=DEFAULT_KINDS, help=f"rows to make, of {', '.join(KINDS)} (default "
+                                               f"{','.join(DEFAULT_KINDS)})")
     p.add_argument("--cloze-context", type=int, default=0, metavar="N",
                    help="sentences before a cloze row's blanked one, quoted with it (default 0)")
     p.add_argument("--beside", type=float, default=0.0, metavar="F",
