@@ -56,10 +56,9 @@ def register_learn(sub: Any) -> None:
 
 
 def _learn(args: argparse.Namespace) -> int:
-    from final.distill.facts import FactConfig, write_fact_rows
-    from final.distill.partners import partner_texts
+    from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
-    from final.distill.train_cli import open_engine, read_text
+    from final.distill.train_cli import read_text
 
     text = read_text(args.text)
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
@@ -73,23 +72,9 @@ def _learn(args: argparse.Namespace) -> int:
                  "facts": dataclasses.asdict(facts)}
     partners = args.out.with_name(args.out.name + ".partners.json")
     t0 = time.perf_counter()
-    fresh = not data.is_file()
-    if not fresh:  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
+    if data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
         _check_made_with(data, made_with)  # ...if they were made from this document with these settings
-    if fresh or (train.beside and not partners.is_file()):
-        inference = open_engine(args)[0]
-        try:
-            if fresh:
-                tmp = data.with_name(data.name + ".tmp")
-                tmp.unlink(missing_ok=True)
-                rows = write_fact_rows(inference, text, tmp, facts)
-                _meta(data).write_text(json.dumps(made_with, indent=2))
-                tmp.replace(data)
-                print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
-            if train.beside and not partners.is_file():
-                partners.write_text(json.dumps(partner_texts(inference, PARTNERS, args.tokens), indent=2))
-        finally:
-            inference.shutdown()
+    _write_inputs(args, text, facts, made_with, data, partners if train.beside else None)
     texts = json.loads(partners.read_text()) if train.beside else []
     summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device, dtype=args.dtype,
                               source_document=str(args.text), progress=not args.quiet, partners=texts)
@@ -97,6 +82,33 @@ def _learn(args: argparse.Namespace) -> int:
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
     return 0
+
+
+def _write_inputs(args: argparse.Namespace, text: str, facts: Any, made_with: dict, data: Path,
+                  partners: Path | None) -> None:
+    """What the training reads and a rerun keeps: the fact rows (with the settings they were made with) and, when
+    training beside partners, the partner texts. Written once; the engine opens only if one is missing."""
+    from final.distill.facts import write_fact_rows
+    from final.distill.partners import partner_texts
+    from final.distill.train_cli import open_engine
+
+    need_partners = partners is not None and not partners.is_file()
+    if data.is_file() and not need_partners:
+        return
+    t0 = time.perf_counter()
+    inference = open_engine(args)[0]
+    try:
+        if not data.is_file():
+            tmp = data.with_name(data.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            rows = write_fact_rows(inference, text, tmp, facts)
+            _meta(data).write_text(json.dumps(made_with, indent=2))
+            tmp.replace(data)
+            print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
+        if need_partners:
+            partners.write_text(json.dumps(partner_texts(inference, PARTNERS, args.tokens), indent=2))
+    finally:
+        inference.shutdown()
 
 
 def _meta(data: Path) -> Path:
