@@ -3,9 +3,11 @@
 The recipe measured on the QA sets' tuning halves (bench/RESULTS.md, issue 42): fact rows (final/distill/facts.py:
 every sentence asked about, answered from the document, scored by the teacher) written beside the cartridge as
 OUT.facts.jsonl, then the off-policy trainer (final/distill/train.py) over them for --steps, the KV starting as the
-document's first P tokens. Nothing is generated, so a step costs one forward and backward pass: the on-policy
-loop (`distill`), whose questions the model writes itself, spends most of its time sampling and, on the tuning
-documents, teaches the teacher's style of answer rather than its facts.
+document's first P tokens, half the steps served beside a partner cartridge (final/distill/partners.py, texts in
+OUT.partners.json) so that it keeps its answers when composed with others. Nothing is generated but the four
+short partner texts, so a step costs one forward and backward pass: the on-policy loop (`distill`), whose
+questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
+teacher's style of answer rather than its facts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 STEPS = 240
 BATCH = 8
 LR = 2e-2
+BESIDE = 0.5  # the share of steps beside a partner: composed, 0.73x / 0.80x of alone instead of 0.60x / 0.70x
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 
 
@@ -44,9 +47,9 @@ def register_learn(sub: Any) -> None:
                                                f"{','.join(DEFAULT_KINDS)})")
     p.add_argument("--cloze-context", type=int, default=0, metavar="N",
                    help="sentences before a cloze row's blanked one, quoted with it (default 0)")
-    p.add_argument("--beside", type=float, default=0.0, metavar="F",
-                   help="train F of the steps beside another cartridge (one the model writes), in front or "
-                        "after, so the cartridge still answers when composed (default 0)")
+    p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
+                   help="train F of the steps beside another cartridge (of a text the model writes), in front "
+                        f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
