@@ -109,10 +109,6 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     """The step's loss over every target token of a batch (final.distill.train.Batch), with its KL figures: the
     student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
-    keys, values = cache.full()
-    if batch.beside is not None:  # a partner cartridge served with this one: [partner, us] or [us, partner]
-        pk, pv, front = batch.beside
-        keys, values = ([torch.cat([a, b] if front else [b, a], 2) for a, b in zip(theirs, ours)]
-                        for theirs, ours in ((pk, keys), (pv, values)))
+    keys, values = cache.full(batch.beside)
     logq = student.log_probs(keys, values, batch.ids, batch.where)
     return step_loss(loss, logq, batch.targets)

@@ -144,9 +144,15 @@ class TrainableKV(nn.Module):
         self.trainable_keys, self.trainable_values = plist(keys, f, None, True), plist(values, f, None, True)
         self.frozen_tokens = f
 
-    def full(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def full(self, beside: tuple | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The whole KV; with `beside` (Batch.beside: a partner's keys, values and whether it goes in front), the
+        two as a request composing them is served, [partner, us] or [us, partner]."""
         cat = lambda a, b: [torch.cat([x, y], dim=2) for x, y in zip(a, b)]  # noqa: E731
-        return cat(self.frozen_keys, self.trainable_keys), cat(self.frozen_values, self.trainable_values)
+        keys, values = cat(self.frozen_keys, self.trainable_keys), cat(self.frozen_values, self.trainable_values)
+        if beside is None:
+            return keys, values
+        pk, pv, front = beside
+        return (cat(pk, keys), cat(pv, values)) if front else (cat(keys, pk), cat(values, pv))
 
     def cartridge(self, dtype: torch.dtype = torch.float32) -> CartridgeKV:
         keys, values = self.full()
@@ -232,9 +238,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
         batch = make_batch(rows, pad_id, student.device)
         partner = partner_for(step, cfg, partners)
         if partner is not None:
-            (keys, values), front = partner
-            batch.beside = (keys, values, front)
-        rec = trainer.step(batch, beside=None if partner is None else ("front" if partner[1] else "behind"))
+            batch.beside = (*partner[0], partner[1])
+        rec = trainer.step(batch, beside=partner and ("front" if partner[1] else "behind"))
         bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
