@@ -179,6 +179,15 @@ def document_ids(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
     return tokenizer(head.replace(_PLACEHOLDER, text), add_special_tokens=False).input_ids
 
 
+def document_text_held(tokenizer: Any, text: str, tokens: int) -> str:
+    """The part of `text` that the first `tokens` ids of its chat document_ids hold (the template's head is
+    counted; a cut token is left out): what a cartridge of the text's first `tokens` tokens can know."""
+    head, _ = _split_chat(tokenizer, [])
+    n = tokens - len(tokenizer(head.split(_PLACEHOLDER)[0], add_special_tokens=False).input_ids)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    return text[:offsets[min(n, len(offsets)) - 1][1]] if n > 0 and offsets else ""
+
+
 def continuation_ids(tokenizer: Any, messages: str | list[dict], chat: bool = True) -> list[int]:
     """Prompt ids that follow a cartridge: the conversation after the document's system turn, no BOS."""
     if not chat:

@@ -198,7 +198,7 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
         raise CartridgeError("the document has no sentences to ask about", field="text")
     tok = inference.tokenizer
     offsets = token_offsets(tok, text)
-    end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    end = end_of_turn(tok)
     groups: dict[str, list[int]] = {}  # the teacher's system turn -> the rows it scores
     for i, fp in enumerate(prompts):
         system = (teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets) if cfg.teacher_tokens
@@ -217,6 +217,11 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
                                            fp.answer, _token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
+
+
+def end_of_turn(tok: Any) -> int:
+    """The token that closes an assistant turn (a row's answer ends with it, so an answer learns to stop)."""
+    return tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
 
 
 def write_fact_rows(inference: Any, text: str, out: str | Path, cfg: FactConfig) -> int:

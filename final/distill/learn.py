@@ -24,6 +24,7 @@ STEPS = 240
 BATCH = 8
 LR = 2e-2
 BESIDE = 0.5  # the share of steps beside a partner: composed, 0.73x / 0.80x of alone instead of 0.60x / 0.70x
+KEEP = 0.0  # the weight of the partner's answers kept (final/distill/keep.py)
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 
 
@@ -50,6 +51,9 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
                    help="train F of the steps beside another cartridge (of a text the model writes), in front "
                         f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
+    p.add_argument("--keep-partner", type=float, default=KEEP, metavar="W",
+                   help="at the steps beside a partner, also train at weight W that the partner's own questions are "
+                        f"answered as with the partner alone (default {KEEP}; 0: not)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -68,7 +72,7 @@ def _learn(args: argparse.Namespace) -> int:
                        top_k=args.top_k, seed=args.seed)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside)
+                        beside=args.beside, keep=args.keep_partner)
     train.check()
     data = args.out.with_name(args.out.name + ".facts.jsonl")
     made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,

@@ -87,6 +87,7 @@ class StepLoss:
     tail_kl: float  # mean forward_topk_tail KL over every target (a true KL: what validation judges by)
     reverse_kl: float | None  # mean k1 estimate of KL(student || teacher) on the student's own samples
     targets: int
+    keep_kl: float | None = None  # forward top-k KL on the partner's rows (Batch.keep), when the batch has them
 
 
 def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
@@ -110,5 +111,10 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
     keys, values = cache.full(batch.beside)
-    logq = student.log_probs(keys, values, batch.ids, batch.where)
-    return step_loss(loss, logq, batch.targets)
+    out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets)
+    if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
+        kept, weight = batch.keep
+        k = step_loss("forward_topk", student.log_probs(keys, values, kept.ids, kept.where), kept.targets)
+        out.loss = out.loss + weight * k.loss
+        out.keep_kl = k.forward_kl
+    return out

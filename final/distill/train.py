@@ -44,11 +44,18 @@ class TrainConfig:
     # the share of steps trained beside a partner cartridge (in front of it or after it, as `cartridge=[a, b]`
     # serves two): a cartridge only ever trained alone loses 30-40% of its accuracy composed (bench/RESULTS.md)
     beside: float = 0.0
+    # the weight of keeping the partner's answers at those steps (final/distill/keep.py): 0 trains our rows only
+    keep: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
         if not 0.0 <= self.beside <= 1.0:
             raise CartridgeError(f"must be in [0, 1], got {self.beside}", field="beside")
+        if not (0.0 <= self.keep and math.isfinite(self.keep)):
+            raise CartridgeError(f"must be a number >= 0, got {self.keep}", field="keep")
+        if self.keep and not self.beside:
+            raise CartridgeError("keeping a partner's answers needs steps beside a partner (beside > 0)",
+                                 field="keep")
 
 
 def check_training(cfg: object, counts: Sequence[str]) -> None:
@@ -167,6 +174,16 @@ class Batch:
     targets: Targets
     # a frozen partner cartridge served with the trained one for this batch: (keys, values, in_front)
     beside: tuple[list[torch.Tensor], list[torch.Tensor], bool] | None = None
+    # rows about that partner, served the same way, whose answers must stay the partner's alone: (rows, weight)
+    keep: tuple["Batch", float] | None = None
+
+
+@dataclass
+class Partner:
+    """A frozen cartridge a step may serve beside the trained one, and the rows about it (keep.keep_rows)."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    rows: Sequence[Conversation] = ()
 
 
 def make_batch(convs: Sequence[Conversation], pad_id: int, device: torch.device) -> Batch:
@@ -226,7 +243,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
     every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
     included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must.
-    `partners`: frozen (keys, values) cartridges, one served beside the trained one on cfg.beside of the steps."""
+    `partners`: frozen cartridges (Partner), one served beside the trained one on cfg.beside of the steps, its
+    rows' answers kept at weight cfg.keep."""
     from tqdm import tqdm
 
     trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})})
@@ -238,13 +256,25 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
         batch = make_batch(rows, pad_id, student.device)
         partner = partner_for(step, cfg, partners)
         if partner is not None:
-            batch.beside = (*partner[0], partner[1])
+            _beside(batch, *partner, step, cfg, pad_id, student.device)
         rec = trainer.step(batch, beside=partner and ("front" if partner[1] else "behind"))
         bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             trainer.save()
     return trainer.history
+
+
+def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainConfig, pad_id: int,
+            device: torch.device) -> None:
+    """Serve the step's batch beside `partner`, with half a batch of rows about it to keep when cfg.keep."""
+    from final.distill.keep import keep_pick
+
+    batch.beside = (partner.keys, partner.values, front)
+    if cfg.keep and partner.rows:
+        kept = make_batch(keep_pick(partner.rows, step, max(1, cfg.batch // 2), cfg.seed), pad_id, device)
+        kept.beside = batch.beside
+        batch.keep = (kept, cfg.keep)
 
 
 def digest(ids: Sequence[int]) -> str:
@@ -258,7 +288,7 @@ def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
     checkpoints from before it existed still resume)."""
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k == "beside" and not v)}
+            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep") and not v)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
@@ -298,6 +328,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     from transformers import AutoTokenizer
 
     from final.distill.convs import read_conversations
+    from final.distill.keep import keep_rows
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
     from final.models import resolve_model_path
@@ -319,12 +350,16 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     beside = [document_ids(tok, t)[:cfg.tokens] for t in partners] if cfg.beside else []
     if beside:
         identity["partners"] = [digest(ids) for ids in beside]
+    kvs = [student.prefill(ids) for ids in beside]
+    rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep else ()
+            for t, kv in zip(partners, kvs)]
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
-                   partners=[student.prefill(ids) for ids in beside])
+                   partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)])
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
     labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
               "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
+              **({"keep": str(cfg.keep)} if cfg.keep else {}),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
                                           source_document=source_document, labels=labels,

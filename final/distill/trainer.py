@@ -68,6 +68,7 @@ class Trainer:
         rec = {"step": len(self.history) + 1, "loss": first.loss.item(), "forward_kl": first.forward_kl,
                "tail_kl": first.tail_kl,
                "reverse_kl": first.reverse_kl, "targets": first.targets, "lr": lr,
+               **({"keep_kl": first.keep_kl} if first.keep_kl is not None else {}),
                "gradient_s": time.perf_counter() - t0,
                **extra}
         self.history.append(rec)
