@@ -22,7 +22,6 @@ from typing import Any
 
 STEPS = 240
 BATCH = 8
-LR = 2e-2
 BESIDE = 0.5  # the share of steps beside a partner: composed, 0.73x / 0.80x of alone instead of 0.60x / 0.70x
 KEEP = 0.0  # the weight of the partner's answers kept (final/distill/keep.py)
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
@@ -30,6 +29,7 @@ PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.
 
 def register_learn(sub: Any) -> None:
     from final.distill.facts import DEFAULT_KINDS, KINDS
+    from final.distill.train import TrainConfig
     from final.distill.train_cli import _model_args
 
     p = sub.add_parser("learn", help="a cartridge of a document's facts: fact rows from every sentence, then "
@@ -39,7 +39,7 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--out", required=True, type=Path, help="the cartridge (+ OUT.facts.jsonl, OUT.ckpt)")
     p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
     p.add_argument("--batch", type=int, default=BATCH, help=f"rows per step (default {BATCH})")
-    p.add_argument("--lr", type=float, default=LR, help=f"Adam's learning rate (default {LR})")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"Adam's learning rate (default {TrainConfig.lr})")
     p.add_argument("--teacher-tokens", type=int, metavar="N",
                    help="teach each row from the N-token window of the document around its sentence instead of "
                         "the whole document (for documents longer than the model reads well)")
