@@ -11,6 +11,7 @@ import torch
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
 from final.distill.cli import main
+from final.distill.learn import BESIDE, KEEP
 from final.distill.keep import held_sentences, keep_pick, keep_rows
 from final.distill.losses import distill_loss
 from final.distill.train import Partner, Student, TrainConfig, TrainableKV, make_batch, partner_for, train
@@ -98,6 +99,18 @@ def test_cli_learn_keep_partner_trains_on_the_partners_rows_and_records_it(tmp_p
     assert main(args[:-7] + ["--steps", "8", "--beside", "0", "--keep-partner", "1", "--model", TINY,
                              "--quiet"]) != 0
     assert "keep" in capsys.readouterr().err
+
+
+def test_learn_keeps_partners_answers_by_default_and_not_when_trained_alone(tmp_path):
+    (tmp_path / "doc.txt").write_text(DOC)
+    base = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--steps", "2", "--batch",
+            "2", "--model", TINY, "--quiet"]
+    assert main(base + ["--out", str(tmp_path / "a.pt")]) == 0
+    labels = json.loads((tmp_path / "a.pt.manifest.json").read_text())["labels"]
+    assert labels["beside"] == str(BESIDE) and labels["keep"] == str(KEEP) and KEEP > 0
+    assert main(base + ["--out", str(tmp_path / "b.pt"), "--beside", "0"]) == 0  # alone: nothing to keep
+    labels = json.loads((tmp_path / "b.pt.manifest.json").read_text())["labels"]
+    assert "beside" not in labels and "keep" not in labels
 
 
 def test_the_loop_keeps_the_rows_of_the_partner_each_step_serves(student, tok, tmp_path):

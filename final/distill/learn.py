@@ -4,8 +4,9 @@ The recipe measured on the QA sets' tuning halves (bench/RESULTS.md, issue 42): 
 every sentence asked about, answered from the document, scored by the teacher) written beside the cartridge as
 OUT.facts.jsonl, then the off-policy trainer (final/distill/train.py) over them for --steps, the KV starting as the
 document's first P tokens, half the steps served beside a partner cartridge (final/distill/partners.py, texts in
-OUT.partners.json) so that it keeps its answers when composed with others. Nothing is generated but the four
-short partner texts, so a step costs one forward and backward pass: the on-policy loop (`distill`), whose
+OUT.partners.json) so that it keeps its answers when composed with others, and at those steps trained to leave the
+partner's own answers as they are (final/distill/keep.py). Nothing is generated but the four
+short partner texts, so a step costs one forward and backward pass (two beside a partner): the on-policy loop (`distill`), whose
 questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
 teacher's style of answer rather than its facts.
 """
@@ -23,7 +24,9 @@ from typing import Any
 STEPS = 240
 BATCH = 8
 BESIDE = 0.5  # the share of steps beside a partner: composed, 0.73x / 0.80x of alone instead of 0.60x / 0.70x
-KEEP = 0.0  # the weight of the partner's answers kept (final/distill/keep.py)
+# the weight of the partner's answers kept at those steps (final/distill/keep.py): composed, 0.82x / 1.25x of alone
+# instead of 0.73x / 0.80x (brennock + kestrel tune halves), 19 questions of 45 right instead of 16
+KEEP = 1.0
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 
 
@@ -51,9 +54,9 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
                    help="train F of the steps beside another cartridge (of a text the model writes), in front "
                         f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
-    p.add_argument("--keep-partner", type=float, default=KEEP, metavar="W",
+    p.add_argument("--keep-partner", type=float, metavar="W",
                    help="at the steps beside a partner, also train at weight W that the partner's own questions are "
-                        f"answered as with the partner alone (default {KEEP}; 0: not)")
+                        f"answered as with the partner alone (default {KEEP} beside partners; 0: not)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -72,7 +75,7 @@ def _learn(args: argparse.Namespace) -> int:
                        top_k=args.top_k, seed=args.seed)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=args.keep_partner)
+                        beside=args.beside, keep=_keep(args))
     train.check()
     data = args.out.with_name(args.out.name + ".facts.jsonl")
     made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,
@@ -89,6 +92,13 @@ def _learn(args: argparse.Namespace) -> int:
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
     return 0
+
+
+def _keep(args: argparse.Namespace) -> float:
+    """--keep-partner as given (refused by TrainConfig.check with --beside 0), else KEEP beside partners."""
+    if args.keep_partner is not None:
+        return args.keep_partner
+    return KEEP if args.beside else 0.0
 
 
 def _write_inputs(args: argparse.Namespace, text: str, facts: Any, made_with: dict, data: Path,
