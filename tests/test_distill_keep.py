@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
@@ -21,7 +20,8 @@ from final.prompts import document_ids
 
 from test_distill_facts import DOC
 
-PARTNER = "The canal at Hollin Lock was dug in 1811. Its keeper, Ada Pell, rang a bell for every boat. The bell hangs there."
+PARTNER = ("The canal at Hollin Lock was dug in 1811. Its keeper, Ada Pell, rang a bell for every boat. "
+           "The bell hangs there.")
 
 
 @pytest.fixture(scope="module")

@@ -209,14 +209,20 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
         with ChunkContext(inference, system, f"__facts-{cfg.seed}-{g}") as ctx:
             for b in range(0, len(ids), batch):
                 part = ids[b:b + batch]
-                asked = [continuation_ids(tok, [{"role": "user", "content": prompts[i].question}]) for i in part]
-                answers = [tok(prompts[i].answer, add_special_tokens=False).input_ids + [end] for i in part]
+                asked, answers = map(list, zip(*(prompt_ids(tok, prompts[i], end) for i in part)))
                 for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
                     fp = prompts[i]
                     rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
                                            fp.answer, _token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
+
+
+def prompt_ids(tok: Any, fp: FactPrompt, end: int) -> tuple[list[int], list[int]]:
+    """A fact row's token stream after the cartridge: the question as a user turn, then the answer closed by
+    `end` (end_of_turn), so the row also teaches where an answer stops."""
+    return (continuation_ids(tok, [{"role": "user", "content": fp.question}]),
+            tok(fp.answer, add_special_tokens=False).input_ids + [end])
 
 
 def end_of_turn(tok: Any) -> int:

@@ -12,23 +12,19 @@ caches as the step serves them, so the loss is zero exactly when our KV leaves t
 from __future__ import annotations
 
 import random
-import re
 from typing import Any, Sequence
 
 import torch
 
 from final.distill.convs import Conversation
-from final.distill.facts import FactConfig, end_of_turn, fact_prompts
-from final.prompts import continuation_ids, document_text_held
-
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
+from final.distill.facts import FactConfig, end_of_turn, fact_prompts, prompt_ids, sentences
+from final.prompts import document_text_held
 
 
 def held_sentences(tokenizer: Any, text: str, tokens: int) -> str:
     """The whole sentences of `text` that a `tokens`-token cartridge of it holds ("" when not one fits)."""
-    held = document_text_held(tokenizer, text, tokens)
-    ends = [m.end() for m in _SENTENCE_END.finditer(held)]
-    return held[:ends[-1]] if ends else ""
+    held = len(document_text_held(tokenizer, text, tokens))
+    return text[:max((end for _, end in sentences(text) if end <= held), default=0)]
 
 
 @torch.no_grad()
@@ -42,8 +38,7 @@ def keep_rows(student: Any, tokenizer: Any, text: str, kv: tuple, tokens: int, t
     end = end_of_turn(tokenizer)
     rows = []
     for i, fp in enumerate(fact_prompts(held, FactConfig(seed=seed))):
-        q = continuation_ids(tokenizer, [{"role": "user", "content": fp.question}])
-        a = tokenizer(fp.answer, add_special_tokens=False).input_ids + [end]
+        q, a = prompt_ids(tokenizer, fp, end)
         ids = torch.tensor([q + a], device=student.device)
         where = torch.zeros_like(ids, dtype=torch.bool)
         where[0, :-1] = True  # targets from the row's second token on, as fact rows (target_start=1)

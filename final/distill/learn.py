@@ -5,8 +5,8 @@ every sentence asked about, answered from the document, scored by the teacher) w
 OUT.facts.jsonl, then the off-policy trainer (final/distill/train.py) over them for --steps, the KV starting as the
 document's first P tokens, half the steps served beside a partner cartridge (final/distill/partners.py, texts in
 OUT.partners.json) so that it keeps its answers when composed with others, and at those steps trained to leave the
-partner's own answers as they are (final/distill/keep.py). Nothing is generated but the four
-short partner texts, so a step costs one forward and backward pass (two beside a partner): the on-policy loop (`distill`), whose
+partner's own answers as they are (final/distill/keep.py). Nothing is generated but the four short partner texts,
+so a step costs one forward and backward pass (two beside a partner): the on-policy loop (`distill`), whose
 questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
 teacher's style of answer rather than its facts.
 """
@@ -42,7 +42,8 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--out", required=True, type=Path, help="the cartridge (+ OUT.facts.jsonl, OUT.ckpt)")
     p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
     p.add_argument("--batch", type=int, default=BATCH, help=f"rows per step (default {BATCH})")
-    p.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"Adam's learning rate (default {TrainConfig.lr})")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr,
+                   help=f"Adam's learning rate (default {TrainConfig.lr})")
     p.add_argument("--teacher-tokens", type=int, metavar="N",
                    help="teach each row from the N-token window of the document around its sentence instead of "
                         "the whole document (for documents longer than the model reads well)")

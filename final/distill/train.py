@@ -272,8 +272,8 @@ def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainCo
 
     batch.beside = (partner.keys, partner.values, front)
     if cfg.keep and partner.rows:
+        # read after the same two caches as the batch (distill_loss serves both with the batch's)
         kept = make_batch(keep_pick(partner.rows, step, max(1, cfg.batch // 2), cfg.seed), pad_id, device)
-        kept.beside = batch.beside
         batch.keep = (kept, cfg.keep)
 
 
