@@ -110,6 +110,27 @@ def test_fact_rows_carry_the_teachers_scores_of_the_documents_answers(inference,
     assert all(abs(a - b) < 1e-4 for top, lps in zip(tops, row.top_logprobs) for (_, a), b in zip(top, lps))
 
 
+def test_teacher_answers_are_the_teachers_own_greedy_answers_in_its_window(inference):
+    """--answers teacher: a row's answer is what the teacher says, asked the row's question with its window as the
+    system turn (regenerated here the same way), closed by the end-of-turn token where it stopped, scored by it."""
+    from final.distill.facts import end_of_turn
+    from final.distill.synth import ChunkContext
+
+    cfg = FactConfig(kinds=("ask",), teacher_tokens=16, top_k=4, answers="teacher", answer_tokens=6)
+    rows = fact_rows(inference, DOC, cfg)
+    tok, end = inference.tokenizer, end_of_turn(inference.tokenizer)
+    prompts = fact_prompts(DOC, cfg)
+    assert len(rows) == len(prompts) and any(r.answer != p.answer for r, p in zip(rows, prompts))
+    for row, fp in zip(rows[:3], prompts):
+        with ChunkContext(inference, teacher_window(tok, DOC, fp.span, 16), "__check") as ctx:
+            got = ctx.generate([[{"role": "user", "content": fp.question}]], temperature=0.0, max_tokens=6).rows()[0]
+            (tops, _), = ctx.teacher_scores([row.prompt_ids], [row.answer_ids], 4)
+        said = [t for t in got.output_ids if t != end]
+        assert row.answer_ids == (said + [end] if got.finish_reason == "stop" else said or [end])
+        assert row.answer == tok.decode(said, skip_special_tokens=True) and len(row.answer_ids) <= 7
+        assert [[t for t, _ in top] for top in tops] == row.top_ids
+
+
 def test_bad_fact_settings_are_named():
     with pytest.raises(CartridgeError, match="fact_kinds"):
         FactConfig(kinds=("quiz",)).check()
@@ -117,6 +138,10 @@ def test_bad_fact_settings_are_named():
         FactConfig(teacher_tokens=3).check()
     with pytest.raises(CartridgeError, match="quote_sentences"):
         FactConfig(quote_sentences=0).check()
+    with pytest.raises(CartridgeError, match="answers"):
+        FactConfig(answers="model").check()
+    with pytest.raises(CartridgeError, match="answer_tokens"):
+        FactConfig(answer_tokens=0).check()
 
 
 def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, capsys):

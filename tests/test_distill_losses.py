@@ -60,3 +60,22 @@ def test_the_reported_kl_is_an_unbiased_estimate_of_the_reverse_kl(form):
     q = torch.log_softmax(STUDENT, -1)
     exact = float((q.exp() * (q - TEACHER)).sum())
     assert float(expected_grad(form, "kl")) == pytest.approx(exact, abs=1e-10)
+
+
+def test_hard_adds_the_cross_entropy_of_the_rows_own_tokens_where_the_student_did_not_sample_them():
+    """step_loss(hard=w): the loss is the KL form's plus w * -log q(own token), averaged over the targets, and a
+    token the student sampled itself gets no cross-entropy (it would reinforce the student's own guess)."""
+    from final.distill.losses import forward_topk_tail, step_loss
+
+    logq = torch.log_softmax(torch.tensor([[0.3, -0.2, 1.1, 0.0, -0.7, 0.4], [1.0, 0.2, -0.5, 0.1, 0.3, -1.2],
+                                           [0.0, 0.9, 0.2, -0.3, 0.6, 0.1]], dtype=torch.float64), -1)
+    tops = torch.tensor([[2, 0], [0, 4], [1, 2]])
+    own = torch.tensor([2, 3, 1])
+    sampled = torch.tensor([False, False, True])
+    t = Targets(tops, TEACHER[tops], own, TEACHER[own], sampled)
+    base = step_loss("forward_topk_tail", logq, t)
+    got = step_loss("forward_topk_tail", logq, t, hard=0.5)
+    ce = -(logq[0, 2] + logq[1, 3])  # the third token was sampled: none
+    assert float(got.loss) == pytest.approx(float(base.loss) + 0.5 * float(ce) / 3)
+    assert float(base.loss) == pytest.approx(float(forward_topk_tail(logq, t)[0].mean()))
+    assert got.forward_kl == base.forward_kl and got.tail_kl == base.tail_kl  # the reported KLs are the KL's

@@ -35,6 +35,10 @@ QUOTE = ("What does the document say about {cue}?", "Tell me about {cue}.", "Wha
 CLOZE = ('Fill in the blank from the document: "{blanked}"',
          'According to the document, what goes in the blank? "{blanked}"')
 KINDS = ("quote", "cloze", "ask")
+# a row's answer: the document's own words (verbatim: the sentence, the blanked cue), or the teacher's own greedy
+# answer to the question in its context (the path a free answer takes; measured on the long document's tune half:
+# 0.26 MC accuracy against the document's words' 0.32, as the 135M teacher's free answers carry its inventions)
+ANSWERS = ("document", "teacher")
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
@@ -63,12 +67,16 @@ class FactConfig:
     teacher_tokens: int | None = None  # None: the whole document is the teacher's system turn
     top_k: int = 20
     seed: int = 0
+    answers: str = "document"  # ANSWERS
+    answer_tokens: int = 64  # the most tokens of a teacher's answer
 
     def check(self) -> None:
         unknown = sorted(set(self.kinds) - set(KINDS))
         if unknown or not self.kinds:
             raise CartridgeError(f"unknown fact kinds {unknown}; choose from {list(KINDS)}", field="fact_kinds")
-        for key in ("quote_sentences", "cues", "top_k"):
+        if self.answers not in ANSWERS:
+            raise CartridgeError(f"unknown answers {self.answers!r}; choose from {list(ANSWERS)}", field="answers")
+        for key in ("quote_sentences", "cues", "top_k", "answer_tokens"):
             if getattr(self, key) < 1:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
         if self.cloze_context < 0:
@@ -210,12 +218,30 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
             for b in range(0, len(ids), batch):
                 part = ids[b:b + batch]
                 asked, answers = map(list, zip(*(prompt_ids(tok, prompts[i], end) for i in part)))
+                if cfg.answers == "teacher":
+                    answers = teacher_answers(ctx, [prompts[i] for i in part], end, cfg.answer_tokens)
                 for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
                     fp = prompts[i]
+                    said = fp.answer if cfg.answers == "document" else tok.decode(a, skip_special_tokens=True)
                     rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
-                                           fp.answer, _token_range(offsets, fp.span), 1)
+                                           said, _token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
+
+
+def teacher_answers(ctx: ChunkContext, fps: list[FactPrompt], end: int, tokens: int) -> list[list[int]]:
+    """The teacher's greedy answers to the rows' questions in its context, closed by `end` where it stopped (a
+    cut answer stays open): the words the model itself answers with when it reads the document, rather than the
+    document's sentence, which a question rarely asks for verbatim."""
+    out = ctx.generate([[{"role": "user", "content": fp.question}] for fp in fps], temperature=0.0,
+                       max_tokens=tokens)
+    answers = []
+    for row in out.rows():
+        got = list(row.output_ids)
+        while got and got[-1] == end:
+            got.pop()
+        answers.append(got + [end] if row.finish_reason == "stop" else got or [end])
+    return answers
 
 
 def prompt_ids(tok: Any, fp: FactPrompt, end: int) -> tuple[list[int], list[int]]:

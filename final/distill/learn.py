@@ -31,7 +31,7 @@ PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.
 
 
 def register_learn(sub: Any) -> None:
-    from final.distill.facts import DEFAULT_KINDS, KINDS
+    from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
     from final.distill.train import TrainConfig
     from final.distill.train_cli import _model_args
 
@@ -52,12 +52,19 @@ def register_learn(sub: Any) -> None:
                                                f"{','.join(DEFAULT_KINDS)})")
     p.add_argument("--cloze-context", type=int, default=0, metavar="N",
                    help="sentences before a cloze row's blanked one, quoted with it (default 0)")
+    p.add_argument("--answers", choices=ANSWERS, default="document",
+                   help="a row's answer: the document's own words (default) or the teacher's greedy answer")
+    p.add_argument("--answer-tokens", type=int, default=64, metavar="N",
+                   help="with --answers teacher: the most tokens of an answer (default 64)")
     p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
                    help="train F of the steps beside another cartridge (of a text the model writes), in front "
                         f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
     p.add_argument("--keep-partner", type=float, metavar="W",
                    help="at the steps beside a partner, also train at weight W that the partner's own questions are "
                         f"answered as with the partner alone (default {KEEP} beside partners; 0: not)")
+    p.add_argument("--hard", type=float, default=0.0, metavar="W",
+                   help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
+                        "(default 0)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -73,14 +80,15 @@ def _learn(args: argparse.Namespace) -> int:
 
     text = read_text(args.text)
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
-                       top_k=args.top_k, seed=args.seed)
+                       top_k=args.top_k, seed=args.seed, answers=args.answers,
+                       answer_tokens=args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=_keep(args))
+                        beside=args.beside, keep=_keep(args), hard=args.hard)
     train.check()
     data = args.out.with_name(args.out.name + ".facts.jsonl")
     made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,
-                 "facts": dataclasses.asdict(facts)}
+                 "facts": _recorded(facts)}
     partners = args.out.with_name(args.out.name + ".partners.json")
     t0 = time.perf_counter()
     if data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
@@ -93,6 +101,15 @@ def _learn(args: argparse.Namespace) -> int:
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
     return 0
+
+
+def _recorded(facts: Any) -> dict:
+    """The fact settings a rerun must match; the answers' settings only where they are not the document's words,
+    so that rows made before --answers existed still resume."""
+    out = dataclasses.asdict(facts)
+    if facts.answers == "document":
+        del out["answers"], out["answer_tokens"]
+    return out
 
 
 def _keep(args: argparse.Namespace) -> float:

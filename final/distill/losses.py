@@ -90,14 +90,18 @@ class StepLoss:
     keep_kl: float | None = None  # forward top-k KL on the partner's rows (Batch.keep), when the batch has them
 
 
-def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
+def step_loss(name: str, logq: torch.Tensor, t: Targets, hard: float = 0.0) -> StepLoss:
     """`name` on the student's own samples, a forward form everywhere else (forward_topk_tail if it is the name,
     else forward_topk: a reverse KL estimated on a token the student did not sample, e.g. a question the teacher
-    wrote or an off-policy answer, has no meaning)."""
+    wrote or an off-policy answer, has no meaning). `hard`: the weight of the cross-entropy of the row's own token
+    where the student did not sample it (a fact row's words are the document's, not the teacher's guess)."""
     loss, kl = forward_topk(logq, t)
     tail_loss, tail = forward_topk_tail(logq, t)  # once: the loss when it is the name, and the reported tail KL
     if name == "forward_topk_tail":
         loss = tail_loss
+    if hard:
+        own = -logq.gather(1, t.token_ids[:, None]).squeeze(1)
+        loss = loss + hard * torch.where(t.sampled, torch.zeros_like(own), own)
     reverse = None
     if bool(t.sampled.any()):
         if name not in ("forward_topk", "forward_topk_tail"):
@@ -106,12 +110,12 @@ def step_loss(name: str, logq: torch.Tensor, t: Targets) -> StepLoss:
     return StepLoss(loss.mean(), float(kl.mean()), float(tail.mean()), reverse, int(loss.numel()))
 
 
-def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk") -> StepLoss:
+def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk", hard: float = 0.0) -> StepLoss:
     """The step's loss over every target token of a batch (final.distill.train.Batch), with its KL figures: the
     student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
     keys, values = cache.full(batch.beside)
-    out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets)
+    out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets, hard)
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
         k = step_loss("forward_topk", student.log_probs(keys, values, kept.ids, kept.where), kept.targets)

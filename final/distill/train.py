@@ -46,13 +46,16 @@ class TrainConfig:
     beside: float = 0.0
     # the weight of keeping the partner's answers at those steps (final/distill/keep.py): 0 trains our rows only
     keep: float = 0.0
+    # the weight of the cross-entropy of each row's own tokens beside the KL to the teacher (losses.step_loss)
+    hard: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
         if not 0.0 <= self.beside <= 1.0:
             raise CartridgeError(f"must be in [0, 1], got {self.beside}", field="beside")
-        if not (0.0 <= self.keep and math.isfinite(self.keep)):
-            raise CartridgeError(f"must be a number >= 0, got {self.keep}", field="keep")
+        for key in ("keep", "hard"):
+            if not (0.0 <= getattr(self, key) and math.isfinite(getattr(self, key))):
+                raise CartridgeError(f"must be a number >= 0, got {getattr(self, key)}", field=key)
         if self.keep and not self.beside:
             raise CartridgeError("keeping a partner's answers needs steps beside a partner (beside > 0)",
                                  field="keep")
@@ -247,7 +250,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     rows' answers kept at weight cfg.keep."""
     from tqdm import tqdm
 
-    trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})})
+    trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})}, hard=cfg.hard)
     done = trainer.resume(cfg.steps)
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
@@ -286,9 +289,9 @@ def digest(ids: Sequence[int]) -> str:
 
 def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
-    checkpoints from before it existed still resume)."""
+    checkpoints from before it existed still resume, as are keep=0 and hard=0)."""
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep") and not v)}
+            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep", "hard") and not v)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:

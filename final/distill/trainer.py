@@ -29,8 +29,9 @@ def scheduled_lr(lr: float, schedule: str, step: int, steps: int) -> float:
 
 class Trainer:
     def __init__(self, student: Any, cache: Any, lr: float, ckpt: Path, key: dict, loss: str = "forward_topk",
-                 schedule: str = "constant", steps: int = 1):
+                 schedule: str = "constant", steps: int = 1, hard: float = 0.0):
         self.student, self.cache, self.ckpt, self.key, self.loss = student, cache, Path(ckpt), key, loss
+        self.hard = hard  # losses.step_loss: the weight of the rows' own tokens' cross-entropy
         self.lr, self.schedule, self.steps = lr, schedule, steps
         cache.to(student.device)
         self.opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=lr)
@@ -56,7 +57,7 @@ class Trainer:
         for group in self.opt.param_groups:  # set every step: a resumed optimizer's saved lr is not trusted
             group["lr"] = lr
         for _ in range(updates):
-            out = distill_loss(self.student, self.cache, batch, self.loss)
+            out = distill_loss(self.student, self.cache, batch, self.loss, self.hard)
             if not torch.isfinite(out.loss):
                 raise CartridgeError(f"loss is {out.loss.item()} at step {len(self.history) + 1}; lower --lr",
                                      field="lr")
