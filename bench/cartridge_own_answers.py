@@ -1,0 +1,90 @@
+"""One DAgger round over a document's fact questions: the cartridge's own greedy answers, scored by the teacher.
+
+    .venv/bin/python bench/cartridge_own_answers.py CART.pt --text doc.txt --out rows.jsonl [--teacher-tokens N]
+        [--answer-tokens 40]
+
+`learn` teaches a cartridge the document's words teacher-forced; answering freely it leaves that path
+(bench/cartridge_rows.py). Here each of `learn`'s questions (final/distill/facts.py, the default kinds and seed) is
+answered by the cartridge itself, greedily, and the teacher - the document as its system turn, or the N-token
+window around the row's sentence (`--teacher-tokens`, as `learn`'s) - scores every token of the answer, so a
+cartridge trained on the rows learns what the teacher would say where its own answers go wrong. Appends the rows
+to --out (ids from 100000, kind "<kind>-own"), to be trained beside `learn`'s rows with `final cartridge train`
+(bench/RESULTS.md, issue 42's long document). Contacts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def own_answers(inference, cart: Path, questions: list[str], tokens: int, end: int) -> list[list[int]]:
+    """The cartridge's greedy answers, closed by `end` where it stopped."""
+    cid = inference.load_cartridge("own-answers", path=str(cart))
+    try:
+        got = inference.generate([[{"role": "user", "content": q}] for q in questions], cartridge=[cid],
+                                 temperature=0.0, max_tokens=tokens)
+    finally:
+        inference.unload_cartridge(cid)
+    out = []
+    for row in got.rows():
+        said = [t for t in row.output_ids if t != end]
+        out.append(said + [end] if row.finish_reason == "stop" else said or [end])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("cartridge", type=Path)
+    p.add_argument("--text", type=Path, required=True, help="the document the cartridge stands for")
+    p.add_argument("--out", type=Path, required=True, help="rows appended here (JSONL)")
+    p.add_argument("--teacher-tokens", type=int, metavar="N", help="the teacher's window (default: whole document)")
+    p.add_argument("--answer-tokens", type=int, default=40)
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    from final.distill.convs import Conversation, append
+    from final.distill.facts import (FactConfig, end_of_turn, fact_prompts, prompt_ids, teacher_window,
+                                     token_offsets)
+    from final.distill.synth import ChunkContext, teacher_system
+    from final.inf import local_engine
+
+    text = args.text.read_text()
+    prompts = fact_prompts(text, FactConfig(teacher_tokens=args.teacher_tokens))
+    inference = local_engine(args.model, dtype="float32")
+    t0 = time.perf_counter()
+    try:
+        tok = inference.tokenizer
+        end, offsets = end_of_turn(tok), token_offsets(tok, text)
+        answers = own_answers(inference, args.cartridge, [fp.question for fp in prompts], args.answer_tokens, end)
+        groups: dict[str, list[int]] = {}
+        for i, fp in enumerate(prompts):
+            system = (teacher_window(tok, text, fp.span, args.teacher_tokens, offsets) if args.teacher_tokens
+                      else teacher_system(text))
+            groups.setdefault(system, []).append(i)
+        rows = []
+        for g, (system, ids) in enumerate(groups.items()):
+            with ChunkContext(inference, system, f"__own-{g}") as ctx:
+                for b in range(0, len(ids), 16):
+                    part = ids[b:b + 16]
+                    asked = [prompt_ids(tok, prompts[i], end)[0] for i in part]
+                    said = [answers[i] for i in part]
+                    for i, q, a, (tops, _) in zip(part, asked, said, ctx.teacher_scores(asked, said, 20)):
+                        rows.append(Conversation(100000 + i, q, a, [[t for t, _ in top] for top in tops],
+                                                 [[lp for _, lp in top] for top in tops], prompts[i].kind + "-own",
+                                                 prompts[i].question, tok.decode(a, skip_special_tokens=True),
+                                                 target_start=1))
+        append(args.out, rows)
+    finally:
+        inference.shutdown()
+    print(f"wrote {len(rows)} rows of the cartridge's own answers to {args.out} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
