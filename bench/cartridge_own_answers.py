@@ -24,18 +24,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def own_answers(inference, cart: Path, questions: list[str], tokens: int, end: int) -> list[list[int]]:
-    """The cartridge's greedy answers, closed by `end` where it stopped."""
+    """The cartridge's greedy answers, closed by `end` where it stopped (facts.closed_answer)."""
+    from final.distill.facts import closed_answer
+
     cid = inference.load_cartridge("own-answers", path=str(cart))
     try:
         got = inference.generate([[{"role": "user", "content": q}] for q in questions], cartridge=[cid],
                                  temperature=0.0, max_tokens=tokens)
     finally:
         inference.unload_cartridge(cid)
-    out = []
-    for row in got.rows():
-        said = [t for t in row.output_ids if t != end]
-        out.append(said + [end] if row.finish_reason == "stop" else said or [end])
-    return out
+    return [closed_answer(row, end) for row in got.rows()]
 
 
 def main(argv: list[str] | None = None) -> int:

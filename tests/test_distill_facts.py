@@ -165,6 +165,12 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
     assert "facts differ" in capsys.readouterr().err
     assert main(args + ["--cloze-context", "1"]) != 0  # the flag reaches the rows' settings
     assert "facts differ" in capsys.readouterr().err
+    assert main(args + ["--answers", "teacher"]) != 0  # so does --answers
+    assert "facts differ" in capsys.readouterr().err
+    assert main(args + ["--answer-tokens", "8"]) != 0  # a length for answers the document gives: refused, named
+    assert "answer_tokens" in capsys.readouterr().err
+    assert main(args + ["--hard", "-1"]) != 0
+    assert "hard" in capsys.readouterr().err
     (tmp_path / "doc.txt").write_text(DOC + " A new sentence.")
     assert main(args) != 0
     assert "text_sha256 differ" in capsys.readouterr().err

@@ -235,13 +235,16 @@ def teacher_answers(ctx: ChunkContext, fps: list[FactPrompt], end: int, tokens: 
     document's sentence, which a question rarely asks for verbatim."""
     out = ctx.generate([[{"role": "user", "content": fp.question}] for fp in fps], temperature=0.0,
                        max_tokens=tokens)
-    answers = []
-    for row in out.rows():
-        got = list(row.output_ids)
-        while got and got[-1] == end:
-            got.pop()
-        answers.append(got + [end] if row.finish_reason == "stop" else got or [end])
-    return answers
+    return [closed_answer(row, end) for row in out.rows()]
+
+
+def closed_answer(row: Any, end: int) -> list[int]:
+    """A generated row (final.outputs.Completion) as a row's answer ids: closed by one `end` where it stopped, as
+    prompt_ids closes the document's answers; a row cut at its token budget stays open (never empty)."""
+    got = list(row.output_ids)
+    while got and got[-1] == end:
+        got.pop()
+    return got + [end] if row.finish_reason == "stop" else got or [end]
 
 
 def prompt_ids(tok: Any, fp: FactPrompt, end: int) -> tuple[list[int], list[int]]:

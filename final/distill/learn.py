@@ -54,7 +54,7 @@ def register_learn(sub: Any) -> None:
                    help="sentences before a cloze row's blanked one, quoted with it (default 0)")
     p.add_argument("--answers", choices=ANSWERS, default="document",
                    help="a row's answer: the document's own words (default) or the teacher's greedy answer")
-    p.add_argument("--answer-tokens", type=int, default=64, metavar="N",
+    p.add_argument("--answer-tokens", type=int, metavar="N",
                    help="with --answers teacher: the most tokens of an answer (default 64)")
     p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
                    help="train F of the steps beside another cartridge (of a text the model writes), in front "
@@ -77,11 +77,15 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
     from final.distill.train_cli import read_text
+    from final.errors import CartridgeError
 
     text = read_text(args.text)
+    if args.answer_tokens is not None and args.answers != "teacher":
+        raise CartridgeError("--answer-tokens sets the length of the teacher's answers: it needs --answers teacher",
+                             field="answer_tokens")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
-                       answer_tokens=args.answer_tokens)
+                       **({"answer_tokens": args.answer_tokens} if args.answer_tokens is not None else {}))
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), hard=args.hard)
