@@ -45,37 +45,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-tokens", type=int, default=40)
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = p.parse_args(argv)
-    from final.distill.convs import Conversation, append
-    from final.distill.facts import (FactConfig, end_of_turn, fact_prompts, prompt_ids, teacher_window,
-                                     token_offsets)
-    from final.distill.synth import ChunkContext, teacher_system
+    from final.distill.convs import append
+    from final.distill.facts import FactConfig, end_of_turn, fact_prompts, fact_rows
     from final.inf import local_engine
 
     text = args.text.read_text()
-    prompts = fact_prompts(text, FactConfig(teacher_tokens=args.teacher_tokens))
+    cfg = FactConfig(teacher_tokens=args.teacher_tokens)
     inference = local_engine(args.model, dtype="float32")
     t0 = time.perf_counter()
     try:
-        tok = inference.tokenizer
-        end, offsets = end_of_turn(tok), token_offsets(tok, text)
-        answers = own_answers(inference, args.cartridge, [fp.question for fp in prompts], args.answer_tokens, end)
-        groups: dict[str, list[int]] = {}
-        for i, fp in enumerate(prompts):
-            system = (teacher_window(tok, text, fp.span, args.teacher_tokens, offsets) if args.teacher_tokens
-                      else teacher_system(text))
-            groups.setdefault(system, []).append(i)
-        rows = []
-        for g, (system, ids) in enumerate(groups.items()):
-            with ChunkContext(inference, system, f"__own-{g}") as ctx:
-                for b in range(0, len(ids), 16):
-                    part = ids[b:b + 16]
-                    asked = [prompt_ids(tok, prompts[i], end)[0] for i in part]
-                    said = [answers[i] for i in part]
-                    for i, q, a, (tops, _) in zip(part, asked, said, ctx.teacher_scores(asked, said, 20)):
-                        rows.append(Conversation(100000 + i, q, a, [[t for t, _ in top] for top in tops],
-                                                 [[lp for _, lp in top] for top in tops], prompts[i].kind + "-own",
-                                                 prompts[i].question, tok.decode(a, skip_special_tokens=True),
-                                                 target_start=1))
+        questions = [fp.question for fp in fact_prompts(text, cfg)]
+        answers = own_answers(inference, args.cartridge, questions, args.answer_tokens,
+                              end_of_turn(inference.tokenizer))
+        rows = fact_rows(inference, text, cfg, given=answers)
+        for row in rows:  # told apart from learn's rows beside them
+            row.id, row.seed_type = row.id + 100000, row.seed_type + "-own"
         append(args.out, rows)
     finally:
         inference.shutdown()

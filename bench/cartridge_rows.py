@@ -5,8 +5,9 @@
 A cartridge can fit its rows' KL closely and still answer users' questions no better (bench/RESULTS.md, issue 42's
 long document): this tells the two apart on a random sample of the rows it was trained on (`learn` writes them
 beside the cartridge as OUT.facts.jsonl). Per kind (quote, cloze, ask):
-  - teacher-forced, over the answer tokens: KL(teacher's top-k || cartridge), how often the cartridge's most likely
-    token is the row's own token, and how often the teacher's is (the ceiling); KL over the question tokens too;
+  - teacher-forced, over the answer tokens: the KL to the teacher (its top-k and one bucket for the rest, as
+    training reports it), how often the cartridge's most likely token is the row's own token, and how often the
+    teacher's is (the ceiling); the KL over the question tokens too;
   - free: the cartridge's greedy answer (40 tokens) to the row's question, counted right where it names a fact of
     the row's answer: for a quote row one of the names or numbers of its sentences that the question does not name,
     for a cloze / ask row the cue. `--teacher-rows` (rows of the same document made with `learn --answers
@@ -30,27 +31,29 @@ sys.path.insert(0, str(ROOT))
 
 
 def forced(inference, cid: str, rows: list[dict]) -> dict:
-    """Per kind: question KL, answer KL, the cartridge's and the teacher's top-1 agreement with the row's tokens."""
+    """Per kind: question KL, answer KL (losses.forward_topk_tail, the KL training reports), the cartridge's and
+    the teacher's top-1 agreement with the row's tokens."""
+    from final.distill.losses import Targets, forward_topk_tail
+
     engine = inference.engine
     prefix = engine.prefixes.get((cid,))
     out: dict = {}
     for r in rows:
         ids = r["prompt_ids"] + r["answer_ids"]
         logits, _ = engine.call(lambda runner, ids=ids: runner.forward_full(ids, prefix))
-        logq = torch.log_softmax(logits.float(), -1)
         first = len(ids) - len(r["top_ids"])  # the first target token (the rows' targets run to the end)
+        logq = torch.log_softmax(logits[first - 1:len(ids) - 1].float(), -1)  # the positions predicting them
+        n = len(r["top_ids"])
+        own = torch.tensor(ids[first:])
+        t = Targets(torch.tensor(r["top_ids"]), torch.tensor(r["top_logprobs"]), own, torch.zeros(n),
+                    torch.zeros(n, dtype=torch.bool))
+        kl = forward_topk_tail(logq, t)[1]
+        answer = torch.arange(first, len(ids)) >= len(r["prompt_ids"])
         s = out.setdefault(r["seed_type"], {"q_kl": [], "a_kl": [], "top1": [], "teacher_top1": []})
-        for j, (top, lps) in enumerate(zip(r["top_ids"], r["top_logprobs"])):
-            at = first + j
-            p = torch.tensor(lps).exp()
-            p = p / p.sum()  # the teacher's top-k, renormalised: the KL over what the row keeps of it
-            kl = float((p * (p.log() - logq[at - 1][torch.tensor(top)])).sum())
-            if at < len(r["prompt_ids"]):
-                s["q_kl"].append(kl)
-                continue
-            s["a_kl"].append(kl)
-            s["top1"].append(int(logq[at - 1].argmax()) == ids[at])
-            s["teacher_top1"].append(top[0] == ids[at])
+        s["q_kl"] += kl[~answer].tolist()
+        s["a_kl"] += kl[answer].tolist()
+        s["top1"] += (logq.argmax(-1) == own)[answer].tolist()
+        s["teacher_top1"] += (t.top_ids[:, 0] == own)[answer].tolist()
     return out
 
 

@@ -131,6 +131,21 @@ def test_teacher_answers_are_the_teachers_own_greedy_answers_in_its_window(infer
         assert [[t for t, _ in top] for top in tops] == row.top_ids
 
 
+def test_given_answers_are_scored_by_the_teacher_in_place_of_the_documents(inference):
+    """fact_rows(given=...): answers made elsewhere (bench/cartridge_own_answers.py: a cartridge's own), one per
+    prompt in order, are the rows' answers, scored by the same teacher; a count that does not match is refused."""
+    from final.distill.facts import end_of_turn
+
+    cfg = FactConfig(kinds=("cloze",), top_k=4)
+    tok, end = inference.tokenizer, end_of_turn(inference.tokenizer)
+    given = [tok(f"Answer {i}", add_special_tokens=False).input_ids + [end] for i in range(len(fact_prompts(DOC, cfg)))]
+    rows = fact_rows(inference, DOC, cfg, given=given)
+    assert [r.answer_ids for r in rows] == given and rows[1].answer == "Answer 1"
+    assert all(len(r.top_ids) == len(r.prompt_ids) + len(r.answer_ids) - 1 for r in rows)
+    with pytest.raises(CartridgeError, match="given"):
+        fact_rows(inference, DOC, cfg, given=given[1:])
+
+
 def test_bad_fact_settings_are_named():
     with pytest.raises(CartridgeError, match="fact_kinds"):
         FactConfig(kinds=("quiz",)).check()

@@ -23,7 +23,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from final.distill.convs import Conversation, append
 from final.distill.synth import ChunkContext, teacher_system
@@ -196,14 +196,18 @@ def _token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple
     return first, last
 
 
-def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> list[Conversation]:
+def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16,
+              given: Sequence[list[int]] | None = None) -> list[Conversation]:
     """The fact prompts scored by the teacher: every token after the system turn gets its top-k (as synth's rows
     with supervise="all": the question's names are targets too). The answer ends with the end-of-turn token, so
-    the cartridge also learns where an answer stops."""
+    the cartridge also learns where an answer stops. `given`: answers made elsewhere, one per fact_prompts(text,
+    cfg) row in its order (a cartridge's own: bench/cartridge_own_answers.py), scored instead of cfg.answers'."""
     cfg.check()
     prompts = fact_prompts(text, cfg)
     if not prompts:
         raise CartridgeError("the document has no sentences to ask about", field="text")
+    if given is not None and len(given) != len(prompts):
+        raise CartridgeError(f"{len(given)} answers given for {len(prompts)} fact prompts", field="given")
     tok = inference.tokenizer
     offsets = token_offsets(tok, text)
     end = end_of_turn(tok)
@@ -218,11 +222,14 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16) -> li
             for b in range(0, len(ids), batch):
                 part = ids[b:b + batch]
                 asked, answers = map(list, zip(*(prompt_ids(tok, prompts[i], end) for i in part)))
-                if cfg.answers == "teacher":
+                if given is not None:
+                    answers = [given[i] for i in part]
+                elif cfg.answers == "teacher":
                     answers = teacher_answers(ctx, [prompts[i] for i in part], end, cfg.answer_tokens)
                 for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
                     fp = prompts[i]
-                    said = fp.answer if cfg.answers == "document" else tok.decode(a, skip_special_tokens=True)
+                    said = (fp.answer if given is None and cfg.answers == "document"
+                            else tok.decode(a, skip_special_tokens=True))
                     rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
                                            said, _token_range(offsets, fp.span), 1)

@@ -85,7 +85,7 @@ def _learn(args: argparse.Namespace) -> int:
                              field="answer_tokens")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
-                       **({"answer_tokens": args.answer_tokens} if args.answer_tokens is not None else {}))
+                       answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), hard=args.hard)
