@@ -182,13 +182,13 @@ def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int
     document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same).
     `offsets`: token_offsets(tokenizer, text), for callers asking many windows of one document."""
     offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
-    first, last = _token_range(offsets, span)
+    first, last = token_range(offsets, span)
     lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
     hi = max(last, min(len(offsets), lo + tokens))
     return text[offsets[lo][0]:offsets[hi - 1][1]]
 
 
-def _token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:
+def token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:
     """The tokens [first, last) that overlap the character span."""
     start, end = span
     first = next(i for i, (_, b) in enumerate(offsets) if b > start)
@@ -232,7 +232,7 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16,
                             else tok.decode(a, skip_special_tokens=True))
                     rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
                                            [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
-                                           said, _token_range(offsets, fp.span), 1)
+                                           said, token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
 
 

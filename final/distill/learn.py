@@ -32,6 +32,7 @@ PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.
 
 def register_learn(sub: Any) -> None:
     from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
+    from final.distill.live import LiveConfig
     from final.distill.train import TrainConfig
     from final.distill.train_cli import _model_args
 
@@ -65,6 +66,13 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--hard", type=float, default=0.0, metavar="W",
                    help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
                         "(default 0)")
+    p.add_argument("--on-policy", type=float, default=0.0, metavar="F",
+                   help="F of each step's rows are fact questions the cartridge being trained answers itself, scored "
+                        "by the row's teacher (final/distill/live.py; default 0: the fact rows only)")
+    p.add_argument("--sample-temperature", type=float, metavar="T",
+                   help=f"with --on-policy: the cartridge's sampling temperature (default {LiveConfig.temperature})")
+    p.add_argument("--sample-tokens", type=int, metavar="N",
+                   help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -76,7 +84,7 @@ def register_learn(sub: Any) -> None:
 def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
-    from final.distill.train_cli import read_text
+    from final.distill.train_cli import open_engine, read_text
     from final.errors import CartridgeError
 
     text = read_text(args.text)
@@ -88,8 +96,9 @@ def _learn(args: argparse.Namespace) -> int:
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=_keep(args), hard=args.hard)
+                        beside=args.beside, keep=_keep(args), hard=args.hard, on_policy=args.on_policy)
     train.check()
+    live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")
     made_with = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": args.model,
                  "facts": _recorded(facts)}
@@ -97,10 +106,25 @@ def _learn(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if data.is_file():  # a rerun (a resumed training) keeps the rows its checkpoint was trained on...
         _check_made_with(data, made_with)  # ...if they were made from this document with these settings
-    _write_inputs(args, text, facts, made_with, data, partners if train.beside else None)
-    texts = json.loads(partners.read_text()) if train.beside else []
-    summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device, dtype=args.dtype,
-                              source_document=str(args.text), progress=not args.quiet, partners=texts)
+    need_partners = train.beside and not partners.is_file()
+    # the engine writes what is missing and, for on-policy rows, samples and scores through the training
+    inference = open_engine(args)[0] if not data.is_file() or need_partners or train.on_policy else None
+    source = None
+    try:
+        _write_inputs(inference, text, facts, made_with, data, partners if need_partners else None, args.tokens)
+        texts = json.loads(partners.read_text()) if train.beside else []
+        if train.on_policy:
+            from final.distill.live import LiveFacts
+
+            source = LiveFacts(inference, text, facts, live)
+        summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
+                                  dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
+                                  partners=texts, live=source)
+    finally:
+        if source is not None:
+            source.close()
+        if inference is not None:
+            inference.shutdown()
     print(f"wrote {summary['out']} ({summary['tokens']} tokens): KL {summary['first_kl']:.4f} -> "
           f"{summary['last_kl']:.4f} over {summary['steps']} steps on {summary['conversations']} rows "
           f"({(time.perf_counter() - t0) / 60:.1f} min in all)")
@@ -116,6 +140,22 @@ def _recorded(facts: Any) -> dict:
     return out
 
 
+def _live_config(args: argparse.Namespace) -> Any:
+    """The on-policy rows' sampling settings; either flag without --on-policy is refused, naming it."""
+    from final.distill.live import LiveConfig
+    from final.errors import CartridgeError
+
+    given = {"sample_temperature": args.sample_temperature, "sample_tokens": args.sample_tokens}
+    for key, value in given.items():
+        if value is not None and not args.on_policy:
+            raise CartridgeError(f"--{key.replace('_', '-')} sets how on-policy rows are sampled: it needs "
+                                 "--on-policy", field=key)
+    live = LiveConfig(**{k: v for k, v in (("temperature", args.sample_temperature),
+                                            ("answer_tokens", args.sample_tokens)) if v is not None})
+    live.check()
+    return live
+
+
 def _keep(args: argparse.Namespace) -> float:
     """--keep-partner as given (refused by TrainConfig.check with --beside 0), else KEEP beside partners."""
     if args.keep_partner is not None:
@@ -123,31 +163,23 @@ def _keep(args: argparse.Namespace) -> float:
     return KEEP if args.beside else 0.0
 
 
-def _write_inputs(args: argparse.Namespace, text: str, facts: Any, made_with: dict, data: Path,
-                  partners: Path | None) -> None:
-    """What the training reads and a rerun keeps: the fact rows (with the settings they were made with) and, when
-    training beside partners, the partner texts. Written once; the engine opens only if one is missing."""
+def _write_inputs(inference: Any, text: str, facts: Any, made_with: dict, data: Path, partners: Path | None,
+                  tokens: int) -> None:
+    """What the training reads and a rerun keeps, where missing: the fact rows (with the settings they were made
+    with) and, when `partners` is given, the partner texts."""
     from final.distill.facts import write_fact_rows
     from final.distill.partners import partner_texts
-    from final.distill.train_cli import open_engine
 
-    need_partners = partners is not None and not partners.is_file()
-    if data.is_file() and not need_partners:
-        return
     t0 = time.perf_counter()
-    inference = open_engine(args)[0]
-    try:
-        if not data.is_file():
-            tmp = data.with_name(data.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            rows = write_fact_rows(inference, text, tmp, facts)
-            _meta(data).write_text(json.dumps(made_with, indent=2))
-            tmp.replace(data)
-            print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
-        if need_partners:
-            partners.write_text(json.dumps(partner_texts(inference, PARTNERS, args.tokens), indent=2))
-    finally:
-        inference.shutdown()
+    if not data.is_file():
+        tmp = data.with_name(data.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        rows = write_fact_rows(inference, text, tmp, facts)
+        _meta(data).write_text(json.dumps(made_with, indent=2))
+        tmp.replace(data)
+        print(f"wrote {rows} fact rows to {data} ({time.perf_counter() - t0:.0f} s)")
+    if partners is not None:
+        partners.write_text(json.dumps(partner_texts(inference, PARTNERS, tokens), indent=2))
 
 
 def _meta(data: Path) -> Path:

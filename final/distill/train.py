@@ -48,11 +48,15 @@ class TrainConfig:
     keep: float = 0.0
     # the weight of the cross-entropy of each row's own tokens beside the KL to the teacher (losses.step_loss)
     hard: float = 0.0
+    # the share of each step's rows answered by the cartridge being trained, scored by the teacher then
+    # (final/distill/live.py: on-policy rows; train() needs a `live` source for them)
+    on_policy: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
-        if not 0.0 <= self.beside <= 1.0:
-            raise CartridgeError(f"must be in [0, 1], got {self.beside}", field="beside")
+        for key in ("beside", "on_policy"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise CartridgeError(f"must be in [0, 1], got {getattr(self, key)}", field=key)
         for key in ("keep", "hard"):
             if not (0.0 <= getattr(self, key) and math.isfinite(getattr(self, key))):
                 raise CartridgeError(f"must be a number >= 0, got {getattr(self, key)}", field=key)
@@ -242,30 +246,44 @@ def checkpoint_path(out: str | Path) -> Path:
 
 def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
           ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
-          identity: dict | None = None, partners: Sequence[Any] = ()) -> list[dict]:
+          identity: dict | None = None, partners: Sequence[Any] = (), live: Any = None) -> list[dict]:
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
     every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
     included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must.
     `partners`: frozen cartridges (Partner), one served beside the trained one on cfg.beside of the steps, its
-    rows' answers kept at weight cfg.keep."""
+    rows' answers kept at weight cfg.keep. `live` (final.distill.live.LiveFacts): the source of the cfg.on_policy
+    share of each step's rows, answered by the cache as it is at that step."""
     from tqdm import tqdm
 
+    fresh = live_rows(cfg)
+    if fresh and live is None:
+        raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
     trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})}, hard=cfg.hard)
     done = trainer.resume(cfg.steps)
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
     for step in bar:
-        rows = [convs[i] for i in batch_order(len(convs), cfg.batch, step, cfg.seed)]
+        rows = [convs[i] for i in batch_order(len(convs), cfg.batch - fresh, step, cfg.seed)] if fresh < cfg.batch \
+            else []
+        info: dict = {}
+        if fresh:
+            sampled, info = live.rows(step, fresh, cache)
+            rows += sampled
         batch = make_batch(rows, pad_id, student.device)
         partner = partner_for(step, cfg, partners)
         if partner is not None:
             _beside(batch, *partner, step, cfg, pad_id, student.device)
-        rec = trainer.step(batch, beside=partner and ("front" if partner[1] else "behind"))
+        rec = trainer.step(batch, beside=partner and ("front" if partner[1] else "behind"), **info)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             trainer.save()
     return trainer.history
+
+
+def live_rows(cfg: TrainConfig) -> int:
+    """How many of a step's rows are on-policy: at least one when asked for at all."""
+    return max(1, round(cfg.batch * cfg.on_policy)) if cfg.on_policy else 0
 
 
 def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainConfig, pad_id: int,
@@ -289,9 +307,9 @@ def digest(ids: Sequence[int]) -> str:
 
 def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
-    checkpoints from before it existed still resume, as are keep=0 and hard=0)."""
+    checkpoints from before it existed still resume, as are keep=0, hard=0 and on_policy=0)."""
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep", "hard") and not v)}
+            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep", "hard", "on_policy") and not v)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
@@ -323,11 +341,13 @@ def _init_ids(tok, convs: Sequence[Conversation], tokens: int, text: str | None,
 def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str | None = None,
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
-                    source_document: str | None = None, progress: bool = True, partners: Sequence[str] = ()) -> dict:
+                    source_document: str | None = None, progress: bool = True, partners: Sequence[str] = (),
+                    live: Any = None) -> dict:
     """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
     conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
-    `partners`: texts whose first P tokens, as cartridges, are served beside this one on cfg.beside of the steps."""
+    `partners`: texts whose first P tokens, as cartridges, are served beside this one on cfg.beside of the steps.
+    `live`: the source of on-policy rows (final.distill.live.LiveFacts), when cfg.on_policy > 0."""
     from transformers import AutoTokenizer
 
     from final.distill.convs import read_conversations
@@ -357,12 +377,13 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep else ()
             for t, kv in zip(partners, kvs)]
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
-                   partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)])
+                   partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live)
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
     labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
               "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
               **({"keep": str(cfg.keep)} if cfg.keep else {}),
+              **({"on_policy": str(cfg.on_policy)} if cfg.on_policy else {}),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
                                           source_document=source_document, labels=labels,
