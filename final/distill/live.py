@@ -80,7 +80,7 @@ class LiveFacts:
         t1 = time.perf_counter()
         rows = self._scored(answers)
         info = {"rollout_s": t1 - t0, "teacher_s": time.perf_counter() - t1,
-                "samples": [self.inference.tokenizer.decode(answers[i], skip_special_tokens=True) for i in picked]}
+                "samples": [rows[i].answer for i in picked]}
         return [rows[i] for i in picked], info
 
     def _scored(self, answers: dict[int, list[int]]) -> dict[int, Conversation]:
@@ -94,13 +94,12 @@ class LiveFacts:
             with ChunkContext(self.inference, system, f"__live-teacher-{g}") as ctx:
                 scored = ctx.teacher_scores([self.asked[i] for i in ids], [answers[i] for i in ids], self.facts.top_k)
             for i, (tops, lps) in zip(ids, scored):
-                start = len(self.asked[i])
-                fp = self.prompts[i]
-                rows[i] = Conversation(i, self.asked[i], answers[i], [[t for t, _ in top] for top in tops[start - 1:]],
-                                       [[lp for _, lp in top] for top in tops[start - 1:]], f"live-{fp.kind}",
-                                       fp.question, self.inference.tokenizer.decode(answers[i],
-                                                                                    skip_special_tokens=True),
-                                       self.spans[i], start, None, True, lps[start - 1:])
+                start, fp = len(self.asked[i]), self.prompts[i]
+                rows[i] = Conversation(
+                    i, self.asked[i], answers[i], top_ids=[[t for t, _ in top] for top in tops[start - 1:]],
+                    top_logprobs=[[lp for _, lp in top] for top in tops[start - 1:]], seed_type=f"live-{fp.kind}",
+                    question=fp.question, answer=self.inference.tokenizer.decode(answers[i], skip_special_tokens=True),
+                    chunk=self.spans[i], target_start=start, sampled=True, token_logprobs=lps[start - 1:])
         return rows
 
     def close(self) -> None:
