@@ -111,3 +111,8 @@ def test_cli_learn_on_policy_trains_and_its_flags_are_checked(tmp_path, capsys):
     # a checkpoint trained with on-policy rows is not resumed as a run without them
     assert main(args + ["--steps", "3"]) != 0
     assert "on_policy" in capsys.readouterr().err
+    # nor with its answers sampled otherwise
+    more = args + ["--steps", "3", "--on-policy", "0.5", "--sample-temperature", "0.7", "--sample-tokens"]
+    assert main(more + ["5"]) != 0
+    assert "live" in capsys.readouterr().err
+    assert main(more + ["4"]) == 0  # the same settings resume

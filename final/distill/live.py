@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from final.distill.convs import Conversation
@@ -62,6 +62,10 @@ class LiveFacts:
                         else whole for fp in self.prompts]
         self.asked = [prompt_ids(tok, fp, self.end)[0] for fp in self.prompts]
         self.spans = [token_range(offsets, fp.span) for fp in self.prompts]
+
+    def key(self) -> dict:
+        """How the rows are sampled: a checkpoint resumes only with the same (train()'s resume key)."""
+        return asdict(self.live)
 
     def pick(self, step: int, count: int) -> list[int]:
         """The step's questions: seeded by (seed, step), so a resumed run asks the same ones."""

@@ -258,7 +258,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     fresh = live_rows(cfg)
     if fresh and live is None:
         raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
-    trainer = Trainer(student, cache, cfg.lr, ckpt, {**_resume_key(cfg), **(identity or {})}, hard=cfg.hard)
+    key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
+    trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard)
     done = trainer.resume(cfg.steps)
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
