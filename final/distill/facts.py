@@ -23,7 +23,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from final.distill.convs import Conversation, append
 from final.distill.synth import ChunkContext, teacher_system
@@ -211,29 +211,43 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16,
     tok = inference.tokenizer
     offsets = token_offsets(tok, text)
     end = end_of_turn(tok)
-    groups: dict[str, list[int]] = {}  # the teacher's system turn -> the rows it scores
-    for i, fp in enumerate(prompts):
-        system = (teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets) if cfg.teacher_tokens
-                  else teacher_system(text))
-        groups.setdefault(system, []).append(i)
     rows: list[Conversation | None] = [None] * len(prompts)
-    for g, (system, ids) in enumerate(groups.items()):
-        with ChunkContext(inference, system, f"__facts-{cfg.seed}-{g}") as ctx:
-            for b in range(0, len(ids), batch):
-                part = ids[b:b + batch]
-                asked, answers = map(list, zip(*(prompt_ids(tok, prompts[i], end) for i in part)))
-                if given is not None:
-                    answers = [given[i] for i in part]
-                elif cfg.answers == "teacher":
-                    answers = teacher_answers(ctx, [prompts[i] for i in part], end, cfg.answer_tokens)
-                for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
-                    fp = prompts[i]
-                    said = (fp.answer if given is None and cfg.answers == "document"
-                            else tok.decode(a, skip_special_tokens=True))
-                    rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
-                                           [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
-                                           said, token_range(offsets, fp.span), 1)
+    for ctx, ids in by_teacher(inference, teacher_systems(tok, text, prompts, cfg, offsets), f"__facts-{cfg.seed}"):
+        for b in range(0, len(ids), batch):
+            part = ids[b:b + batch]
+            asked, answers = map(list, zip(*(prompt_ids(tok, prompts[i], end) for i in part)))
+            if given is not None:
+                answers = [given[i] for i in part]
+            elif cfg.answers == "teacher":
+                answers = teacher_answers(ctx, [prompts[i] for i in part], end, cfg.answer_tokens)
+            for i, q, a, (tops, _) in zip(part, asked, answers, ctx.teacher_scores(asked, answers, cfg.top_k)):
+                fp = prompts[i]
+                said = (fp.answer if given is None and cfg.answers == "document"
+                        else tok.decode(a, skip_special_tokens=True))
+                rows[i] = Conversation(i, q, a, [[t for t, _ in top] for top in tops],
+                                       [[lp for _, lp in top] for top in tops], fp.kind, fp.question,
+                                       said, token_range(offsets, fp.span), 1)
     return [r for r in rows if r is not None]
+
+
+def teacher_systems(tok: Any, text: str, prompts: Sequence[FactPrompt], cfg: FactConfig,
+                    offsets: list[tuple[int, int]]) -> list[str]:
+    """Each fact prompt's teacher, as its system turn: the whole document, or the cfg.teacher_tokens window of it
+    around the prompt's sentence (offsets: token_offsets(tok, text))."""
+    if not cfg.teacher_tokens:
+        return [teacher_system(text)] * len(prompts)
+    return [teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets) for fp in prompts]
+
+
+def by_teacher(inference: Any, systems: Sequence[str], tag: str) -> Iterator[tuple[ChunkContext, list[int]]]:
+    """(the teacher's context, the indices it serves) per distinct system turn of `systems`, in first-seen order:
+    rows sharing a teacher share one prefill, and each context is closed before the next opens."""
+    groups: dict[str, list[int]] = {}
+    for i, system in enumerate(systems):
+        groups.setdefault(system, []).append(i)
+    for g, (system, ids) in enumerate(groups.items()):
+        with ChunkContext(inference, system, f"{tag}-{g}") as ctx:
+            yield ctx, ids
 
 
 def teacher_answers(ctx: ChunkContext, fps: list[FactPrompt], end: int, tokens: int) -> list[list[int]]:

@@ -85,12 +85,10 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
     from final.distill.train_cli import open_engine, read_text
-    from final.errors import CartridgeError
 
     text = read_text(args.text)
-    if args.answer_tokens is not None and args.answers != "teacher":
-        raise CartridgeError("--answer-tokens sets the length of the teacher's answers: it needs --answers teacher",
-                             field="answer_tokens")
+    _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
+    _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
@@ -140,18 +138,22 @@ def _recorded(facts: Any) -> dict:
     return out
 
 
-def _live_config(args: argparse.Namespace) -> Any:
-    """The on-policy rows' sampling settings; either flag without --on-policy is refused, naming it."""
-    from final.distill.live import LiveConfig
+def _only_with(args: argparse.Namespace, keys: tuple[str, ...], used: bool, needs: str) -> None:
+    """A flag that sets something only another flag uses is refused without it, naming the flag (not ignored)."""
     from final.errors import CartridgeError
 
-    given = {"sample_temperature": args.sample_temperature, "sample_tokens": args.sample_tokens}
-    for key, value in given.items():
-        if value is not None and not args.on_policy:
-            raise CartridgeError(f"--{key.replace('_', '-')} sets how on-policy rows are sampled: it needs "
-                                 "--on-policy", field=key)
-    live = LiveConfig(**{k: v for k, v in (("temperature", args.sample_temperature),
-                                            ("answer_tokens", args.sample_tokens)) if v is not None})
+    for key in keys:
+        if getattr(args, key) is not None and not used:
+            raise CartridgeError(f"--{key.replace('_', '-')} has no effect without {needs}", field=key)
+
+
+def _live_config(args: argparse.Namespace) -> Any:
+    """The on-policy rows' sampling settings (LiveConfig's defaults where a flag is not given)."""
+    from final.distill.live import LiveConfig
+
+    live = LiveConfig(temperature=LiveConfig.temperature if args.sample_temperature is None
+                      else args.sample_temperature,
+                      answer_tokens=LiveConfig.answer_tokens if args.sample_tokens is None else args.sample_tokens)
     live.check()
     return live
 

@@ -20,9 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from final.distill.convs import Conversation
-from final.distill.facts import (FactConfig, closed_answer, end_of_turn, fact_prompts, prompt_ids, teacher_window,
-                                 token_offsets, token_range)
-from final.distill.synth import ChunkContext, teacher_system
+from final.distill.facts import (FactConfig, by_teacher, closed_answer, end_of_turn, fact_prompts, prompt_ids,
+                                 teacher_systems, token_offsets, token_range)
 from final.errors import CartridgeError
 
 
@@ -57,9 +56,7 @@ class LiveFacts:
             raise CartridgeError("the document has no sentences to ask about", field="text")
         self.end = end_of_turn(tok)
         offsets = token_offsets(tok, text)
-        whole = teacher_system(text)
-        self.systems = [teacher_window(tok, text, fp.span, facts.teacher_tokens, offsets) if facts.teacher_tokens
-                        else whole for fp in self.prompts]
+        self.systems = teacher_systems(tok, text, self.prompts, facts, offsets)
         self.asked = [prompt_ids(tok, fp, self.end)[0] for fp in self.prompts]
         self.spans = [token_range(offsets, fp.span) for fp in self.prompts]
 
@@ -90,13 +87,11 @@ class LiveFacts:
     def _scored(self, answers: dict[int, list[int]]) -> dict[int, Conversation]:
         """Each answer scored by its row's teacher (rows sharing a system turn share one prefill); the answer's
         tokens are the targets (the question's are the fact rows' already)."""
-        groups: dict[str, list[int]] = {}
-        for i in answers:
-            groups.setdefault(self.systems[i], []).append(i)
+        picked = list(answers)
         rows = {}
-        for g, (system, ids) in enumerate(groups.items()):
-            with ChunkContext(self.inference, system, f"__live-teacher-{g}") as ctx:
-                scored = ctx.teacher_scores([self.asked[i] for i in ids], [answers[i] for i in ids], self.facts.top_k)
+        for ctx, ids in by_teacher(self.inference, [self.systems[i] for i in picked], "__live-teacher"):
+            ids = [picked[j] for j in ids]
+            scored = ctx.teacher_scores([self.asked[i] for i in ids], [answers[i] for i in ids], self.facts.top_k)
             for i, (tops, lps) in zip(ids, scored):
                 start, fp = len(self.asked[i]), self.prompts[i]
                 rows[i] = Conversation(

@@ -255,7 +255,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     share of each step's rows, answered by the cache as it is at that step."""
     from tqdm import tqdm
 
-    fresh = live_rows(cfg)
+    fresh = _live_rows(cfg)
     if fresh and live is None:
         raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
     key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
@@ -264,8 +264,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
     for step in bar:
-        rows = [convs[i] for i in batch_order(len(convs), cfg.batch - fresh, step, cfg.seed)] if fresh < cfg.batch \
-            else []
+        rows = [convs[i] for i in batch_order(len(convs), cfg.batch - fresh, step, cfg.seed)]
         info: dict = {}
         if fresh:
             sampled, info = live.rows(step, fresh, cache)
@@ -282,7 +281,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     return trainer.history
 
 
-def live_rows(cfg: TrainConfig) -> int:
+def _live_rows(cfg: TrainConfig) -> int:
     """How many of a step's rows are on-policy: at least one when asked for at all."""
     return max(1, round(cfg.batch * cfg.on_policy)) if cfg.on_policy else 0
 
