@@ -3,12 +3,14 @@
 The recipe measured on the QA sets' tuning halves (bench/RESULTS.md, issue 42): fact rows (final/distill/facts.py:
 every sentence asked about, answered from the document, scored by the teacher) written beside the cartridge as
 OUT.facts.jsonl, then the off-policy trainer (final/distill/train.py) over them for --steps, the KV starting as the
-document's first P tokens, half the steps served beside a partner cartridge (final/distill/partners.py, texts in
+document's own KV (below), half the steps served beside a partner cartridge (final/distill/partners.py, texts in
 OUT.partners.json) so that it keeps its answers when composed with others, and at those steps trained to leave the
 partner's own answers as they are (final/distill/keep.py). Nothing is generated but the four short partner texts,
 so a step costs one forward and backward pass (two beside a partner): the on-policy loop (`distill`), whose
 questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
-teacher's style of answer rather than its facts.
+teacher's style of answer rather than its facts. The KV starts as the document's own, cut to P positions per head
+and fitted to the teacher's attention (`--init match`, final/distill/chunks.py), or as its first P tokens where the
+teacher reads windows of a long document.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.
 
 
 def register_learn(sub: Any) -> None:
+    from final.distill.chunks import INITS
     from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
     from final.distill.live import LiveConfig
     from final.distill.train import TrainConfig
@@ -73,6 +76,11 @@ def register_learn(sub: Any) -> None:
                    help=f"with --on-policy: the cartridge's sampling temperature (default {LiveConfig.temperature})")
     p.add_argument("--sample-tokens", type=int, metavar="N",
                    help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
+    p.add_argument("--init", choices=INITS,
+                   help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
+                        "each --teacher-tokens chunk (the whole document without it) by its rows' attention "
+                        "(select), values then refitted (match) (final/distill/chunks.py); default: match, or "
+                        "prefix with --teacher-tokens")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -117,7 +125,7 @@ def _learn(args: argparse.Namespace) -> int:
             source = LiveFacts(inference, text, facts, live)
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
                                   dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
-                                  partners=texts, live=source)
+                                  partners=texts, live=source, init=_init(args), chunk_tokens=args.teacher_tokens)
     finally:
         if source is not None:
             source.close()
@@ -145,6 +153,16 @@ def _only_with(args: argparse.Namespace, keys: tuple[str, ...], used: bool, need
     for key in keys:
         if getattr(args, key) is not None and not used:
             raise CartridgeError(f"--{key.replace('_', '-')} has no effect without {needs}", field=key)
+
+
+def _init(args: argparse.Namespace) -> str:
+    """--init as given, else what measured best (bench/RESULTS.md, tune halves): `match` from the whole document
+    (brennock + kestrel: 22 of 45 right, KL 0.35, against the first P tokens' 19, 0.49), `prefix` where the teacher
+    reads windows (skarrow: 0.32 against `select` per window's 0.21; a chunk's few positions read alone do not add up
+    to the document)."""
+    if args.init is not None:
+        return args.init
+    return "prefix" if args.teacher_tokens else "match"
 
 
 def _live_config(args: argparse.Namespace) -> Any:

@@ -342,12 +342,15 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
                     source_document: str | None = None, progress: bool = True, partners: Sequence[str] = (),
-                    live: Any = None) -> dict:
+                    live: Any = None, init: str = "prefix", chunk_tokens: int | None = None) -> dict:
     """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
     conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
     `partners`: texts whose first P tokens, as cartridges, are served beside this one on cfg.beside of the steps.
-    `live`: the source of on-policy rows (final.distill.live.LiveFacts), when cfg.on_policy > 0."""
+    `live`: the source of on-policy rows (final.distill.live.LiveFacts), when cfg.on_policy > 0.
+    `init` select / match: the KV starts as the document's own, cut from its `chunk_tokens`-token chunks by the
+    attention of the rows about each (final.distill.chunks; `text` needed), computed unless a checkpoint will
+    replace it."""
     from transformers import AutoTokenizer
 
     from final.distill.convs import read_conversations
@@ -364,12 +367,20 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path, device, dtype)
     convs = read_conversations(data, student.vocab_size)
-    init, init_kind = _init_ids(tok, convs, cfg.tokens, text, init_text)
-    cache = TrainableKV(*student.prefill(init), cfg.frozen_tokens)
+    ids, init_kind = _init_ids(tok, convs, cfg.tokens, text, init_text)
+    fingerprint = digest(ids)
+    if init != "prefix":
+        from final.distill.chunks import chunked_start
+
+        kv, init_kind, fingerprint = chunked_start(student, path, tok, text, convs, cfg, init, chunk_tokens,
+                                                   checkpoint_path(out).exists())
+    else:
+        kv = student.prefill(ids)
+    cache = TrainableKV(*kv, cfg.frozen_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     from final.cartridges.manifest import sha256_file
 
-    identity = {"model": model, "data_sha256": sha256_file(data), "init": digest(init)}
+    identity = {"model": model, "data_sha256": sha256_file(data), "init": fingerprint}
     beside = [document_ids(tok, t)[:cfg.tokens] for t in partners] if cfg.beside else []
     if beside:
         identity["partners"] = [digest(ids) for ids in beside]
