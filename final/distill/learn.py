@@ -80,7 +80,8 @@ def register_learn(sub: Any) -> None:
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
                         "each --teacher-tokens chunk (the whole document without it) by its rows' attention "
                         "(select), values then refitted (match) (final/distill/chunks.py); default: match, or "
-                        "prefix with --teacher-tokens")
+                        "prefix with --teacher-tokens. A cartridge to be served beside others: prefix (it composed "
+                        "better, bench/RESULTS.md)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -159,7 +160,8 @@ def _init(args: argparse.Namespace) -> str:
     """--init as given, else what measured best (bench/RESULTS.md, tune halves): `match` from the whole document
     (brennock + kestrel: 22 of 45 right, KL 0.35, against the first P tokens' 19, 0.49), `prefix` where the teacher
     reads windows (skarrow: 0.32 against `select` per window's 0.21; a chunk's few positions read alone do not add up
-    to the document)."""
+    to the document). Composed with another cartridge, `match` kept less of its accuracy alone (0.47x-0.80x on the
+    fresh documents against prefix's 1.00x-1.19x): the help says so."""
     if args.init is not None:
         return args.init
     return "prefix" if args.teacher_tokens else "match"
