@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from final.distill.chunks import INITS  # the starts distill and learn share
 from final.distill.convs import Conversation
 from final.distill.losses import LOSSES
 from final.distill.rows import ask_batch, make_row, observe, validation_rows
@@ -41,7 +42,6 @@ from final.distill.trainer import SCHEDULES, Trainer
 from final.errors import CartridgeError
 
 ROLLOUTS = ("engine", "verl")
-INITS = ("prefix", "select", "match")
 
 
 @dataclass
