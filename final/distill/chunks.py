@@ -116,14 +116,18 @@ def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str
     return ([torch.cat(layer, 2) for layer in zip(*keys)], [torch.cat(layer, 2) for layer in zip(*values)])
 
 
-def chunked_start(student: "Student", path: Path, tok: Any, text: str | None,  # noqa: F821 - train.Student
-                  convs: Sequence[Conversation], cfg: Any, init: str, chunk_tokens: int | None,
-                  resumed: bool) -> tuple[Any, str, str]:
-    """train_cartridge's select / match start (chunked_init), its manifest label and its fingerprint (the settings and
-    the document: what a resume must match); a resumed run skips computing it, the checkpoint replacing the KV."""
-    from final.distill.train import digest, initial_ids
+def start(student: "Student", path: Path, tok: Any, convs: Sequence[Conversation],  # noqa: F821 - train.Student
+          cfg: Any, first: tuple[list[int], str], text: str | None, init: str, chunk_tokens: int | None,
+          resumed: bool) -> tuple[Any, str, str]:
+    """train_cartridge's KV start, its manifest label and its fingerprint (what a resume must match): `first` (the
+    first P ids and their label, train._init_ids) for prefix, else the select / match start (chunked_init); a
+    resumed run prefills `first` for the shape only, the checkpoint's values replacing it."""
+    from final.distill.train import digest
     from final.prompts import document_ids
 
+    ids, kind = first
+    if init == "prefix":
+        return student.prefill(ids), kind, digest(ids)
     if init not in INITS:
         raise CartridgeError(f"unknown init {init!r}; choose from {list(INITS)}", field="init")
     if text is None:
@@ -131,8 +135,6 @@ def chunked_start(student: "Student", path: Path, tok: Any, text: str | None,  #
     label = f"{init}/{chunk_tokens}" if chunk_tokens else init
     fingerprint = f"{label}:{digest(document_ids(tok, text))}"
     if resumed:
-        kv = student.prefill(initial_ids(tok, text, cfg.tokens))  # the shape only: the checkpoint's values replace it
-    else:
-        kv = chunked_init(student, path, tok, text, convs, cfg.tokens, cfg.frozen_tokens, chunk_tokens,
-                          fit=init == "match")
-    return kv, label, fingerprint
+        return student.prefill(ids), label, fingerprint
+    return (chunked_init(student, path, tok, text, convs, cfg.tokens, cfg.frozen_tokens, chunk_tokens,
+                         fit=init == "match"), label, fingerprint)

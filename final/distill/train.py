@@ -338,19 +338,6 @@ def _init_ids(tok, convs: Sequence[Conversation], tokens: int, text: str | None,
     return ids[:tokens], "data"
 
 
-def _start(student: Student, path: Path, tok: Any, convs: Sequence[Conversation], cfg: TrainConfig,
-           text: str | None, init_text: str | None, init: str, chunk_tokens: int | None,
-           resumed: bool) -> tuple[Any, str, str]:
-    """The KV's start, its manifest label and its fingerprint (what a resume must match): the first P tokens
-    (_init_ids), or the select / match start cut from the document (final.distill.chunks)."""
-    ids, kind = _init_ids(tok, convs, cfg.tokens, text, init_text)
-    if init == "prefix":
-        return student.prefill(ids), kind, digest(ids)
-    from final.distill.chunks import chunked_start
-
-    return chunked_start(student, path, tok, text, convs, cfg, init, chunk_tokens, resumed)
-
-
 def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainConfig, *, text: str | None = None,
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
@@ -380,8 +367,10 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path, device, dtype)
     convs = read_conversations(data, student.vocab_size)
-    kv, init_kind, fingerprint = _start(student, path, tok, convs, cfg, text, init_text, init, chunk_tokens,
-                                        checkpoint_path(out).exists())
+    from final.distill.chunks import start
+    first = _init_ids(tok, convs, cfg.tokens, text, init_text)
+    kv, init_kind, fingerprint = start(student, path, tok, convs, cfg, first, text, init, chunk_tokens,
+                                       checkpoint_path(out).exists())
     cache = TrainableKV(*kv, cfg.frozen_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     from final.cartridges.manifest import sha256_file
