@@ -15,11 +15,12 @@ Positions: chunk i's kept keys are rotated by R_{P - L_i} (final.cartridges.posi
 cartridge scores each chunk's keys as it would right after that chunk alone - the place its teacher's question
 sat. Every chunk is equally near: the cartridge has no order beyond the one its heads' positions keep.
 
-Measured (bench/RESULTS.md, issue 42): one chunk, the whole document (`learn`'s default `match` without
---teacher-tokens), p = 64 - 37 of 67 tune questions right against 33 from the first P tokens, 45 of 88 on two fresh
-documents against 35, composed with another cartridge worse (0.47x-0.80x of alone against 1.00x-1.19x). Per
-256-token window of a 6.7k-token document, p = 256 - worse than its first 256 tokens before training and after
-(0.21 against 0.32): nine positions a chunk, each read in its own chunk, do not add up to the document.
+Measured (bench/RESULTS.md, issue 42): one chunk, the whole document, p = 64 - `select` (`learn`'s default without
+--teacher-tokens) and `match` each 22 of 45 tune questions right alone against 19 from the first P tokens; composed
+with another cartridge `select` 19 and `match` 16 (its least-squares values, 3x the document's own in norm, disturb
+the neighbour's questions). Per 256-token window of a 6.7k-token document, p = 256 - worse than its first 256
+tokens before training and after (0.21 against 0.32): nine positions a chunk, each read in its own chunk, do not
+add up to the document.
 """
 
 from __future__ import annotations
