@@ -105,12 +105,12 @@ def test_cli_learn_from_a_chunked_start_trains_labels_and_resumes_only_the_same_
         main(args + ["--init", "random"])
 
 
-def test_cli_learn_starts_from_select_on_the_whole_document_and_from_the_prefix_with_windows(tmp_path):
+def test_cli_learn_starts_from_match_on_the_whole_document_and_from_the_prefix_with_windows(tmp_path):
     """The default start is the one measured best in each regime (bench/RESULTS.md, issue 42)."""
     (tmp_path / "doc.txt").write_text(DOC)
     base = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "12", "--steps", "1", "--batch",
             "2", "--model", TINY, "--quiet", "--beside", "0"]
-    for extra, want in (([], "select"), (["--teacher-tokens", "16"], "prefix")):
+    for extra, want in (([], "match"), (["--teacher-tokens", "16"], "prefix")):
         out = tmp_path / f"{want}.pt"
         assert main(base + ["--out", str(out)] + extra) == 0
         assert json.loads((tmp_path / f"{want}.pt.manifest.json").read_text())["labels"]["init"] == want

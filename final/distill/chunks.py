@@ -15,12 +15,12 @@ Positions: chunk i's kept keys are rotated by R_{P - L_i} (final.cartridges.posi
 cartridge scores each chunk's keys as it would right after that chunk alone - the place its teacher's question
 sat. Every chunk is equally near: the cartridge has no order beyond the one its heads' positions keep.
 
-Measured (bench/RESULTS.md, issue 42): one chunk, the whole document, p = 64 - `select` (`learn`'s default without
---teacher-tokens) and `match` each 22 of 45 tune questions right alone against 19 from the first P tokens; composed
-with another cartridge `select` 19 and `match` 16 (its least-squares values, 3x the document's own in norm, disturb
-the neighbour's questions). Per 256-token window of a 6.7k-token document, p = 256 - worse than its first 256
-tokens before training and after (0.21 against 0.32): nine positions a chunk, each read in its own chunk, do not
-add up to the document.
+Measured (bench/RESULTS.md, issue 42): one chunk, the whole document, p = 64, two fresh documents (88 questions) -
+`match` (`learn`'s default without --teacher-tokens) 45 right alone and 26 composed with the other's cartridge,
+`select` 34 and 36, the first P tokens 35 and 38: match's least-squares values, 3x the document's own in norm,
+answer more alone and disturb a neighbour's questions (a ridge of 0.1 toward the document's values: 40 and 30).
+Per 256-token window of a 6.7k-token document, p = 256 - worse than its first 256 tokens before training and after
+(0.21 against 0.32): nine positions a chunk, each read in its own chunk, do not add up to the document.
 """
 
 from __future__ import annotations

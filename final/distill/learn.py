@@ -9,8 +9,8 @@ partner's own answers as they are (final/distill/keep.py). Nothing is generated 
 so a step costs one forward and backward pass (two beside a partner): the on-policy loop (`distill`), whose
 questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
 teacher's style of answer rather than its facts. The KV starts as the document's own, cut to P positions per head
-by the teacher's attention (`--init select`, final/distill/chunks.py), or as its first P tokens where the teacher
-reads windows of a long document.
+by the teacher's attention and the values refitted to it (`--init match`, final/distill/chunks.py), or as its first
+P tokens where the teacher reads windows of a long document.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--init", choices=INITS,
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
                         "each --teacher-tokens chunk (the whole document without it) by its rows' attention "
-                        "(select), values then refitted (match) (final/distill/chunks.py); default: select, or "
-                        "prefix with --teacher-tokens (bench/RESULTS.md: match answers as many alone and composes "
-                        "worse)")
+                        "(select), values then refitted (match) (final/distill/chunks.py); default: match, or "
+                        "prefix with --teacher-tokens. A cartridge to be served beside others: select (it composed "
+                        "better and answered less alone, bench/RESULTS.md)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -157,14 +157,14 @@ def _only_with(args: argparse.Namespace, keys: tuple[str, ...], used: bool, need
 
 
 def _init(args: argparse.Namespace) -> str:
-    """--init as given, else what measured best (bench/RESULTS.md, tune halves): `select` from the whole document
-    (brennock + kestrel: 22 of 45 right alone and 19 composed, against `match`'s 22 and 16 - least-squares values
-    3x the document's own in norm disturb a neighbour's questions - and the first P tokens' 19 and 19), `prefix`
-    where the teacher reads windows (skarrow: 0.32 against `select` per window's 0.21; a chunk's few positions read
-    alone do not add up to the document)."""
+    """--init as given, else what answered most alone (bench/RESULTS.md, issue 42): `match` from the whole document
+    (two fresh documents: 45 of 88 right, `select` 34, the first P tokens 35), `prefix` where the teacher reads
+    windows (skarrow: 0.32 against `select` per window's 0.21). Composed, `match` keeps least (26 of 88 against
+    `select`'s 36): its least-squares values, 3x the document's own in norm, disturb a neighbour's questions; the
+    help names `select` for cartridges served together."""
     if args.init is not None:
         return args.init
-    return "prefix" if args.teacher_tokens else "select"
+    return "prefix" if args.teacher_tokens else "match"
 
 
 def _live_config(args: argparse.Namespace) -> Any:
