@@ -25,9 +25,9 @@ def main() -> int:
 
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
-    from final.distill.chunks import chunked_init
+    from final.distill.chunks import INITS, chunked_init
     from final.distill.convs import read_conversations
-    from final.distill.train import Student, TrainableKV
+    from final.distill.train import Student, TrainConfig, TrainableKV
     from final.distill.train_cli import DEFAULT_MODEL
     from final.models import resolve_model_path
 
@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--rows", required=True, type=Path, help="the document's fact rows (learn's OUT.facts.jsonl)")
     p.add_argument("--tokens", required=True, type=int)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--init", choices=("select", "match"), default="select")
+    p.add_argument("--init", choices=[i for i in INITS if i != "prefix"], default="select")
     p.add_argument("--chunk-tokens", type=int, help="the chunks' length (learn's --teacher-tokens; none: one chunk)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     args = p.parse_args()
@@ -44,9 +44,10 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path)
     t0 = time.perf_counter()
+    frozen = TrainConfig.frozen_tokens  # the sink learn keeps fixed
     kv = chunked_init(student, path, tok, args.text.read_text(), read_conversations(args.rows, student.vocab_size),
-                      args.tokens, 1, args.chunk_tokens, fit=args.init == "match")
-    cart = TrainableKV(*kv, 1).cartridge(student.dtype)
+                      args.tokens, frozen, args.chunk_tokens, fit=args.init == "match")
+    cart = TrainableKV(*kv, frozen).cartridge(student.dtype)
     out = save_cartridge(cart, args.out)
     CartridgeManifest.describe(cart, out, cartridge_id=out.stem, model_id=args.model, source_document=str(args.text),
                                labels={"format": "chat", "init": args.init, "steps": "0"},

@@ -353,10 +353,11 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     replace it."""
     from transformers import AutoTokenizer
 
+    from final.distill.chunks import start
     from final.distill.convs import read_conversations
     from final.distill.keep import keep_rows
     from final.cartridges.format import save_cartridge
-    from final.cartridges.manifest import CartridgeManifest
+    from final.cartridges.manifest import CartridgeManifest, sha256_file
     from final.models import resolve_model_path
     from final.prompts import document_ids
 
@@ -367,14 +368,11 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     tok = AutoTokenizer.from_pretrained(path)
     student = Student(path, device, dtype)
     convs = read_conversations(data, student.vocab_size)
-    from final.distill.chunks import start
     first = _init_ids(tok, convs, cfg.tokens, text, init_text)
     kv, init_kind, fingerprint = start(student, path, tok, convs, cfg, first, text, init, chunk_tokens,
                                        checkpoint_path(out).exists())
     cache = TrainableKV(*kv, cfg.frozen_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    from final.cartridges.manifest import sha256_file
-
     identity = {"model": model, "data_sha256": sha256_file(data), "init": fingerprint}
     beside = [document_ids(tok, t)[:cfg.tokens] for t in partners] if cfg.beside else []
     if beside:
