@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         inference.shutdown()
     summary = {"sets": names, "split": args.split, "cartridges": [str(c) for c in args.carts] or None,
                "first_tokens": args.first_tokens, "separator": result.separator, "composed": result.composed,
-               "keeps": result.keeps(),
+               "keeps": result.keeps(), "pooled": result.pooled(),
                "rows": {n: [dataclasses.asdict(r) for r in result.rows[n]] for n in names}, "ratios": result.ratios}
     (args.work / "summary.json").write_text(json.dumps(summary, indent=2))
     for qa in sets:
         print(f"\n{qa.name} ({args.split}, {len(qa.questions)} questions)")
         print(compose_table(result, qa.name))
-    keeps = summary["keeps"]
-    print(f"\ncomposed / alone, the smaller over both sets (MC acc): {'-' if keeps is None else f'{keeps:.2f}x'}; "
+    keeps, pooled = (("-" if x is None else f"{x:.2f}x") for x in (summary["keeps"], summary["pooled"]))
+    print(f"\ncomposed / alone (MC acc): the smaller over both sets {keeps}, pooled {pooled}; "
           f"wrote {args.work / 'summary.json'}")
     return 0
 

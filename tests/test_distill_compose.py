@@ -15,8 +15,8 @@ from serve_helpers import DOC_A, DOC_B
 from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV, save_cartridge
 from final.distill.qa import load_qa
-from final.distill.qa_compose import SEPARATOR, ComposeSet, both_documents, compose_evaluate
-from final.distill.qa_eval import ask
+from final.distill.qa_compose import SEPARATOR, ComposeResult, ComposeSet, both_documents, compose_evaluate
+from final.distill.qa_eval import QARow, ask
 from final.distill.synth import teacher_ids
 from final.errors import CartridgeError
 
@@ -170,3 +170,18 @@ def test_two_sets_of_one_name_are_refused(inference, sets, files):  # noqa: F811
     with pytest.raises(CartridgeError) as err:
         compose_evaluate(inference, a, a)
     assert err.value.field == "compose-qa"
+
+
+def test_pooled_counts_each_question_once_where_keeps_takes_the_worse_set():
+    def r(cond: str, acc: float, n: int) -> QARow:
+        return QARow(cond, 0, n, acc, (0, 1), acc, (0, 1), 0.0, (0, 1), 0.0, 0.0, (0, 0), 0)
+
+    # a: 30 of 40 right alone, 12 composed (0.4x); b: 5 of 10 alone, 10 composed (2x)
+    res = ComposeResult(SEPARATOR, "a + b", {
+        "a": [r("cartridge a", 0.75, 40), r("cartridges a + b", 0.3, 40)],
+        "b": [r("cartridge b", 0.5, 10), r("cartridges a + b", 1.0, 10)]},
+        {"a": {"cartridges a + b": {"acc": 0.4}}, "b": {"cartridges a + b": {"acc": 2.0}}})
+    assert res.keeps() == pytest.approx(0.4)
+    assert res.pooled() == pytest.approx(22 / 35)
+    none = ComposeResult(SEPARATOR, "a + b", {"a": [r("cartridge a", 0.0, 4), r("cartridges a + b", 0.5, 4)]})
+    assert none.pooled() is None

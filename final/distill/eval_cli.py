@@ -127,6 +127,7 @@ def _eval_compose(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
             print(f"{qa.name}: {len(qa.questions)} questions ({args.split})")
             print(compose_table(result, qa.name))
     return {"split": args.split, "separator": result.separator, "composed": result.composed, "keeps": result.keeps(),
+            "pooled": result.pooled(),
             "sets": {qa.name: {"questions": len(qa.questions), "ratios": result.ratios[qa.name],
                                "rows": [dataclasses.asdict(r) for r in result.rows[qa.name]]} for qa in (qa_a, qa_b)}}
 

@@ -69,6 +69,18 @@ class ComposeResult:
         got = [self.ratios[s][f"cartridges {self.composed}"]["acc"] for s in self.ratios]
         return None if not got or None in got else min(got)
 
+    def pooled(self) -> float | None:
+        """Questions right composed / right alone over both sets, each question counted once. A set's own ratio
+        divides by one cartridge's score on ~45 questions, which swings by a quarter between trainings of the same
+        recipe (orrin_vale: 30 and 18 right alone, KL 0.400 and 0.403; bench/RESULTS.md): the pooled ratio is the
+        steadier figure beside keeps()."""
+        right = {"alone": 0.0, "composed": 0.0}
+        for name, rows in self.rows.items():
+            by = {r.condition: r for r in rows}
+            for key, cond in (("alone", f"cartridge {name}"), ("composed", f"cartridges {self.composed}")):
+                right[key] += by[cond].acc * by[cond].questions
+        return right["composed"] / right["alone"] if right["alone"] else None
+
 
 def both_documents(first: str, second: str) -> str:
     """The one system turn that holds both documents (the "A + B in context" rows)."""
