@@ -71,9 +71,9 @@ class ComposeResult:
 
     def pooled(self) -> float | None:
         """Questions right composed / right alone over both sets, each question counted once. A set's own ratio
-        divides by one cartridge's score on ~45 questions, which swings by a quarter between trainings of the same
-        recipe (orrin_vale: 30 and 18 right alone, KL 0.400 and 0.403; bench/RESULTS.md): the pooled ratio is the
-        steadier figure beside keeps()."""
+        divides by one cartridge's score on ~45 questions, which swung from 30 to 18 right alone between two
+        starts of equal KL (orrin_vale, match and select: 0.400 and 0.403; bench/RESULTS.md): the pooled ratio is
+        the steadier figure beside keeps()."""
         right = {"alone": 0.0, "composed": 0.0}
         for name, rows in self.rows.items():
             by = {r.condition: r for r in rows}
