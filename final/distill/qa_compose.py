@@ -66,7 +66,7 @@ class ComposeResult:
     def keeps(self) -> float | None:
         """The smaller of the two sets' composed/alone acc ratios (None: a cartridge alone answered nothing, so
         no ratio exists): what the done-when of composition bounds below by 0.8."""
-        got = [self.ratios[s][f"cartridges {self.composed}"]["acc"] for s in self.ratios]
+        got = [self.ratios[s][together(self.composed)]["acc"] for s in self.ratios]
         return None if not got or None in got else min(got)
 
     def pooled(self) -> float | None:
@@ -77,9 +77,19 @@ class ComposeResult:
         right = {"alone": 0.0, "composed": 0.0}
         for name, rows in self.rows.items():
             by = {r.condition: r for r in rows}
-            for key, cond in (("alone", f"cartridge {name}"), ("composed", f"cartridges {self.composed}")):
+            for key, cond in (("alone", alone(name)), ("composed", together(self.composed))):
                 right[key] += by[cond].acc * by[cond].questions
         return right["composed"] / right["alone"] if right["alone"] else None
+
+
+def alone(name: str) -> str:
+    """The row of a set's own cartridge served alone."""
+    return f"cartridge {name}"
+
+
+def together(order: str) -> str:
+    """The row of both cartridges served in `order` (ComposeResult.composed, e.g. "brennock + kestrel")."""
+    return f"cartridges {order}"
 
 
 def both_documents(first: str, second: str) -> str:
@@ -144,8 +154,8 @@ def _conditions(x: str, y: str, both: bool) -> list[tuple[str, tuple[Key, ...]]]
     orders = _orders(x, y, both)
     return ([(NO_DOCUMENT, ()), (f"{x} in context", (("ctx", x),)), (f"{y} in context", (("ctx", y),))]
             + [(f"{p} + {q} in context", (("ctx", p, q),)) for p, q in orders]
-            + [(f"cartridge {x}", (("cart", x),)), (f"cartridge {y}", (("cart", y),))]
-            + [(f"cartridges {x} + {y}", (("cart", x), ("cart", y)))])
+            + [(alone(x), (("cart", x),)), (alone(y), (("cart", y),))]
+            + [(together(f"{x} + {y}"), (("cart", x), ("cart", y)))])
 
 
 def _ratios(rows: list[QARow], conds: list[tuple[str, tuple[Key, ...]]], own: str
@@ -159,7 +169,7 @@ def _ratios(rows: list[QARow], conds: list[tuple[str, tuple[Key, ...]]], own: st
     out = {}
     for r, (_, keys) in zip(rows, conds):
         if len(keys) == 2:
-            out[r.condition] = ratio(r, by[f"cartridge {own}"])
+            out[r.condition] = ratio(r, by[alone(own)])
         elif keys and len(keys[0]) == 3:
             out[r.condition] = ratio(r, by[f"{own} in context"])
     return out
