@@ -66,6 +66,9 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--keep-partner", type=float, metavar="W",
                    help="at the steps beside a partner, also train at weight W that the partner's own questions are "
                         f"answered as with the partner alone (default {KEEP} beside partners; 0: not)")
+    p.add_argument("--quiet-partner", type=float, default=0.0, metavar="W",
+                   help="at the steps beside a partner, also train at weight W the cartridge's loudness to the "
+                        "partner's questions down (final/distill/quiet.py; default 0: not)")
     p.add_argument("--hard", type=float, default=0.0, metavar="W",
                    help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
                         "(default 0)")
@@ -103,7 +106,8 @@ def _learn(args: argparse.Namespace) -> int:
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=_keep(args), hard=args.hard, on_policy=args.on_policy)
+                        beside=args.beside, keep=_keep(args), quiet=args.quiet_partner, hard=args.hard,
+                        on_policy=args.on_policy)
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")

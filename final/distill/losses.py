@@ -88,6 +88,7 @@ class StepLoss:
     reverse_kl: float | None  # mean k1 estimate of KL(student || teacher) on the student's own samples
     targets: int
     keep_kl: float | None = None  # forward top-k KL on the partner's rows (Batch.keep), when the batch has them
+    quiet: float | None = None  # our KV's mean loudness to those rows (final/distill/quiet.py), when weighed
 
 
 def step_loss(name: str, logq: torch.Tensor, t: Targets, hard: float = 0.0) -> StepLoss:
@@ -118,7 +119,23 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets, hard)
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
-        k = step_loss("forward_topk", student.log_probs(keys, values, kept.ids, kept.where), kept.targets)
+        if batch.quiet:
+            from final.distill.quiet import measured
+
+            with measured(student.model, *_our_span(cache, batch.beside), kept.where) as loud:
+                logq = student.log_probs(keys, values, kept.ids, kept.where, share=False)
+            heard = loud.mean()
+            out.loss = out.loss + batch.quiet * heard
+            out.quiet = float(heard.detach())
+        else:
+            logq = student.log_probs(keys, values, kept.ids, kept.where)
+        k = step_loss("forward_topk", logq, kept.targets)
         out.loss = out.loss + weight * k.loss
         out.keep_kl = k.forward_kl
     return out
+
+
+def _our_span(cache: Any, beside: tuple) -> tuple[int, int]:
+    """Where the trained KV's trainable positions sit among a composed batch's keys (TrainableKV.full's order)."""
+    offset = beside[0][0].shape[2] if beside[2] else 0  # the partner's length when it is in front
+    return offset + cache.frozen_tokens, offset + cache.frozen_tokens + cache.trainable_keys[0].shape[2]

@@ -46,6 +46,8 @@ class TrainConfig:
     beside: float = 0.0
     # the weight of keeping the partner's answers at those steps (final/distill/keep.py): 0 trains our rows only
     keep: float = 0.0
+    # the weight of our KV's loudness to the partner's rows at those steps (final/distill/quiet.py): 0 not measured
+    quiet: float = 0.0
     # the weight of the cross-entropy of each row's own tokens beside the KL to the teacher (losses.step_loss)
     hard: float = 0.0
     # the share of each step's rows answered by the cartridge being trained, scored by the teacher then
@@ -57,12 +59,12 @@ class TrainConfig:
         for key in ("beside", "on_policy"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise CartridgeError(f"must be in [0, 1], got {getattr(self, key)}", field=key)
-        for key in ("keep", "hard"):
+        for key in ("keep", "quiet", "hard"):
             if not (0.0 <= getattr(self, key) and math.isfinite(getattr(self, key))):
                 raise CartridgeError(f"must be a number >= 0, got {getattr(self, key)}", field=key)
-        if self.keep and not self.beside:
-            raise CartridgeError("keeping a partner's answers needs steps beside a partner (beside > 0)",
-                                 field="keep")
+        for key, what in (("keep", "keeping a partner's answers"), ("quiet", "quiet beside a partner")):
+            if getattr(self, key) and not self.beside:
+                raise CartridgeError(f"{what} needs steps beside a partner (beside > 0)", field=key)
 
 
 def check_training(cfg: object, counts: Sequence[str]) -> None:
@@ -101,18 +103,18 @@ class Student:
                 [cache.layers[i].values.float() for i in range(len(cache.layers))])
 
     def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
-                  where: torch.Tensor) -> torch.Tensor:
+                  where: torch.Tensor, share: bool = True) -> torch.Tensor:
         """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
         are returned. Right padding needs no mask: causal attention never lets a real token see a later pad.
 
         The rows' common leading tokens before the first target (e.g. the system prompt every tool-use trace
         shares) run once, as one row, and their KV is shared by the batch: exact, and a step costs the shared
-        part once instead of B times."""
+        part once instead of B times (share=False: not, so each layer is called once, on every row's tokens)."""
         from transformers import DynamicCache
 
         B, T = ids.shape
         p = keys[0].shape[2]
-        shared = _shared_prefix(ids, where) if B > 1 else 0
+        shared = _shared_prefix(ids, where) if B > 1 and share else 0
         if shared:
             cache = DynamicCache([(k.to(self.dtype), v.to(self.dtype)) for k, v in zip(keys, values)])
             self._run(ids[:1, :shared], cache, p)
@@ -183,6 +185,8 @@ class Batch:
     beside: tuple[list[torch.Tensor], list[torch.Tensor], bool] | None = None
     # rows about that partner, served the same way, whose answers must stay the partner's alone: (rows, weight)
     keep: tuple["Batch", float] | None = None
+    # the weight of our KV's loudness to those rows (final/distill/quiet.py); 0: not measured
+    quiet: float = 0.0
 
 
 @dataclass
@@ -288,14 +292,15 @@ def _live_rows(cfg: TrainConfig) -> int:
 
 def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainConfig, pad_id: int,
             device: torch.device) -> None:
-    """Serve the step's batch beside `partner`, with half a batch of rows about it to keep when cfg.keep."""
+    """Serve the step's batch beside `partner`, with half a batch of rows about it to keep (cfg.keep) and to be
+    quiet to (cfg.quiet)."""
     from final.distill.keep import keep_pick
 
     batch.beside = (partner.keys, partner.values, front)
-    if cfg.keep and partner.rows:
+    if (cfg.keep or cfg.quiet) and partner.rows:
         # read after the same two caches as the batch (distill_loss serves both with the batch's)
         kept = make_batch(keep_pick(partner.rows, step, max(1, cfg.batch // 2), cfg.seed), pad_id, device)
-        batch.keep = (kept, cfg.keep)
+        batch.keep, batch.quiet = (kept, cfg.keep), cfg.quiet
 
 
 def digest(ids: Sequence[int]) -> str:
@@ -307,9 +312,12 @@ def digest(ids: Sequence[int]) -> str:
 
 def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
-    checkpoints from before it existed still resume, as are keep=0, hard=0 and on_policy=0)."""
+    checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0 and on_policy=0)."""
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in ("beside", "keep", "hard", "on_policy") and not v)}
+            if k not in ("steps", "checkpoint_every") and not (k in OPTIONAL and not v)}
+
+
+OPTIONAL = ("beside", "keep", "quiet", "hard", "on_policy")  # settings added later: left out of the key when off
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
@@ -378,7 +386,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     if beside:
         identity["partners"] = [digest(ids) for ids in beside]
     kvs = [student.prefill(ids) for ids in beside]
-    rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep else ()
+    rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep or cfg.quiet else ()
             for t, kv in zip(partners, kvs)]
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
                    partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live)
@@ -387,6 +395,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
               "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
               **({"keep": str(cfg.keep)} if cfg.keep else {}),
+              **({"quiet": str(cfg.quiet)} if cfg.quiet else {}),
               **({"on_policy": str(cfg.on_policy)} if cfg.on_policy else {}),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,

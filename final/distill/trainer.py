@@ -70,6 +70,7 @@ class Trainer:
                "tail_kl": first.tail_kl,
                "reverse_kl": first.reverse_kl, "targets": first.targets, "lr": lr,
                **({"keep_kl": first.keep_kl} if first.keep_kl is not None else {}),
+               **({"quiet": first.quiet} if first.quiet is not None else {}),
                "gradient_s": time.perf_counter() - t0,
                **extra}
         self.history.append(rec)

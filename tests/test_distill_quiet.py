@@ -1,0 +1,124 @@
+"""Quiet beside a partner (`learn --quiet-partner`, final/distill/quiet.py): the loudness of our KV to the partner's rows,
+computed beside the model's own attention, checked against the attention weights transformers returns, and trained
+down. Tiny model, real HF student, real files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cartridges_helpers import TINY
+from serve_helpers import DOC_A
+from final.distill.cli import main
+from final.distill.keep import keep_rows
+from final.distill.losses import distill_loss
+from final.distill.quiet import measured
+from final.distill.train import Partner, Student, TrainConfig, TrainableKV, make_batch, train
+from final.errors import CartridgeError
+from final.models import resolve_model_path
+from final.prompts import document_ids
+
+from test_distill_facts import DOC
+from test_distill_keep import PARTNER
+
+
+@pytest.fixture(scope="module")
+def student():
+    return Student(resolve_model_path(TINY))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(TINY))
+
+
+def test_loudness_is_the_norm_of_the_spans_share_of_the_attention_output(tok):
+    """Against eager attention's own weights: ||sum_{j in span} a_j v_j||, mean over heads, per layer."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(TINY), attn_implementation="eager").eval()
+    prefix = document_ids(tok, DOC_A)[:20]
+    with torch.no_grad():
+        kv = [(layer.keys, layer.values) for layer in model(torch.tensor([prefix]), use_cache=True).past_key_values.layers]
+    ids = torch.tensor([tok("What is kept here, and by whom?", add_special_tokens=False).input_ids])
+    where = torch.ones_like(ids, dtype=torch.bool)
+    where[0, :2] = False
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    positions = torch.arange(20, 20 + ids.shape[1])
+    with torch.no_grad(), measured(model, 5, 15, where) as loud:
+        out = model(ids, past_key_values=cache, position_ids=positions[None], cache_position=positions,
+                    output_attentions=True)
+    assert len(loud.layers) == len(kv)
+    for got, a, (k, v) in zip(loud.layers, out.attentions, kv):
+        groups = a.shape[1] // v.shape[1]
+        share = torch.einsum("hqk,hkd->hqd", a[0, :, :, 5:15], v[0, :, 5:15].repeat_interleave(groups, 0))
+        want = share.norm(dim=-1).mean(0)[where[0]]
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_quiet_term_is_added_and_trains_our_values_only(student, tok):
+    pkv = student.prefill(document_ids(tok, PARTNER)[:24])
+    rows = keep_rows(student, tok, PARTNER, pkv, 24, top_k=8)
+    ours = TrainableKV(*student.prefill(document_ids(tok, DOC_A)[:8]), frozen_tokens=1)
+    kept = make_batch(rows[:3], tok.pad_token_id, student.device)
+    for front in (True, False):
+        own = make_batch(rows[3:5], tok.pad_token_id, student.device)  # stand-ins for our own rows
+        own.beside = kept.beside = (*pkv, front)
+        own.keep = (kept, 0.0)
+        plain = distill_loss(student, ours, own)
+        own.quiet = 3.0
+        ours.zero_grad()
+        out = distill_loss(student, ours, own)
+        out.loss.backward()
+        assert plain.quiet is None and out.quiet > 0
+        assert out.loss.item() == pytest.approx(plain.loss.item() + 3.0 * out.quiet, rel=1e-4)
+        assert all(p.grad.abs().sum() > 0 for p in ours.trainable_values)
+        assert all(t.grad is None for t in pkv[1])
+
+
+def test_training_quiet_lowers_our_loudness_to_the_partners_rows(student, tok, tmp_path):
+    """The same steps with and without the term: with it, our KV ends quieter to the partner's rows."""
+    pkv = student.prefill(document_ids(tok, PARTNER)[:24])
+    rows = keep_rows(student, tok, PARTNER, pkv, 24, top_k=8)
+    convs = keep_rows(student, tok, DOC_A, student.prefill(document_ids(tok, DOC_A)[:24]), 24, top_k=8)
+    start = student.prefill(document_ids(tok, DOC)[:8])
+    probe = make_batch(rows, tok.pad_token_id, student.device)
+    probe.beside = (*pkv, True)
+    probe.keep, probe.quiet = (make_batch(rows, tok.pad_token_id, student.device), 0.0), 1.0
+    loud = {}
+    for weight in (0.0, 5.0):
+        ours = TrainableKV(*start, frozen_tokens=1)
+        cfg = TrainConfig(tokens=8, steps=10, batch=2, lr=0.05, beside=1.0, quiet=weight)
+        history = train(student, ours, convs, cfg, tok.pad_token_id, tmp_path / f"q{weight}.ckpt", progress=False,
+                        log=lambda _: None, partners=[Partner(*pkv, rows)])
+        assert all(("quiet" in rec) == bool(weight) for rec in history)
+        probe.keep[0].beside = probe.beside
+        loud[weight] = distill_loss(student, ours, probe).quiet
+    assert loud[5.0] < 0.8 * loud[0.0]
+
+
+def test_bad_quiet_settings_are_named():
+    for cfg in (TrainConfig(tokens=8, quiet=1.0), TrainConfig(tokens=8, beside=0.5, quiet=-1.0),
+                TrainConfig(tokens=8, beside=0.5, quiet=float("inf"))):
+        with pytest.raises(CartridgeError, match="quiet"):
+            cfg.check()
+
+
+def test_cli_learn_quiet_partner_records_it_and_a_resume_must_match(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOC)
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
+            str(tmp_path / "c.pt"), "--batch", "2", "--beside", "1", "--model", TINY, "--quiet"]
+    assert main(args + ["--steps", "4", "--quiet-partner", "2"]) == 0
+    assert json.loads((tmp_path / "c.pt.manifest.json").read_text())["labels"]["quiet"] == "2.0"
+    assert main(args + ["--steps", "6", "--quiet-partner", "2"]) == 0  # resumed with the same settings
+    capsys.readouterr()
+    assert main(args + ["--steps", "8", "--quiet-partner", "1"]) != 0  # another weight is another run
+    assert main(args[:-5] + ["--beside", "0", "--model", TINY, "--quiet", "--steps", "2", "--quiet-partner", "1",
+                             "--out", str(tmp_path / "d.pt")]) != 0
+    assert "quiet" in capsys.readouterr().err
