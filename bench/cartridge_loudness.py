@@ -53,7 +53,8 @@ def measure(model, prompts: list[list[int]], segments: list[tuple[str, list]]) -
     for ids in prompts:
         cache = DynamicCache()
         for i in range(layers):
-            cache.update(torch.cat([kv[i][0] for _, kv in segments], 2), torch.cat([kv[i][1] for _, kv in segments], 2), i)
+            cache.update(torch.cat([kv[i][0] for _, kv in segments], 2),
+                         torch.cat([kv[i][1] for _, kv in segments], 2), i)
         with torch.no_grad():
             attentions = model(torch.tensor([ids]), past_key_values=cache, output_attentions=True).attentions
         for i, a in enumerate(attentions):  # [1, heads, queries, keys]

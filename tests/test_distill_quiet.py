@@ -1,6 +1,6 @@
-"""Quiet beside a partner (`learn --quiet-partner`, final/distill/quiet.py): the loudness of our KV to the partner's rows,
-computed beside the model's own attention, checked against the attention weights transformers returns, and trained
-down. Tiny model, real HF student, real files."""
+"""Quiet beside a partner (`learn --quiet-partner`, final/distill/quiet.py): the loudness of our KV to the
+partner's rows, computed beside the model's own attention, checked against the attention weights transformers
+returns, and trained down. Tiny model, real HF student, real files."""
 
 from __future__ import annotations
 
@@ -36,14 +36,17 @@ def tok():
     return AutoTokenizer.from_pretrained(resolve_model_path(TINY))
 
 
-def test_loudness_is_the_norm_of_the_spans_share_of_the_attention_output(tok):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: each head's query normalised before RoPE
+def test_loudness_is_the_norm_of_the_spans_share_of_the_attention_output(tok, arch):
     """Against eager attention's own weights: ||sum_{j in span} a_j v_j||, mean over heads, per layer."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(TINY), attn_implementation="eager").eval()
+    path = resolve_model_path(f"builtin:tiny-random-{arch}")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     prefix = document_ids(tok, DOC_A)[:20]
     with torch.no_grad():
-        kv = [(layer.keys, layer.values) for layer in model(torch.tensor([prefix]), use_cache=True).past_key_values.layers]
+        cached = model(torch.tensor([prefix]), use_cache=True).past_key_values
+    kv = [(layer.keys, layer.values) for layer in cached.layers]
     ids = torch.tensor([tok("What is kept here, and by whom?", add_special_tokens=False).input_ids])
     where = torch.ones_like(ids, dtype=torch.bool)
     where[0, :2] = False

@@ -1,4 +1,4 @@
-"""Quiet beside a neighbour (`learn --quiet-partner W`): how loud the trained KV is to questions about another document.
+"""Quiet beside a neighbour (`learn --quiet-partner W`): how loud the trained KV is to another document's questions.
 
 Served beside another cartridge, a trained one loses a third of its answers (bench/RESULTS.md, issue 42). Measured
 (bench/cartridge_loudness.py), the cause is the neighbour's *loudness*: its part of each layer's attention output,
@@ -9,8 +9,11 @@ same as alone) while it silences the neighbour's own. So at the steps beside a p
 (final/distill/keep.py) are read after both caches and the mean loudness of our positions (the frozen first one,
 every cartridge's attention sink, apart) is added to the loss at weight W: loud for our questions, quiet for others'.
 
-The loudness is recomputed beside the model's own attention, from each layer's queries (its q_proj, RoPE) and the
-cache the layer has just extended, so the forward pass itself is the model's unchanged.
+The loudness is recomputed beside the model's own attention, from each layer's queries (its q_proj, q_norm where it
+has one, RoPE) and the cache the layer has just extended, so the forward pass itself is the model's unchanged.
+
+Measured (bench/RESULTS.md): the term quiets the cartridge to another document's questions down to a document's
+level, and to its own questions with it, so composed it answers no more; opt-in, not the default.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ class Loudness:
 
 
 def _queries(module: Any, hidden: torch.Tensor, position_embeddings: tuple) -> torch.Tensor:
-    """The layer's post-RoPE queries [B, H, T, D], as its forward computed them (a Llama-style attention)."""
+    """The layer's post-RoPE queries [B, H, T, D], as its forward computed them (Llama / Qwen-style attention)."""
     B, T, _ = hidden.shape
-    q = module.q_proj(hidden).view(B, T, -1, module.head_dim).transpose(1, 2)
+    q = module.q_proj(hidden).view(B, T, -1, module.head_dim)
+    norm = getattr(module, "q_norm", None)  # Qwen3 normalises each head's query before RoPE; Llama does not
+    q = (norm(q) if norm is not None else q).transpose(1, 2)
     cos, sin = position_embeddings
     rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
     return rope(q, q, cos, sin)[0]
