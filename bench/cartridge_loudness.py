@@ -41,8 +41,13 @@ def _cart(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def measure(model, prompts: list[list[int]], segments: list[tuple[str, list]]) -> dict[str, torch.Tensor]:
-    """Per-layer means over `prompts` of each segment's attention mass (sink apart) and loudness."""
+    """Per-layer means over `prompts` of each segment's attention mass (sink apart) and loudness (the training
+    term's own measure, final.distill.quiet, so the bench reports what `learn --quiet-partner` trains down)."""
+    from contextlib import ExitStack
+
     from transformers import DynamicCache
+
+    from final.distill.quiet import measured
 
     layers = len(segments[0][1])
     out: dict[str, torch.Tensor] = {}
@@ -50,25 +55,24 @@ def measure(model, prompts: list[list[int]], segments: list[tuple[str, list]]) -
     def add(key: str, layer: int, x: torch.Tensor) -> None:
         out.setdefault(key, torch.zeros(layers))[layer] += float(x) / len(prompts)
 
+    lengths = [kv[0][0].shape[2] for _, kv in segments]
+    starts, total = [sum(lengths[:s]) for s in range(len(lengths))], sum(lengths)
     for ids in prompts:
         cache = DynamicCache()
         for i in range(layers):
             cache.update(torch.cat([kv[i][0] for _, kv in segments], 2),
                          torch.cat([kv[i][1] for _, kv in segments], 2), i)
-        with torch.no_grad():
+        where = torch.ones(1, len(ids), dtype=torch.bool)
+        with torch.no_grad(), ExitStack() as stack:
+            loud = [stack.enter_context(measured(model, at + 1, at + n, where)) for at, n in zip(starts, lengths)]
             attentions = model(torch.tensor([ids]), past_key_values=cache, output_attentions=True).attentions
         for i, a in enumerate(attentions):  # [1, heads, queries, keys]
             a = a[0].float()
-            start = 0
-            for name, kv in segments:
-                n = kv[i][0].shape[2]
-                v = kv[i][1][0].float().repeat_interleave(a.shape[0] // kv[i][1].shape[1], 0)  # GQA: per query head
-                part = a[:, :, start + 1:start + n]
-                add(f"mass {name}", i, part.sum(-1).mean())
-                add("mass sinks", i, a[:, :, start].mean())
-                add(f"loud {name}", i, torch.einsum("hqk,hkd->hqd", part, v[:, 1:]).norm(dim=-1).mean())
-                start += n
-            add("mass prompt", i, a[:, :, start:].sum(-1).mean())
+            for at, n, (name, _), heard in zip(starts, lengths, segments, loud):
+                add(f"mass {name}", i, a[:, :, at + 1:at + n].sum(-1).mean())
+                add("mass sinks", i, a[:, :, at].mean())
+                add(f"loud {name}", i, heard.layers[i].mean())
+            add("mass prompt", i, a[:, :, total:].sum(-1).mean())
     return out
 
 

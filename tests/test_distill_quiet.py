@@ -15,25 +15,13 @@ from final.distill.cli import main
 from final.distill.keep import keep_rows
 from final.distill.losses import distill_loss
 from final.distill.quiet import measured
-from final.distill.train import Partner, Student, TrainConfig, TrainableKV, make_batch, train
+from final.distill.train import Partner, TrainConfig, TrainableKV, make_batch, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids
 
 from test_distill_facts import DOC
-from test_distill_keep import PARTNER
-
-
-@pytest.fixture(scope="module")
-def student():
-    return Student(resolve_model_path(TINY))
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(TINY))
+from test_distill_keep import PARTNER, student, tok  # noqa: F401 - the tiny student and tokenizer fixtures
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: each head's query normalised before RoPE

@@ -22,10 +22,13 @@ on sampled tokens, the mean k1 = log q - log p, an unbiased estimate of KL(q || 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from final.distill.quiet import measured
 
 LOSSES = ("forward_topk", "forward_topk_tail", "reverse_k1", "reverse_k3")
 
@@ -119,23 +122,15 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets, hard)
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
+        # the loudness is read per layer call, so the rows' shared head is not run apart (share=False) when weighed
+        with measured(student.model, *cache.span(batch.beside), kept.where) if batch.quiet else nullcontext() as loud:
+            logq = student.log_probs(keys, values, kept.ids, kept.where, share=not batch.quiet)
         if batch.quiet:
-            from final.distill.quiet import measured
-
-            with measured(student.model, *_our_span(cache, batch.beside), kept.where) as loud:
-                logq = student.log_probs(keys, values, kept.ids, kept.where, share=False)
             heard = loud.mean()
             out.loss = out.loss + batch.quiet * heard
             out.quiet = float(heard.detach())
-        else:
-            logq = student.log_probs(keys, values, kept.ids, kept.where)
         k = step_loss("forward_topk", logq, kept.targets)
         out.loss = out.loss + weight * k.loss
         out.keep_kl = k.forward_kl
     return out
 
-
-def _our_span(cache: Any, beside: tuple) -> tuple[int, int]:
-    """Where the trained KV's trainable positions sit among a composed batch's keys (TrainableKV.full's order)."""
-    offset = beside[0][0].shape[2] if beside[2] else 0  # the partner's length when it is in front
-    return offset + cache.frozen_tokens, offset + cache.frozen_tokens + cache.trainable_keys[0].shape[2]

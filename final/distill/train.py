@@ -170,6 +170,11 @@ class TrainableKV(nn.Module):
         pk, pv, front = beside
         return (cat(pk, keys), cat(pv, values)) if front else (cat(keys, pk), cat(values, pv))
 
+    def span(self, beside: tuple | None = None) -> tuple[int, int]:
+        """Where the trainable positions sit among full(beside)'s keys: after the partner when it is in front."""
+        start = (beside[0][0].shape[2] if beside is not None and beside[2] else 0) + self.frozen_tokens
+        return start, start + self.trainable_keys[0].shape[2]
+
     def cartridge(self, dtype: torch.dtype = torch.float32) -> CartridgeKV:
         keys, values = self.full()
         return CartridgeKV([k.detach().to("cpu", dtype) for k in keys], [v.detach().to("cpu", dtype) for v in values],
@@ -313,11 +318,9 @@ def digest(ids: Sequence[int]) -> str:
 def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
     checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0 and on_policy=0)."""
+    later = ("beside", "keep", "quiet", "hard", "on_policy")
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in OPTIONAL and not v)}
-
-
-OPTIONAL = ("beside", "keep", "quiet", "hard", "on_policy")  # settings added later: left out of the key when off
+            if k not in ("steps", "checkpoint_every") and not (k in later and not v)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
