@@ -36,6 +36,7 @@ def register_learn(sub: Any) -> None:
     from final.distill.chunks import INITS
     from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
     from final.distill.live import LiveConfig
+    from final.distill.quiet import MEASURES
     from final.distill.train import TrainConfig
     from final.distill.train_cli import _model_args
 
@@ -69,6 +70,9 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--quiet-partner", type=float, default=0.0, metavar="W",
                    help="at the steps beside a partner, also train at weight W the cartridge's loudness to the "
                         "partner's questions down (final/distill/quiet.py; default 0: not)")
+    p.add_argument("--quiet-by", choices=MEASURES,
+                   help="with --quiet-partner: what is trained down - the loudness (keys and values, the default) "
+                        "or the attention mass our keys get from the partner's questions (keys only)")
     p.add_argument("--hard", type=float, default=0.0, metavar="W",
                    help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
                         "(default 0)")
@@ -101,12 +105,13 @@ def _learn(args: argparse.Namespace) -> int:
     text = read_text(args.text)
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
+    _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=_keep(args), quiet=args.quiet_partner, hard=args.hard,
+                        beside=args.beside, keep=_keep(args), quiet=args.quiet_partner, quiet_by=args.quiet_by or "loudness", hard=args.hard,
                         on_policy=args.on_policy)
     train.check()
     live = _live_config(args)

@@ -123,7 +123,7 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
         # the loudness is read per layer call, so the rows' shared head is not run apart (share=False) when weighed
-        with measured(student.model, *cache.span(batch.beside), kept.where) if batch.quiet else nullcontext() as loud:
+        with measured(student.model, *cache.span(batch.beside), kept.where, batch.quiet_by) if batch.quiet else nullcontext() as loud:
             logq = student.log_probs(keys, values, kept.ids, kept.where, share=not batch.quiet)
         if batch.quiet:
             heard = loud.mean()

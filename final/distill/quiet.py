@@ -25,11 +25,15 @@ from typing import Any, Iterator
 import torch
 
 
-class Loudness:
-    """Collects, per attention layer called, the loudness of keys [start, end) at the query positions `where`."""
+MEASURES = ("loudness", "mass")
 
-    def __init__(self, start: int, end: int, where: torch.Tensor):
-        self.start, self.end, self.where = start, end, where
+
+class Loudness:
+    """Collects, per attention layer called, the loudness of keys [start, end) at the query positions `where`
+    (by="mass": the attention mass they get instead)."""
+
+    def __init__(self, start: int, end: int, where: torch.Tensor, by: str = "loudness"):
+        self.start, self.end, self.where, self.by = start, end, where, by
         self.layers: list[torch.Tensor] = []
 
     def hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -37,7 +41,7 @@ class Loudness:
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         layer = cache.layers[module.layer_idx]
         self.layers.append(loudness(_queries(module, hidden, kwargs["position_embeddings"]), layer.keys,
-                                    layer.values, module.scaling, self.start, self.end)[self.where])
+                                    layer.values, module.scaling, self.start, self.end, self.by)[self.where])
 
     def mean(self) -> torch.Tensor:
         """The mean over layers and query positions (what the loss adds)."""
@@ -56,25 +60,29 @@ def _queries(module: Any, hidden: torch.Tensor, position_embeddings: tuple) -> t
 
 
 def loudness(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, start: int,
-             end: int) -> torch.Tensor:
+             end: int, by: str = "loudness") -> torch.Tensor:
     """||sum_{j in [start, end)} a_ij v_j|| per query [B, T], the mean over heads, where a is causal softmax
     attention of queries q [B, H, T, D] (the last T positions) over keys k, v [B, H_kv, K, D]; the span lies
-    before the queries (a cached prefix), so every query sees all of it."""
+    before the queries (a cached prefix), so every query sees all of it. by="mass": sum_j a_ij instead: no value
+    enters it but through the queries of the layers after its own, so it does not pay to shrink what the span says to
+    the questions that do read it (what the loudness term does, measured: bench/RESULTS.md)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     logits = (q @ k.transpose(-1, -2)).float() * scaling
     T, K = q.shape[2], k.shape[2]
     seen = torch.arange(K, device=q.device)[None, :] <= torch.arange(K - T, K, device=q.device)[:, None]
     lse = logits.masked_fill(~seen, float("-inf")).logsumexp(-1, keepdim=True)
+    if by == "mass":
+        return torch.exp(logits[..., start:end] - lse).sum(-1).mean(1)
     part = torch.exp(logits[..., start:end] - lse) @ v[:, :, start:end].float()
     return part.norm(dim=-1).mean(1)
 
 
 @contextmanager
-def measured(model: Any, start: int, end: int, where: torch.Tensor) -> Iterator[Loudness]:
-    """Within the block, every attention layer of `model` (a transformers causal LM) adds its loudness of keys
-    [start, end) at `where` to the yielded Loudness."""
-    got = Loudness(start, end, where)
+def measured(model: Any, start: int, end: int, where: torch.Tensor, by: str = "loudness") -> Iterator[Loudness]:
+    """Within the block, every attention layer of `model` (a transformers causal LM) adds its loudness (or mass,
+    `by`) of keys [start, end) at `where` to the yielded Loudness."""
+    got = Loudness(start, end, where, by)
     handles = [layer.self_attn.register_forward_hook(got.hook, with_kwargs=True) for layer in model.model.layers]
     try:
         yield got

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from final.distill.convs import Conversation
 from final.distill.losses import Targets
+from final.distill.quiet import MEASURES
 from final.distill.trainer import Trainer
 from final.cartridges.format import CartridgeKV
 from final.errors import CartridgeError
@@ -48,6 +49,8 @@ class TrainConfig:
     keep: float = 0.0
     # the weight of our KV's loudness to the partner's rows at those steps (final/distill/quiet.py): 0 not measured
     quiet: float = 0.0
+    # what that term measures: "loudness" (keys and values) or "mass" (the attention our keys get: keys only)
+    quiet_by: str = "loudness"
     # the weight of the cross-entropy of each row's own tokens beside the KL to the teacher (losses.step_loss)
     hard: float = 0.0
     # the share of each step's rows answered by the cartridge being trained, scored by the teacher then
@@ -65,6 +68,8 @@ class TrainConfig:
         for key, what in (("keep", "keeping a partner's answers"), ("quiet", "quiet beside a partner")):
             if getattr(self, key) and not self.beside:
                 raise CartridgeError(f"{what} needs steps beside a partner (beside > 0)", field=key)
+        if self.quiet_by not in MEASURES:
+            raise CartridgeError(f"must be one of {', '.join(MEASURES)}, got {self.quiet_by!r}", field="quiet_by")
 
 
 def check_training(cfg: object, counts: Sequence[str]) -> None:
@@ -192,6 +197,7 @@ class Batch:
     keep: tuple["Batch", float] | None = None
     # the weight of our KV's loudness to those rows (final/distill/quiet.py); 0: not measured
     quiet: float = 0.0
+    quiet_by: str = "loudness"  # or "mass" (TrainConfig.quiet_by)
 
 
 @dataclass
@@ -305,7 +311,7 @@ def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainCo
     if (cfg.keep or cfg.quiet) and partner.rows:
         # read after the same two caches as the batch (distill_loss serves both with the batch's)
         kept = make_batch(keep_pick(partner.rows, step, max(1, cfg.batch // 2), cfg.seed), pad_id, device)
-        batch.keep, batch.quiet = (kept, cfg.keep), cfg.quiet
+        batch.keep, batch.quiet, batch.quiet_by = (kept, cfg.keep), cfg.quiet, cfg.quiet_by
 
 
 def digest(ids: Sequence[int]) -> str:
@@ -320,7 +326,8 @@ def _resume_key(cfg: TrainConfig) -> dict:
     checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0 and on_policy=0)."""
     later = ("beside", "keep", "quiet", "hard", "on_policy")
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in later and not v)}
+            if k not in ("steps", "checkpoint_every") and not (k in later and not v)
+            and not (k == "quiet_by" and v == "loudness")}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:
@@ -399,6 +406,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
               "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
               **({"keep": str(cfg.keep)} if cfg.keep else {}),
               **({"quiet": str(cfg.quiet)} if cfg.quiet else {}),
+              **({"quiet_by": cfg.quiet_by} if cfg.quiet and cfg.quiet_by != "loudness" else {}),
               **({"on_policy": str(cfg.on_policy)} if cfg.on_policy else {}),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
