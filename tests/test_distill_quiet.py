@@ -97,7 +97,26 @@ def test_the_mass_term_does_not_pay_for_smaller_values(student, tok):
     assert all(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(grads[0.0][:half], grads[3.0][:half]))
 
 
-@pytest.mark.parametrize("by", ["loudness", "mass"])
+def test_the_ratio_term_is_our_loudness_to_their_rows_over_ours(student, tok):
+    """by="ratio": the loudness to the partner's rows over the loudness to our own rows, both read beside the
+    partner - so halving every value of ours leaves it (nearly: the softmax over the rest moves little) unchanged."""
+    pkv = student.prefill(document_ids(tok, PARTNER)[:24])
+    rows = keep_rows(student, tok, PARTNER, pkv, 24, top_k=8)
+    ours = TrainableKV(*student.prefill(document_ids(tok, DOC_A)[:8]), frozen_tokens=1)
+    got = {}
+    for by in ("loudness", "ratio"):
+        own, kept = (make_batch(r, tok.pad_token_id, student.device) for r in (rows[3:5], rows[:3]))
+        own.beside = kept.beside = (*pkv, False)
+        own.keep, own.quiet, own.quiet_by = (kept, 0.0), 1.0, by
+        got[by] = distill_loss(student, ours, own).quiet
+        with torch.no_grad(), measured(student.model, *ours.span(own.beside), own.where) as mine:
+            student.log_probs(*ours.full(own.beside), own.ids, own.where, share=False)
+        if by == "ratio":
+            assert got["ratio"] == pytest.approx(got["loudness"] / float(mine.mean()), rel=1e-4)
+    assert 0.0 < got["ratio"] < 10.0
+
+
+@pytest.mark.parametrize("by", ["loudness", "mass", "ratio"])
 def test_training_quiet_lowers_our_loudness_to_the_partners_rows(student, tok, tmp_path, by):
     """The same steps with and without the term: with it, our KV ends quieter to the partner's rows (by its own
     measure: loudness, or the attention mass our keys get)."""
@@ -105,7 +124,7 @@ def test_training_quiet_lowers_our_loudness_to_the_partners_rows(student, tok, t
     rows = keep_rows(student, tok, PARTNER, pkv, 24, top_k=8)
     convs = keep_rows(student, tok, DOC_A, student.prefill(document_ids(tok, DOC_A)[:24]), 24, top_k=8)
     start = student.prefill(document_ids(tok, DOC)[:8])
-    probe = make_batch(rows, tok.pad_token_id, student.device)
+    probe = make_batch(convs[:4], tok.pad_token_id, student.device)  # our rows: the ratio's denominator
     probe.beside = (*pkv, True)
     probe.keep, probe.quiet = (make_batch(rows, tok.pad_token_id, student.device), 0.0), 1.0
     probe.quiet_by = by

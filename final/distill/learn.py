@@ -71,8 +71,9 @@ def register_learn(sub: Any) -> None:
                    help="at the steps beside a partner, also train at weight W the cartridge's loudness to the "
                         "partner's questions down (final/distill/quiet.py; default 0: not)")
     p.add_argument("--quiet-by", choices=MEASURES,
-                   help="with --quiet-partner: what is trained down - the loudness (keys and values, the default) "
-                        "or the attention mass our keys get from the partner's questions (keys only)")
+                   help="with --quiet-partner: what is trained down - the loudness to the partner's questions "
+                        "(the default), the attention mass they give our keys, or that loudness over our loudness "
+                        "to our own questions beside the partner (ratio)")
     p.add_argument("--hard", type=float, default=0.0, metavar="W",
                    help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
                         "(default 0)")
@@ -111,8 +112,8 @@ def _learn(args: argparse.Namespace) -> int:
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                        beside=args.beside, keep=_keep(args), quiet=args.quiet_partner, quiet_by=args.quiet_by or "loudness", hard=args.hard,
-                        on_policy=args.on_policy)
+                        beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
+                        quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy)
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")

@@ -119,14 +119,18 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
     keys, values = cache.full(batch.beside)
-    out = step_loss(loss, student.log_probs(keys, values, batch.ids, batch.where), batch.targets, hard)
+    quiet = batch.keep is not None and bool(batch.quiet)
+    ratio = quiet and batch.quiet_by == "ratio"  # our loudness to our own rows is the denominator
+    with _heard(student, cache, batch, batch.where, ratio) as own:
+        logq = student.log_probs(keys, values, batch.ids, batch.where, share=not ratio)
+    out = step_loss(loss, logq, batch.targets, hard)
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
         # the loudness is read per layer call, so the rows' shared head is not run apart (share=False) when weighed
-        with measured(student.model, *cache.span(batch.beside), kept.where, batch.quiet_by) if batch.quiet else nullcontext() as loud:
-            logq = student.log_probs(keys, values, kept.ids, kept.where, share=not batch.quiet)
-        if batch.quiet:
-            heard = loud.mean()
+        with _heard(student, cache, batch, kept.where, quiet) as loud:
+            logq = student.log_probs(keys, values, kept.ids, kept.where, share=not quiet)
+        if quiet:
+            heard = loud.mean() / own.mean() if ratio else loud.mean()
             out.loss = out.loss + batch.quiet * heard
             out.quiet = float(heard.detach())
         k = step_loss("forward_topk", logq, kept.targets)
@@ -134,3 +138,9 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
         out.keep_kl = k.forward_kl
     return out
 
+
+def _heard(student: Any, cache: Any, batch: Any, where: torch.Tensor, on: bool) -> Any:
+    """Our trainable span's loudness (or mass) to the rows read within the block, where measured (`on`)."""
+    if not on:
+        return nullcontext()
+    return measured(student.model, *cache.span(batch.beside), where, "mass" if batch.quiet_by == "mass" else "loudness")

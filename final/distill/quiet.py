@@ -25,7 +25,9 @@ from typing import Any, Iterator
 import torch
 
 
-MEASURES = ("loudness", "mass")
+# what --quiet-partner trains down: the loudness to the partner's rows; the attention mass they give our keys; or
+# the loudness to them over the loudness to our own rows (scale-free: smaller values alone do not lower it)
+MEASURES = ("loudness", "mass", "ratio")
 
 
 class Loudness:

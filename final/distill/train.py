@@ -49,7 +49,8 @@ class TrainConfig:
     keep: float = 0.0
     # the weight of our KV's loudness to the partner's rows at those steps (final/distill/quiet.py): 0 not measured
     quiet: float = 0.0
-    # what that term measures: "loudness" (keys and values) or "mass" (the attention our keys get: keys only)
+    # what that term measures (quiet.MEASURES): the loudness, the attention mass, or the loudness over our own rows'
+    # (a ratio no uniform shrinking of our values lowers)
     quiet_by: str = "loudness"
     # the weight of the cross-entropy of each row's own tokens beside the KL to the teacher (losses.step_loss)
     hard: float = 0.0
