@@ -198,7 +198,7 @@ class Batch:
     keep: tuple["Batch", float] | None = None
     # the weight of our KV's loudness to those rows (final/distill/quiet.py); 0: not measured
     quiet: float = 0.0
-    quiet_by: str = "loudness"  # or "mass" (TrainConfig.quiet_by)
+    quiet_by: str = "loudness"  # what it measures (TrainConfig.quiet_by)
 
 
 @dataclass
