@@ -36,7 +36,6 @@ def register_learn(sub: Any) -> None:
     from final.distill.chunks import INITS
     from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
     from final.distill.live import LiveConfig
-    from final.distill.quiet import MEASURES
     from final.distill.train import TrainConfig
     from final.distill.train_cli import _model_args
 
@@ -61,19 +60,7 @@ def register_learn(sub: Any) -> None:
                    help="a row's answer: the document's own words (default) or the teacher's greedy answer")
     p.add_argument("--answer-tokens", type=int, metavar="N",
                    help="with --answers teacher: the most tokens of an answer (default 64)")
-    p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
-                   help="train F of the steps beside another cartridge (of a text the model writes), in front "
-                        f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
-    p.add_argument("--keep-partner", type=float, metavar="W",
-                   help="at the steps beside a partner, also train at weight W that the partner's own questions are "
-                        f"answered as with the partner alone (default {KEEP} beside partners; 0: not)")
-    p.add_argument("--quiet-partner", type=float, default=0.0, metavar="W",
-                   help="at the steps beside a partner, also train at weight W the cartridge's loudness to the "
-                        "partner's questions down (final/distill/quiet.py; default 0: not)")
-    p.add_argument("--quiet-by", choices=MEASURES,
-                   help="with --quiet-partner: what is trained down - the loudness to the partner's questions "
-                        "(the default), the attention mass they give our keys, or that loudness over our loudness "
-                        "to our own questions beside the partner (ratio)")
+    _partner_args(p)
     p.add_argument("--hard", type=float, default=0.0, metavar="W",
                    help="also train the rows' own tokens by cross-entropy at weight W beside the KL to the teacher "
                         "(default 0)")
@@ -96,6 +83,25 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(p)
     p.set_defaults(cartridge_func=_learn)
+
+
+def _partner_args(p: argparse.ArgumentParser) -> None:
+    """The flags of training for composition: steps beside a partner, and what is trained at them."""
+    from final.distill.quiet import MEASURES
+
+    p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
+                   help="train F of the steps beside another cartridge (of a text the model writes), in front "
+                        f"or after, so the cartridge still answers when composed (default {BESIDE}; 0: alone)")
+    p.add_argument("--keep-partner", type=float, metavar="W",
+                   help="at the steps beside a partner, also train at weight W that the partner's own questions are "
+                        f"answered as with the partner alone (default {KEEP} beside partners; 0: not)")
+    p.add_argument("--quiet-partner", type=float, default=0.0, metavar="W",
+                   help="at the steps beside a partner, also train at weight W the cartridge's loudness to the "
+                        "partner's questions down (final/distill/quiet.py; default 0: not)")
+    p.add_argument("--quiet-by", choices=MEASURES,
+                   help="with --quiet-partner: what is trained down - the loudness to the partner's questions "
+                        "(the default), the attention mass they give our keys, or that loudness over our loudness "
+                        "to our own questions beside the partner (ratio)")
 
 
 def _learn(args: argparse.Namespace) -> int:
