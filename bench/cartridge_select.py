@@ -48,7 +48,7 @@ def main() -> int:
     from final.distill.match import fit_values
     from final.distill.select import attention_mass, gather_kv, select_kv, select_positions
     from final.distill.synth import ChunkContext, teacher_system
-    from final.distill.train import Student
+    from final.distill.student import Student
     from final.inf import local_engine
     from final.models import resolve_model_path
     from final.prompts import document_ids

@@ -27,7 +27,8 @@ def main() -> int:
     from final.cartridges.manifest import CartridgeManifest
     from final.distill.chunks import INITS, chunked_init
     from final.distill.convs import read_conversations
-    from final.distill.train import Student, TrainConfig, TrainableKV
+    from final.distill.student import Student, TrainableKV
+    from final.distill.train import TrainConfig
     from final.distill.train_cli import DEFAULT_MODEL
     from final.models import resolve_model_path
 

@@ -17,8 +17,8 @@ from serve_helpers import DOC_A, spec
 from final.distill.convs import read_conversations
 from final.cartridges.format import load_cartridge
 from final.distill.synth import SynthConfig, synthesize
-from final.distill.train import (Student, TrainConfig, TrainableKV, checkpoint_path, initial_ids,
-                                    train_cartridge)
+from final.distill.student import Student, TrainableKV
+from final.distill.train import TrainConfig, checkpoint_path, initial_ids, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import continuation_ids

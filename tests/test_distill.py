@@ -15,7 +15,8 @@ from final.distill.convs import Conversation, dedupe, read_conversations
 from final.distill.distill import DistillConfig, distill
 from final.distill.synth import SynthConfig, synthesize, system_text
 from final.distill.losses import distill_loss
-from final.distill.train import Student, TrainConfig, TrainableKV, make_batch, train_cartridge
+from final.distill.student import Student, TrainableKV
+from final.distill.train import TrainConfig, make_batch, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

@@ -14,7 +14,8 @@ from serve_helpers import DOC_A
 from final.distill.cli import main
 from final.distill.convs import read_conversations
 from final.distill.losses import distill_loss
-from final.distill.train import Student, TrainConfig, TrainableKV, make_batch, partner_for, train_cartridge
+from final.distill.student import Student, TrainableKV
+from final.distill.train import TrainConfig, make_batch, partner_for, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

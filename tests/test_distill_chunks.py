@@ -13,7 +13,7 @@ from final.distill.chunks import chunked_init, shares, template, tiles
 from final.distill.cli import main
 from final.distill.facts import FactConfig, fact_rows, token_offsets
 from final.distill.synth import teacher_ids
-from final.distill.train import Student
+from final.distill.student import Student
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 

@@ -13,7 +13,8 @@ from final.distill.cli import main
 from final.distill.learn import BESIDE, KEEP
 from final.distill.keep import held_sentences, keep_pick, keep_rows
 from final.distill.losses import distill_loss
-from final.distill.train import Partner, Student, TrainConfig, TrainableKV, make_batch, partner_for, train
+from final.distill.student import Student, TrainableKV
+from final.distill.train import Partner, TrainConfig, make_batch, partner_for, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

@@ -13,7 +13,8 @@ from final.distill.cli import main
 from final.distill.facts import FactConfig, end_of_turn, fact_prompts, fact_rows, teacher_window
 from final.distill.live import LiveConfig, LiveFacts
 from final.distill.synth import ChunkContext
-from final.distill.train import Student, TrainConfig, TrainableKV, train
+from final.distill.student import Student, TrainableKV
+from final.distill.train import TrainConfig, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 

@@ -15,7 +15,8 @@ from final.distill.cli import main
 from final.distill.keep import keep_rows
 from final.distill.losses import distill_loss
 from final.distill.quiet import measured
-from final.distill.train import Partner, TrainConfig, TrainableKV, make_batch, train
+from final.distill.student import TrainableKV
+from final.distill.train import Partner, TrainConfig, make_batch, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

@@ -191,32 +191,29 @@ def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_mod
     log-probs and the cartridge's gradient equal those of every row run whole."""
     import torch
 
-    import final.distill.train as train
+    import final.distill.student as students
+    from final.distill.convs import Conversation
+    from final.distill.train import make_batch
 
     build_traces(load_config(tool_config(tool_model, TOOLS)), write_gsm8k(tmp_path / "g.jsonl"),
                  tmp_path / "t.jsonl", progress=False)
-    student = train.Student(tool_model)
+    student = students.Student(tool_model)
     [row] = read_conversations(tmp_path / "t.jsonl", student.vocab_size)
-    short = train.Conversation(1, row.prompt_ids, row.answer_ids[:-3], row.top_ids[:-3], row.top_logprobs[:-3],
-                               target_start=row.target_start, mask=row.mask[:-3])
-    batch = train.make_batch([row, short], 0, student.device)
-    assert train._shared_prefix(batch.ids, batch.where) == len(row.prompt_ids) - 1
-    cache = train.TrainableKV(*student.prefill(row.ids[:8]), 1)
+    short = Conversation(1, row.prompt_ids, row.answer_ids[:-3], row.top_ids[:-3], row.top_logprobs[:-3],
+                         target_start=row.target_start, mask=row.mask[:-3])
+    batch = make_batch([row, short], 0, student.device)
+    assert students._shared_prefix(batch.ids, batch.where) == len(row.prompt_ids) - 1
+    cache = students.TrainableKV(*student.prefill(row.ids[:8]), 1)
 
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         for p in cache.trainable_keys:
             p.grad = None
-        logq = student.log_probs(*cache.full(), batch.ids, batch.where)
+        logq = student.log_probs(*cache.full(), batch.ids, batch.where, share=share)
         logq.gather(1, batch.targets.token_ids[:, None]).sum().backward()
         return logq.detach(), [p.grad.clone() for p in cache.trainable_keys]
 
-    shared, grads = run()
-    original = train._shared_prefix
-    train._shared_prefix = lambda ids, where: 0
-    try:
-        whole, whole_grads = run()
-    finally:
-        train._shared_prefix = original
+    shared, grads = run(True)
+    whole, whole_grads = run(False)
     assert torch.allclose(shared, whole, atol=1e-4)
     for g, w in zip(grads, whole_grads):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))

@@ -74,7 +74,7 @@ def template(tokenizer) -> tuple[int, int]:
     return head, len(a) - head - 1
 
 
-def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str,  # noqa: F821 - train.Student
+def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str,  # noqa: F821 - student.Student
                  convs: Sequence[Conversation], p: int, frozen: int, chunk_tokens: int | None,
                  fit: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The p-token start K/V (per layer [1, kv_heads, p, D]) from the document's chunks (module docstring).
@@ -117,7 +117,7 @@ def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str
     return ([torch.cat(layer, 2) for layer in zip(*keys)], [torch.cat(layer, 2) for layer in zip(*values)])
 
 
-def start(student: "Student", path: Path, tok: Any, convs: Sequence[Conversation],  # noqa: F821 - train.Student
+def start(student: "Student", path: Path, tok: Any, convs: Sequence[Conversation],  # noqa: F821 - student.Student
           cfg: Any, first: tuple[list[int], str], text: str | None, init: str, chunk_tokens: int | None,
           resumed: bool) -> tuple[Any, str, str]:
     """train_cartridge's KV start, its manifest label and its fingerprint (what a resume must match): `first` (the

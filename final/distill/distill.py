@@ -36,8 +36,8 @@ from final.distill.convs import Conversation
 from final.distill.losses import LOSSES
 from final.distill.rows import ask_batch, make_row, observe, validation_rows
 from final.distill.synth import ChunkContext, SynthConfig, teacher_system
-from final.distill.train import (Student, TrainableKV, check_training, checkpoint_path, digest, initial_ids,
-                                 make_batch)
+from final.distill.student import Student, TrainableKV
+from final.distill.train import check_training, checkpoint_path, digest, initial_ids, make_batch
 from final.distill.trainer import SCHEDULES, Trainer
 from final.errors import CartridgeError
 

@@ -70,7 +70,7 @@ class LiveFacts:
         return rng.sample(range(len(self.prompts)), min(count, len(self.prompts)))
 
     def rows(self, step: int, count: int, cache: Any) -> tuple[list[Conversation], dict]:
-        """`count` rows answered by the student with `cache` (train.TrainableKV) as it is now, and the seconds."""
+        """`count` rows answered by the student with `cache` (student.TrainableKV) as it is now, and the seconds."""
         t0 = time.perf_counter()
         self.inference.cartridges.add(self.CARTRIDGE, cache.cartridge(), pin=True)
         picked = self.pick(step, count)

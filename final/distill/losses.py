@@ -116,7 +116,7 @@ def step_loss(name: str, logq: torch.Tensor, t: Targets, hard: float = 0.0) -> S
 
 def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk", hard: float = 0.0) -> StepLoss:
     """The step's loss over every target token of a batch (final.distill.train.Batch), with its KL figures: the
-    student (train.Student) reads the batch after the cache's (train.TrainableKV) keys and values. Here, not
+    student (student.Student) reads the batch after the cache's (student.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
     keys, values = cache.full(batch.beside)
     quiet = batch.keep is not None and bool(batch.quiet)

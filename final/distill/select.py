@@ -28,7 +28,7 @@ from final.errors import CartridgeError
 
 
 @torch.no_grad()
-def attention_mass(student: "Student", doc_ids: Sequence[int],  # noqa: F821 - final.distill.train.Student
+def attention_mass(student: "Student", doc_ids: Sequence[int],  # noqa: F821 - final.distill.student.Student
                    rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """[layers, kv_heads, L]: the attention probability each document position gets from the rows' tokens (each
     row read after the whole document), summed over the rows' tokens and each KV head's query heads."""
