@@ -4,11 +4,8 @@ The student is the frozen model plus a trainable KV prefix of p tokens (post-RoP
 [1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on every target token of the rows
 (final.distill.convs: every token after the system turn, as the repo, or the answer's only), to match the
 teacher's top-k distribution (final.distill.losses; the KL to the teacher is reported beside the loss). Adam
-updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). Positions: the conversation
-starts at p, as final serves a cartridge ("after_prefix").
-
-The student (the frozen model and the trainable prefix, final.distill.student) runs in fp32 on CPU and bf16 on
-CUDA for "auto"; the prefix is kept in fp32 and the loss is taken in fp32.
+updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). The student - the frozen
+model, the trainable prefix, their positions and dtypes - is final.distill.student.
 """
 
 from __future__ import annotations
