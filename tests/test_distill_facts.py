@@ -80,6 +80,31 @@ def test_ask_rows_turn_each_cue_into_a_question_word_and_stop_at_its_clause():
     assert all(p.kind == "ask" and p.question.endswith("?") for p in fact_prompts(DOC, FactConfig(kinds=("ask",))))
 
 
+def test_word_rows_blank_the_ordinary_words_a_fact_hangs_on_nouns_first():
+    prompts = fact_prompts(DOC, FactConfig(kinds=("word",)))
+    assert prompts and all(fp.kind == "word" for fp in prompts)
+    for fp in prompts:
+        sentence = DOC[fp.span[0]:fp.span[1]]
+        assert fp.answer.islower() and fp.question.count("___") == 1
+        assert any(sentence[:m] + "___" + sentence[m + len(fp.answer):] in fp.question
+                   for m in range(len(sentence)) if sentence.startswith(fp.answer, m))
+    by_sentence: dict = {}
+    for fp in prompts:
+        by_sentence.setdefault(DOC[fp.span[0]:fp.span[1]], []).append(fp.answer)
+    # a noun (after an article, a number or a number word) before a verb; the rarer first
+    assert by_sentence["Today the town has roughly 6,300 people."] == ["people", "town"]
+    assert by_sentence["The first settlement had eleven households."] == ["households", "settlement"]
+    assert by_sentence["The mill closed in 1903!"] == ["mill", "closed"]
+    answers = {fp.answer for fp in prompts}
+    # never a cue (a number word has its cloze row), an adverb, a plain word, or a word the document repeats
+    assert not answers & {"eleven", "roughly", "first", "the", "is", "was"}
+    assert "town" not in {fp.answer for fp in fact_prompts(DOC + " The town is old.", FactConfig(kinds=("word",)))}
+    one = fact_prompts(DOC, FactConfig(kinds=("word",), words=1))
+    assert len(one) == len(by_sentence) and {fp.answer for fp in one} >= {"people", "households", "mill"}
+    with pytest.raises(CartridgeError, match="words"):
+        FactConfig(kinds=("word",), words=0).check()
+
+
 def test_the_teacher_window_holds_the_span_and_has_the_asked_length(inference):
     tok = inference.tokenizer
     start = DOC.index("The mill")

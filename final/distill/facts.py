@@ -8,6 +8,9 @@ generated: per sentence of the document,
     sentence and the next `quote_sentences - 1` verbatim;
   - cloze rows: the sentence with one cue blanked out, answered by the cue (a short answer, as a user's factual
     question gets);
+  - word rows (made when asked for): a cloze row whose blank is one of the sentence's distinctive ordinary words
+    (a lowercase word the document uses at most twice: "the main export was ___" -> "slate"), so the facts
+    that are not names or numbers - materials, colours, causes - are asked about too;
   - ask rows (made when asked for): the sentence up to the end of a cue's clause, the cue turned into a question
     word ("The first settlement had how many households?"), answered by the cue: the form a user's question has;
 and the teacher - the model with the document as its system turn (synth.teacher_system), or with the
@@ -34,7 +37,7 @@ QUOTE = ("What does the document say about {cue}?", "Tell me about {cue}.", "Wha
          "What is said about {cue} in the document?")
 CLOZE = ('Fill in the blank from the document: "{blanked}"',
          'According to the document, what goes in the blank? "{blanked}"')
-KINDS = ("quote", "cloze", "ask")
+KINDS = ("quote", "cloze", "word", "ask")
 # a row's answer: the document's own words (verbatim: the sentence, the blanked cue), or the teacher's own greedy
 # answer to the question in its context (the path a free answer takes; measured on the long document's tune half:
 # 0.26 MC accuracy against the document's words' 0.32, as the 135M teacher's free answers carry its inventions)
@@ -49,6 +52,16 @@ _NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve
 # written as words ("eleven households").
 _CUE = re.compile(r"[A-Z][\w'-]*(?:\s+(?:(?:of|the|de|and)\s+)?[A-Z][\w'-]*)*|\d(?:[\d,.:/-]*\d)?|"
                   rf"\b(?:{_NUMBER_WORDS})(?:[ -](?:{_NUMBER_WORDS}))*\b")
+# Ordinary words no fact hangs on: a word row never blanks one (the document's frequent words are left out by count).
+_PLAIN = frozenset("about above across after again against along also although among another around became because "
+                   "been before being below between both came come could does done during each either else every "
+                   "first from have having into itself just last later less like made make many more most much "
+                   "must near next once only other over same second several shall should since some still such "
+                   "than that their them then there these they this those though through under until upon used "
+                   "uses using very were what when where which while whose will with within without would your "
+                   "back down part took take given gave says said known".split())
+_DETERMINERS = frozenset("a an the its their his her our of some".split())
+_WORD = re.compile(r"(?<![\w'-])[a-z][a-z'-]{3,}(?![\w'-])")
 # Capitalised only because a sentence starts with them: never a cue on their own.
 _FUNCTION = frozenset("a an and as at by for from in it its on the their there these this those to when where "
                       "which while with after before during since until each every all some most many".split())
@@ -64,6 +77,7 @@ class FactConfig:
     # sentences before a cloze row's blanked one, quoted with it: "It was founded in ___" names no subject, and a
     # user's question about that fact does ("When was Brennock Ferry founded?")
     cloze_context: int = 0
+    words: int = 3  # word rows per sentence (its distinctive words, nouns first, at most)
     teacher_tokens: int | None = None  # None: the whole document is the teacher's system turn
     top_k: int = 20
     seed: int = 0
@@ -76,7 +90,7 @@ class FactConfig:
             raise CartridgeError(f"unknown fact kinds {unknown}; choose from {list(KINDS)}", field="fact_kinds")
         if self.answers not in ANSWERS:
             raise CartridgeError(f"unknown answers {self.answers!r}; choose from {list(ANSWERS)}", field="answers")
-        for key in ("quote_sentences", "cues", "top_k", "answer_tokens"):
+        for key in ("quote_sentences", "cues", "words", "top_k", "answer_tokens"):
             if getattr(self, key) < 1:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
         if self.cloze_context < 0:
@@ -126,10 +140,12 @@ def cues(sentence: str, known: frozenset[str] = frozenset()) -> list[str]:
 
 
 def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
-    """Per sentence, in document order: up to `cues` quote rows and one cloze row per cue (cfg.kinds)."""
+    """Per sentence, in document order: up to `cues` quote rows, one cloze row per cue, up to `words` word rows and
+    one ask row per cue (cfg.kinds)."""
     rng = random.Random(cfg.seed)
     spans = sentences(text)
     known = names(text)
+    counts = word_counts(text)
     out = []
     for i, (lo, hi) in enumerate(spans):
         sentence = text[lo:hi]
@@ -147,9 +163,42 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
                     continue
                 blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(cue):]
                 out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (start, hi)))
+        if "word" in cfg.kinds:
+            start = spans[max(0, i - cfg.cloze_context)][0]
+            for at, word in plain_words(sentence, found, counts)[:cfg.words]:
+                blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(word):]
+                out.append(FactPrompt("word", rng.choice(CLOZE).format(blanked=blanked), word, (start, hi)))
         if "ask" in cfg.kinds:
             out += [FactPrompt("ask", q, cue, (lo, hi)) for cue, q in asked(sentence, found)]
     return out
+
+
+def word_counts(text: str) -> dict[str, int]:
+    """How often the document uses each lowercase word (any case): a word it repeats is its topic, not a fact."""
+    counts: dict[str, int] = {}
+    for w in re.findall(r"[A-Za-z][A-Za-z'-]*", text):
+        counts[w.lower()] = counts.get(w.lower(), 0) + 1
+    return counts
+
+
+def plain_words(sentence: str, found: list[str], counts: dict[str, int]) -> list[tuple[int, str]]:
+    """(offset, word) of the sentence's distinctive ordinary words: lowercase, four letters or more, not in _PLAIN
+    or an adverb (-ly), used at most twice by the document, and not inside a cue (a number word is a cue already,
+    asked by its cloze row). Nouns first - a word after an article, possessive or number ("the ___", "four ___"),
+    which is what a question asks for ("What was the main export?") - then the rarer, then the longer."""
+    inside = [(m.start(), m.start() + len(c)) for c in found for m in re.finditer(re.escape(c), sentence)]
+    picked: dict[str, tuple[int, bool]] = {}
+    for m in _WORD.finditer(sentence):
+        w = m.group(0).rstrip("'-")
+        if (w in _PLAIN or w.endswith("ly") or counts.get(w, 0) > 2 or w in picked
+                or any(a <= m.start() < b for a, b in inside)):
+            continue
+        before = sentence[:m.start()].split()[-1:]
+        noun = bool(before) and (before[0].lower() in _DETERMINERS or before[0][0].isdigit()
+                                 or re.fullmatch(_NUMBER_WORDS, before[0].lower()) is not None)
+        picked[w] = (m.start(), noun)
+    order = sorted(picked, key=lambda w: (not picked[w][1], counts.get(w, 0), -len(w), picked[w][0]))
+    return [(picked[w][0], w) for w in order]
 
 
 def asked(sentence: str, found: list[str]) -> list[tuple[str, str]]:

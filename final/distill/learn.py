@@ -156,10 +156,12 @@ def _learn(args: argparse.Namespace) -> int:
 
 def _recorded(facts: Any) -> dict:
     """The fact settings a rerun must match; the answers' settings only where they are not the document's words,
-    so that rows made before --answers existed still resume."""
+    and the word rows' count only where they are made, so that rows made before either existed still resume."""
     out = dataclasses.asdict(facts)
     if facts.answers == "document":
         del out["answers"], out["answer_tokens"]
+    if "word" not in facts.kinds:
+        del out["words"]
     return out
 
 
