@@ -105,6 +105,8 @@ def test_the_conditions_that_are_the_same_kv_score_the_same(inference, tmp_path)
     for key in ("acc", "acc_norm", "contains"):
         assert getattr(got["cartridge"], key) == getattr(got[WHOLE], key)
     assert got["no document"].kl > 0.01 and all(r.questions == 2 for r in got.values())
+    assert got["cartridge"].right == got[WHOLE].right  # the same questions right, named by id
+    assert all(set(r.right) <= {"a", "b"} and len(r.right) == round(r.acc * 2) for r in got.values())
 
 
 def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
@@ -125,6 +127,7 @@ def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
                                                         "cartridge"]
     first, cart = report["rows"][1], report["rows"][4]
     assert cart["kl"] == pytest.approx(first["kl"], abs=1e-6)  # the cartridge is the first 4 tokens' KV
+    assert cart["right"] == first["right"] and len(cart["right"]) == round(cart["acc"])  # ids, for a breakdown
     assert main(["cartridge", "eval", str(path), "--model", TINY]) != 0
     assert "field 'qa': give --qa" in capsys.readouterr().err
 

@@ -53,6 +53,7 @@ class QARow:
     kl: float  # mean KL(whole document || condition) per token of the right option, nats
     kl_ci: tuple[float, float]
     kv_bytes: int  # the relevant-chunk row: prefix tokens and KV bytes are the mean over its questions' chunks
+    right: tuple[str, ...] = ()  # the ids of the questions `acc` counts right (a JSON report can be broken down)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -201,7 +202,8 @@ def row(name: str, prefix_tokens: int, kv_bytes: int, got: list, teacher: list[t
     exact = sum(normalise(q.reference) == normalise(g[2]) for q, g in zip(questions, got))
     kls = [float(kl_and_top1(t, g[3])[0].mean()) for t, g in zip(teacher, got)]
     return QARow(name, prefix_tokens, n, acc / n, wilson(acc, n), norm / n, wilson(norm, n), contains / n,
-                 wilson(contains, n), exact / n, sum(kls) / n, mean_ci(kls), kv_bytes)
+                 wilson(contains, n), exact / n, sum(kls) / n, mean_ci(kls), kv_bytes,
+                 tuple(q.id for q, g in zip(questions, got) if g[0]))
 
 
 def table(rows: Sequence[QARow]) -> str:
