@@ -6,8 +6,9 @@
 For each set: `final cartridge learn` (or `distill`: --command) of its document at p = --tokens with the flags
 given after `--` (none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
 half is for final figures only) - no document, the first p and k*p tokens, the whole document, the cartridge -
-MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set and one pooled over
-the sets (every question counted once), and writes summary.json in --work. Runs resume: a finished cartridge in
+MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set, one pooled over
+the sets (every question counted once) and the pooled MC acc by the kind of answer (a name, a number, an ordinary
+word: what the fact rows ask about differs by kind), and writes summary.json in --work. Runs resume: a finished cartridge in
 --work is evaluated again without training (its minutes are read back from summary.json).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = args.work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     pooled: dict[str, list] = {}
+    kinds: dict[str, str] = {}  # question id -> its answer's kind
     for name in args.sets.split(","):
         rows, minutes = run_set(name, args, extra, summary.get(name, {}).get("minutes"))
         summary[name] = {"minutes": minutes, "command": args.command, "flags": extra, "split": args.split,
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows), flush=True)
         for r in rows:
             pooled.setdefault(r.condition, []).append(r)
+        kinds.update({q.id: answer_kind(q.reference) for q in _questions(name, args.split)})
     print(f"\npooled over {args.sets} ({args.split}):")
     print("| condition | questions | MC acc | MC acc_norm | open: contains | KL |\n|---|---:|---:|---:|---:|---:|")
     for cond, rs in pooled.items():
@@ -64,7 +68,35 @@ def main(argv: list[str] | None = None) -> int:
         acc, norm, contains, kl = (sum(getattr(r, key) * r.questions for r in rs) / n
                                    for key in ("acc", "acc_norm", "contains", "kl"))
         print(f"| {cond} | {n} | {acc:.3f} | {norm:.3f} | {contains:.3f} | {kl:.3f} |")
+    print_by_kind(pooled, kinds)
     return 0
+
+
+def answer_kind(reference: str) -> str:
+    """What a question's answer is: a number (digits or a number word), a name (capitalised) or an ordinary word."""
+    from final.distill.facts import NUMBER_WORDS
+
+    if re.search(r"\d", reference) or re.search(rf"\b(?:{NUMBER_WORDS})\b", reference.lower()):
+        return "number"
+    return "name" if re.search(r"\b[A-Z]", reference) else "word"
+
+
+def print_by_kind(pooled: dict[str, list], kinds: dict[str, str]) -> None:
+    """MC acc right / asked per answer kind and condition, pooled over the sets (QARow.right names the ids)."""
+    order = ("name", "number", "word")
+    total = {k: sum(v == k for v in kinds.values()) for k in order}
+    print("\nMC acc by the kind of answer (right / asked):")
+    print("| condition | " + " | ".join(order) + " |\n|---|" + "---:|" * len(order))
+    for cond, rs in pooled.items():
+        right = [i for r in rs for i in r.right]
+        print(f"| {cond} | " + " | ".join(f"{sum(kinds.get(i) == k for i in right)} / {total[k]}" for k in order)
+              + " |")
+
+
+def _questions(name: str, split: str) -> tuple:
+    from final.distill.qa import load_qa
+
+    return load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if split == "all" else split).questions
 
 
 def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: float | None):

@@ -179,3 +179,23 @@ def test_the_relevant_chunk_row_asks_each_question_after_its_own_window(inferenc
     assert main(["cartridge", "eval", str(path), "--model", TINY, "--qa", str(tmp_path / "s.jsonl"),
                  "--chunk-tokens", "0"]) != 0
     assert "field 'chunk_tokens'" in capsys.readouterr().err
+
+
+def test_the_bench_breaks_accuracy_down_by_the_kind_of_answer(capsys):
+    """bench/cartridge_qa.py's breakdown: a number (digits or a number word), a name, an ordinary word; each
+    condition's right ids (QARow.right) counted per kind, pooled over the sets."""
+    import importlib.util
+
+    from final.distill.qa_eval import QARow
+
+    path = Path(__file__).parent.parent / "bench" / "cartridge_qa.py"
+    spec = importlib.util.spec_from_file_location("cartridge_qa", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [bench.answer_kind(r) for r in ("1742", "eleven", "Two years", "Odo Brennock", "slate", "the left side")] \
+        == ["number", "number", "number", "name", "word", "word"]
+    kinds = {"a": "name", "b": "number", "c": "word", "d": "word"}
+    rows = {"cartridge": [QARow("cartridge", 64, 2, 0.5, (0, 1), 0.5, (0, 1), 0, (0, 1), 0, 0, (0, 0), 0, ("a",)),
+                          QARow("cartridge", 64, 2, 1.0, (0, 1), 1.0, (0, 1), 0, (0, 1), 0, 0, (0, 0), 0, ("c", "d"))]}
+    bench.print_by_kind(rows, kinds)
+    assert "| cartridge | 1 / 1 | 0 / 1 | 2 / 2 |" in capsys.readouterr().out

@@ -45,13 +45,13 @@ ANSWERS = ("document", "teacher")
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
-_NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
                  "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
                  "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
 # A cue: a run of capitalised words (joined by of/the/de/and), a number with its inner separators, or a number
 # written as words ("eleven households").
 _CUE = re.compile(r"[A-Z][\w'-]*(?:\s+(?:(?:of|the|de|and)\s+)?[A-Z][\w'-]*)*|\d(?:[\d,.:/-]*\d)?|"
-                  rf"\b(?:{_NUMBER_WORDS})(?:[ -](?:{_NUMBER_WORDS}))*\b")
+                  rf"\b(?:{NUMBER_WORDS})(?:[ -](?:{NUMBER_WORDS}))*\b")
 # Ordinary words no fact hangs on: a word row never blanks one (the document's frequent words are left out by count).
 _PLAIN = frozenset("about above across after again against along also although among another around became because "
                    "been before being below between both came come could does done during each either else every "
@@ -195,7 +195,7 @@ def plain_words(sentence: str, found: list[str], counts: dict[str, int]) -> list
             continue
         before = sentence[:m.start()].split()[-1:]
         noun = bool(before) and (before[0].lower() in _DETERMINERS or before[0][0].isdigit()
-                                 or re.fullmatch(_NUMBER_WORDS, before[0].lower()) is not None)
+                                 or re.fullmatch(NUMBER_WORDS, before[0].lower()) is not None)
         picked[w] = (m.start(), noun)
     order = sorted(picked, key=lambda w: (not picked[w][1], counts.get(w, 0), -len(w), picked[w][0]))
     return [(picked[w][0], w) for w in order]
