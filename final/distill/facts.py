@@ -46,8 +46,8 @@ DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESU
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
-                 "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
-                 "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
+                "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
 # A cue: a run of capitalised words (joined by of/the/de/and), a number with its inner separators, or a number
 # written as words ("eleven households").
 _CUE = re.compile(r"[A-Z][\w'-]*(?:\s+(?:(?:of|the|de|and)\s+)?[A-Z][\w'-]*)*|\d(?:[\d,.:/-]*\d)?|"
@@ -174,7 +174,8 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
 
 
 def word_counts(text: str) -> dict[str, int]:
-    """How often the document uses each lowercase word (any case): a word it repeats is its topic, not a fact."""
+    """How often the document uses each word, case folded ("Slate" and "slate" are one): a word it repeats is its
+    topic, not a fact."""
     counts: dict[str, int] = {}
     for w in re.findall(r"[A-Za-z][A-Za-z'-]*", text):
         counts[w.lower()] = counts.get(w.lower(), 0) + 1
