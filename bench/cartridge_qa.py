@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     pooled: dict[str, list] = {}
     kinds: dict[str, str] = {}  # question id -> its answer's kind
     for name in args.sets.split(","):
-        rows, minutes = run_set(name, args, extra, summary.get(name, {}).get("minutes"))
+        rows, minutes, questions = run_set(name, args, extra, summary.get(name, {}).get("minutes"))
         summary[name] = {"minutes": minutes, "command": args.command, "flags": extra, "split": args.split,
                          "rows": [dataclasses.asdict(r) for r in rows]}
         summary_path.write_text(json.dumps(summary, indent=2))
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows), flush=True)
         for r in rows:
             pooled.setdefault(r.condition, []).append(r)
-        kinds.update({q.id: answer_kind(q.reference) for q in _questions(name, args.split)})
+        kinds.update({q.id: answer_kind(q.reference) for q in questions})
     print(f"\npooled over {args.sets} ({args.split}):")
     print("| condition | questions | MC acc | MC acc_norm | open: contains | KL |\n|---|---:|---:|---:|---:|---:|")
     for cond, rs in pooled.items():
@@ -93,12 +93,6 @@ def print_by_kind(pooled: dict[str, list], kinds: dict[str, str]) -> None:
               + " |")
 
 
-def _questions(name: str, split: str) -> tuple:
-    from final.distill.qa import load_qa
-
-    return load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if split == "all" else split).questions
-
-
 def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: float | None):
     from final.cartridges.service import CartridgeService
     from final.distill.cli import main as cli
@@ -119,7 +113,7 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     try:
         cart = CartridgeService(inference.engine, inference.model_dir).read_served(out)
         return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
-                           chunk_tokens=args.chunk_tokens), minutes
+                           chunk_tokens=args.chunk_tokens), minutes, qa.questions
     finally:
         inference.shutdown()
 

@@ -155,19 +155,15 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
             # a sentence without names or numbers is still quoted, asked about by its opening words
             for cue in found[:cfg.cues] or [" ".join(sentence.split()[:5]).rstrip(".,:;")]:
                 out.append(FactPrompt("quote", rng.choice(QUOTE).format(cue=cue), text[lo:end], (lo, end)))
-        if "cloze" in cfg.kinds:
-            start = spans[max(0, i - cfg.cloze_context)][0]  # the context sentences, as the document has them
-            for cue in found:
-                at = sentence.find(cue)
-                if at <= 0:  # the sentence's subject: blanking it leaves nothing to ask from
-                    continue
-                blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(cue):]
-                out.append(FactPrompt("cloze", rng.choice(CLOZE).format(blanked=blanked), cue, (start, hi)))
+        start = spans[max(0, i - cfg.cloze_context)][0]  # a blank's context sentences, as the document has them
+        blanks = []
+        if "cloze" in cfg.kinds:  # a cue at 0 is the sentence's subject: blanking it leaves nothing to ask from
+            blanks += [("cloze", sentence.find(cue), cue) for cue in found if sentence.find(cue) > 0]
         if "word" in cfg.kinds:
-            start = spans[max(0, i - cfg.cloze_context)][0]
-            for at, word in plain_words(sentence, found, counts)[:cfg.words]:
-                blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(word):]
-                out.append(FactPrompt("word", rng.choice(CLOZE).format(blanked=blanked), word, (start, hi)))
+            blanks += [("word", at, word) for at, word in plain_words(sentence, found, counts)[:cfg.words]]
+        for kind, at, answer in blanks:
+            blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(answer):]
+            out.append(FactPrompt(kind, rng.choice(CLOZE).format(blanked=blanked), answer, (start, hi)))
         if "ask" in cfg.kinds:
             out += [FactPrompt("ask", q, cue, (lo, hi)) for cue, q in asked(sentence, found)]
     return out
