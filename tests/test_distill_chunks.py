@@ -115,3 +115,20 @@ def test_cli_learn_starts_from_match_on_the_whole_document_and_from_the_prefix_w
         assert main(base + ["--out", str(out)] + extra) == 0
         assert json.loads((tmp_path / f"{want}.pt.manifest.json").read_text())["labels"]["init"] == want
 
+
+
+def test_cli_learn_cuts_the_start_from_the_whole_document_while_windows_teach(tmp_path, capsys):
+    """--start-tokens 0: the rows are taught from --teacher-tokens windows and the match start is cut from the whole
+    document (one chunk), not per window; it is refused where no start is cut (prefix) or too small a chunk."""
+    (tmp_path / "doc.txt").write_text(DOC)
+    base = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "12", "--steps", "1", "--batch",
+            "2", "--model", TINY, "--quiet", "--beside", "0", "--teacher-tokens", "16"]
+    assert main(base + ["--out", str(tmp_path / "w.pt"), "--start-tokens", "0"]) == 0
+    assert json.loads((tmp_path / "w.pt.manifest.json").read_text())["labels"]["init"] == "match"
+    made = json.loads((tmp_path / "w.pt.facts.jsonl.json").read_text())
+    assert made["facts"]["teacher_tokens"] == 16  # the rows were taught from windows, not the whole document
+    assert main(base + ["--out", str(tmp_path / "s.pt"), "--init", "select", "--start-tokens", "32"]) == 0
+    assert json.loads((tmp_path / "s.pt.manifest.json").read_text())["labels"]["init"] == "select/32"
+    for extra in (["--init", "prefix", "--start-tokens", "0"], ["--start-tokens", "8", "--init", "match"]):
+        assert main(base + ["--out", str(tmp_path / "x.pt")] + extra) != 0
+        assert "start" in capsys.readouterr().err and not (tmp_path / "x.pt.facts.jsonl").exists()

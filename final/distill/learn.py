@@ -73,10 +73,14 @@ def register_learn(sub: Any) -> None:
                    help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
     p.add_argument("--init", choices=INITS,
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
-                        "each --teacher-tokens chunk (the whole document without it) by its rows' attention "
-                        "(select), values then refitted (match) (final/distill/chunks.py); default: match, or "
-                        "prefix with --teacher-tokens. A cartridge to be served beside others: select (it composed "
+                        "each --start-tokens chunk by its rows' attention (select), values then refitted (match) "
+                        "(final/distill/chunks.py); default: match, or prefix where the start would be cut from "
+                        "--teacher-tokens windows. A cartridge to be served beside others: select (it composed "
                         "better and answered less alone, bench/RESULTS.md)")
+    p.add_argument("--start-tokens", type=int, metavar="N",
+                   help="with --init select|match: cut the start from the document's N-token chunks (default: "
+                        "--teacher-tokens, the windows the rows' teacher reads; 0: the whole document, as without "
+                        "--teacher-tokens)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
@@ -113,6 +117,8 @@ def _learn(args: argparse.Namespace) -> int:
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
+    start_tokens = _start_tokens(args)  # checked before any row is written
+    _only_with(args, ("start_tokens",), _init(args) != "prefix", "--init select or match")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
@@ -142,7 +148,7 @@ def _learn(args: argparse.Namespace) -> int:
             source = LiveFacts(inference, text, facts, live)
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
                                   dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
-                                  partners=texts, live=source, init=_init(args), chunk_tokens=args.teacher_tokens)
+                                  partners=texts, live=source, init=_init(args), chunk_tokens=start_tokens)
     finally:
         if source is not None:
             source.close()
@@ -175,14 +181,27 @@ def _only_with(args: argparse.Namespace, keys: tuple[str, ...], used: bool, need
 
 
 def _init(args: argparse.Namespace) -> str:
-    """--init as given, else what answered most alone (bench/RESULTS.md, issue 42): `match` from the whole document
-    (two fresh documents: 45 of 88 right, `select` 34, the first P tokens 35), `prefix` where the teacher reads
-    windows (skarrow: 0.32 against `select` per window's 0.21). Composed, `match` keeps least (26 of 88 against
-    `select`'s 36): its least-squares values, 3x the document's own in norm, disturb a neighbour's questions; the
-    help names `select` for cartridges served together."""
+    """--init as given, else what answered most alone (bench/RESULTS.md, issue 42): `match` where the start is cut
+    from the whole document (two fresh documents: 45 of 88 right, `select` 34, the first P tokens 35), `prefix`
+    where it would be cut from the teacher's windows (skarrow: 0.32 against `select` per window's 0.21).
+    Composed, `match` keeps least (26 of 88 against `select`'s 36): its least-squares values, 3x the document's
+    own in norm, disturb a neighbour's questions; the help names `select` for cartridges served together."""
     if args.init is not None:
         return args.init
-    return "prefix" if args.teacher_tokens else "match"
+    return "prefix" if _start_tokens(args) else "match"
+
+
+def _start_tokens(args: argparse.Namespace) -> int | None:
+    """The chunk size the select / match start is cut from: --start-tokens (0: the whole document), else the
+    teacher's windows (None: the whole document)."""
+    from final.errors import CartridgeError
+
+    if args.start_tokens is None:
+        return args.teacher_tokens
+    if args.start_tokens != 0 and args.start_tokens < 16:
+        raise CartridgeError(f"must be 0 (the whole document) or at least 16, got {args.start_tokens}",
+                             field="start_tokens")
+    return args.start_tokens or None
 
 
 def _live_config(args: argparse.Namespace) -> Any:
