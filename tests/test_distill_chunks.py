@@ -116,7 +116,6 @@ def test_cli_learn_starts_from_match_on_the_whole_document_and_from_the_prefix_w
         assert json.loads((tmp_path / f"{want}.pt.manifest.json").read_text())["labels"]["init"] == want
 
 
-
 def test_cli_learn_cuts_the_start_from_the_whole_document_while_windows_teach(tmp_path, capsys):
     """--start-tokens 0: the rows are taught from --teacher-tokens windows and the match start is cut from the whole
     document (one chunk), not per window; it is refused where no start is cut (prefix) or too small a chunk."""
