@@ -42,6 +42,7 @@ KINDS = ("quote", "cloze", "word", "ask")
 # answer to the question in its context (the path a free answer takes; measured on the long document's tune half:
 # 0.26 MC accuracy against the document's words' 0.32, as the 135M teacher's free answers carry its inventions)
 ANSWERS = ("document", "teacher")
+MIN_WINDOW = 16  # the fewest tokens of a teacher's window or of a chunk a start is cut from
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
@@ -95,8 +96,8 @@ class FactConfig:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
         if self.cloze_context < 0:
             raise CartridgeError(f"must be at least 0, got {self.cloze_context}", field="cloze_context")
-        if self.teacher_tokens is not None and self.teacher_tokens < 16:
-            raise CartridgeError(f"must be at least 16, got {self.teacher_tokens}", field="teacher_tokens")
+        if self.teacher_tokens is not None and self.teacher_tokens < MIN_WINDOW:
+            raise CartridgeError(f"must be at least {MIN_WINDOW}, got {self.teacher_tokens}", field="teacher_tokens")
 
 
 @dataclass

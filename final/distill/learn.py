@@ -118,7 +118,8 @@ def _learn(args: argparse.Namespace) -> int:
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
     start_tokens = _start_tokens(args)  # checked before any row is written
-    _only_with(args, ("start_tokens",), _init(args) != "prefix", "--init select or match")
+    init = _init(args, start_tokens)
+    _only_with(args, ("start_tokens",), init != "prefix", "--init select or match")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
@@ -148,7 +149,7 @@ def _learn(args: argparse.Namespace) -> int:
             source = LiveFacts(inference, text, facts, live)
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
                                   dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
-                                  partners=texts, live=source, init=_init(args), chunk_tokens=start_tokens)
+                                  partners=texts, live=source, init=init, chunk_tokens=start_tokens)
     finally:
         if source is not None:
             source.close()
@@ -180,7 +181,7 @@ def _only_with(args: argparse.Namespace, keys: tuple[str, ...], used: bool, need
             raise CartridgeError(f"--{key.replace('_', '-')} has no effect without {needs}", field=key)
 
 
-def _init(args: argparse.Namespace) -> str:
+def _init(args: argparse.Namespace, start_tokens: int | None) -> str:
     """--init as given, else what answered most alone (bench/RESULTS.md, issue 42): `match` where the start is cut
     from the whole document (two fresh documents: 45 of 88 right, `select` 34, the first P tokens 35), `prefix`
     where it would be cut from the teacher's windows (skarrow: 0.32 against `select` per window's 0.21).
@@ -188,18 +189,19 @@ def _init(args: argparse.Namespace) -> str:
     own in norm, disturb a neighbour's questions; the help names `select` for cartridges served together."""
     if args.init is not None:
         return args.init
-    return "prefix" if _start_tokens(args) else "match"
+    return "prefix" if start_tokens else "match"
 
 
 def _start_tokens(args: argparse.Namespace) -> int | None:
     """The chunk size the select / match start is cut from: --start-tokens (0: the whole document), else the
     teacher's windows (None: the whole document)."""
+    from final.distill.facts import MIN_WINDOW
     from final.errors import CartridgeError
 
     if args.start_tokens is None:
         return args.teacher_tokens
-    if args.start_tokens != 0 and args.start_tokens < 16:
-        raise CartridgeError(f"must be 0 (the whole document) or at least 16, got {args.start_tokens}",
+    if args.start_tokens != 0 and args.start_tokens < MIN_WINDOW:
+        raise CartridgeError(f"must be 0 (the whole document) or at least {MIN_WINDOW}, got {args.start_tokens}",
                              field="start_tokens")
     return args.start_tokens or None
 
