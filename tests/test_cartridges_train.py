@@ -246,3 +246,22 @@ def test_trainable_kv_keeps_the_frozen_part_out_of_the_optimizer():
     assert len(trainable) == 4 and all(p.shape[2] == 4 for p in trainable)
     full_k, full_v = cache.full()
     assert torch.equal(full_k[1], keys[1]) and torch.equal(full_v[0], keys[0] + 1)
+
+
+def test_key_lr_zero_trains_the_values_alone(data, tmp_path):
+    """--key-lr 0 keeps the start's keys (the same after one step and after three) while the values move; at the
+    default both move, and a share outside [0, inf) is refused by name."""
+    def run(name: str, steps: int, key_lr: float):
+        out = tmp_path / f"{name}.pt"
+        train_cartridge(TINY, data, out, TrainConfig(tokens=P, steps=steps, batch=2, lr=5e-2, key_lr=key_lr),
+                        text=DOC_A, progress=False)
+        return load_cartridge(out)
+
+    one, three = run("k0_1", 1, 0.0), run("k0_3", 3, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(one.keys, three.keys))
+    assert not all(torch.equal(a, b) for a, b in zip(one.values, three.values))
+    one, three = run("k1_1", 1, 1.0), run("k1_3", 3, 1.0)
+    assert not all(torch.equal(a, b) for a, b in zip(one.keys, three.keys))
+    with pytest.raises(CartridgeError) as err:
+        TrainConfig(tokens=P, key_lr=-1.0).check()
+    assert err.value.field == "key_lr"

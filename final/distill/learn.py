@@ -71,6 +71,9 @@ def register_learn(sub: Any) -> None:
                    help=f"with --on-policy: the cartridge's sampling temperature (default {LiveConfig.temperature})")
     p.add_argument("--sample-tokens", type=int, metavar="N",
                    help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
+    p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
+                   help="the keys' learning rate as a share of --lr (default 1; 0: the start's keys are kept and "
+                        "only the values trained)")
     p.add_argument("--init", choices=INITS,
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
                         "each --start-tokens chunk by its rows' attention (select), values then refitted (match) "
@@ -126,7 +129,8 @@ def _learn(args: argparse.Namespace) -> int:
     facts.check()
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
-                        quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy)
+                        quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy,
+                        key_lr=args.key_lr)
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")

@@ -50,13 +50,15 @@ class TrainConfig:
     # the share of each step's rows answered by the cartridge being trained, scored by the teacher then
     # (final/distill/live.py: on-policy rows; train() needs a `live` source for them)
     on_policy: float = 0.0
+    # the trainable keys' lr as a share of lr (0: the start's keys kept, only the values trained)
+    key_lr: float = 1.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
         for key in ("beside", "on_policy"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise CartridgeError(f"must be in [0, 1], got {getattr(self, key)}", field=key)
-        for key in ("keep", "quiet", "hard"):
+        for key in ("keep", "quiet", "hard", "key_lr"):
             if not (0.0 <= getattr(self, key) and math.isfinite(getattr(self, key))):
                 raise CartridgeError(f"must be a number >= 0, got {getattr(self, key)}", field=key)
         for key, what in (("keep", "keeping a partner's answers"), ("quiet", "quiet beside a partner")):
@@ -166,7 +168,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     if fresh and live is None:
         raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
     key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
-    trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard)
+    trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard, key_lr=cfg.key_lr)
     done = trainer.resume(cfg.steps)
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
@@ -215,11 +217,11 @@ def digest(ids: Sequence[int]) -> str:
 
 def _resume_key(cfg: TrainConfig) -> dict:
     """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
-    checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0 and on_policy=0)."""
+    checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0, on_policy=0 and key_lr=1)."""
     later = ("beside", "keep", "quiet", "hard", "on_policy")
     return {k: v for k, v in asdict(cfg).items()
             if k not in ("steps", "checkpoint_every") and not (k in later and not v)
-            and not (k == "quiet_by" and v == "loudness")}
+            and not (k == "quiet_by" and v == "loudness") and not (k == "key_lr" and v == 1.0)}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:

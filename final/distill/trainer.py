@@ -29,12 +29,12 @@ def scheduled_lr(lr: float, schedule: str, step: int, steps: int) -> float:
 
 class Trainer:
     def __init__(self, student: Any, cache: Any, lr: float, ckpt: Path, key: dict, loss: str = "forward_topk",
-                 schedule: str = "constant", steps: int = 1, hard: float = 0.0):
+                 schedule: str = "constant", steps: int = 1, hard: float = 0.0, key_lr: float = 1.0):
         self.student, self.cache, self.ckpt, self.key, self.loss = student, cache, Path(ckpt), key, loss
         self.hard = hard  # losses.step_loss: the weight of the rows' own tokens' cross-entropy
         self.lr, self.schedule, self.steps = lr, schedule, steps
         cache.to(student.device)
-        self.opt = torch.optim.Adam([p for p in cache.parameters() if p.requires_grad], lr=lr)
+        self.opt = torch.optim.Adam(_groups(cache, key_lr), lr=lr)
         self.history: list[dict] = []
         self.best: dict | None = None  # {"step", "kl", "cache": state_dict}: the best cartridge validation judged
 
@@ -55,7 +55,7 @@ class Trainer:
         first = None
         lr = scheduled_lr(self.lr, self.schedule, len(self.history), self.steps)
         for group in self.opt.param_groups:  # set every step: a resumed optimizer's saved lr is not trusted
-            group["lr"] = lr
+            group["lr"] = lr * group.get("scale", 1.0)
         for _ in range(updates):
             out = distill_loss(self.student, self.cache, batch, self.loss, self.hard)
             if not torch.isfinite(out.loss):
@@ -124,3 +124,16 @@ class Trainer:
                 raise
             raise CartridgeError(f"unreadable training checkpoint: {type(exc).__name__}: {str(exc)[:200]}",
                                  file=str(path), field="checkpoint") from None
+
+
+def _groups(cache: Any, key_lr: float) -> list[dict]:
+    """Adam's parameter groups: the trainable keys at `key_lr` times the lr (0: not trained, so the start's keys -
+    the document's own under `match` - stay what the model's queries already read), everything else at the lr."""
+    if key_lr == 1.0:
+        return [{"params": [p for p in cache.parameters() if p.requires_grad]}]
+    keys = cache.trainable_keys  # a final.distill.student.TrainableKV
+    key_ids = {id(p) for p in keys}
+    if key_lr == 0.0:
+        keys.requires_grad_(False)  # no gradient is worked out for what is not trained
+    rest = [p for p in cache.parameters() if p.requires_grad and id(p) not in key_ids]
+    return [{"params": rest}] + ([{"params": list(keys), "scale": key_lr}] if key_lr else [])
