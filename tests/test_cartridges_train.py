@@ -265,3 +265,15 @@ def test_key_lr_zero_trains_the_values_alone(data, tmp_path):
     with pytest.raises(CartridgeError) as err:
         TrainConfig(tokens=P, key_lr=-1.0).check()
     assert err.value.field == "key_lr"
+
+
+def test_key_lr_share_puts_the_keys_in_their_own_group():
+    from final.distill.trainer import _groups
+
+    keys = [torch.randn(1, 2, 5, 4) for _ in range(2)]
+    cache = TrainableKV(keys, [k + 1 for k in keys], frozen_tokens=1)
+    groups = _groups(cache, 0.5)
+    assert [len(g["params"]) for g in groups] == [2, 2] and groups[1]["scale"] == 0.5
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in cache.trainable_keys}
+    assert [len(g["params"]) for g in _groups(cache, 1.0)] == [4]
+    assert [len(g["params"]) for g in _groups(cache, 0.0)] == [2] and not cache.trainable_keys[0].requires_grad
