@@ -72,7 +72,8 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--sample-tokens", type=int, metavar="N",
                    help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
     p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
-                   help="the keys' learning rate as a share of --lr (default 1; 0: the start's keys are kept and "
+                   help=f"the keys' learning rate as a share of --lr (default {TrainConfig.key_lr:g}; 0: the start's "
+                        "keys are kept and "
                         "only the values trained)")
     p.add_argument("--init", choices=INITS,
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "

@@ -215,13 +215,16 @@ def digest(ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
+# settings TrainConfig gained after checkpoints were first written, and the default each behaves as before at
+_ADDED_LATER = {"beside": 0.0, "keep": 0.0, "quiet": 0.0, "quiet_by": "loudness", "hard": 0.0, "on_policy": 0.0,
+                "key_lr": 1.0}
+
+
 def _resume_key(cfg: TrainConfig) -> dict:
-    """What must match for a resume to continue the same run (the step budget may grow; beside=0 is left out, so
-    checkpoints from before it existed still resume, as are keep=0, quiet=0, hard=0, on_policy=0 and key_lr=1)."""
-    later = ("beside", "keep", "quiet", "hard", "on_policy")
+    """What must match for a resume to continue the same run (the step budget may grow; a setting added later is
+    left out at its default, so checkpoints from before it existed still resume)."""
     return {k: v for k, v in asdict(cfg).items()
-            if k not in ("steps", "checkpoint_every") and not (k in later and not v)
-            and not (k == "quiet_by" and v == "loudness") and not (k == "key_lr" and v == 1.0)}
+            if k not in ("steps", "checkpoint_every") and not (k in _ADDED_LATER and v == _ADDED_LATER[k])}
 
 
 def initial_ids(tokenizer, text: str, tokens: int, what: str = "text") -> list[int]:

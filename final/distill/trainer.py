@@ -127,13 +127,12 @@ class Trainer:
 
 
 def _groups(cache: Any, key_lr: float) -> list[dict]:
-    """Adam's parameter groups: the trainable keys at `key_lr` times the lr (0: not trained, so the start's keys -
-    the document's own under `match` - stay what the model's queries already read), everything else at the lr."""
+    """Adam's parameter groups for a TrainableKV: the trainable keys at `key_lr` times the lr (0: not trained, so the
+    start's keys - the document's own under `match` - stay what the model's queries already read), the values at the
+    lr. At the default one group, as before the share existed: an optimizer's saved state holds its groups, so
+    checkpoints made then still resume."""
     if key_lr == 1.0:
         return [{"params": [p for p in cache.parameters() if p.requires_grad]}]
-    keys = cache.trainable_keys  # a final.distill.student.TrainableKV
-    key_ids = {id(p) for p in keys}
-    if key_lr == 0.0:
-        keys.requires_grad_(False)  # no gradient is worked out for what is not trained
-    rest = [p for p in cache.parameters() if p.requires_grad and id(p) not in key_ids]
-    return [{"params": rest}] + ([{"params": list(keys), "scale": key_lr}] if key_lr else [])
+    cache.trainable_keys.requires_grad_(key_lr > 0)  # no gradient is worked out for what is not trained
+    keys = [{"params": list(cache.trainable_keys), "scale": key_lr}] if key_lr else []
+    return [{"params": list(cache.trainable_values)}] + keys
