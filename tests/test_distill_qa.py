@@ -22,7 +22,7 @@ SETS = ("brennock", "kestrel", "lake_ivra")  # ~1,000 tokens each
 LONG = ("skarrow",)  # ~6,700 tokens: near SmolLM2's 8,192-token window
 # ~1,000 tokens each, all test: fresh held-out data (bench/qa/README.md)
 HELD_OUT = ("corvane", "orrin_vale", "halden_ferry", "quellet", "tollmere", "vessary", "marrowby", "pellam",
-            "caddow", "fennick", "brindle", "ottery")
+            "caddow", "fennick", "brindle", "ottery", "hollinbeck", "pennaveth")
 
 
 @pytest.mark.parametrize("name", SETS + LONG)
