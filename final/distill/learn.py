@@ -71,10 +71,7 @@ def register_learn(sub: Any) -> None:
                    help=f"with --on-policy: the cartridge's sampling temperature (default {LiveConfig.temperature})")
     p.add_argument("--sample-tokens", type=int, metavar="N",
                    help=f"with --on-policy: the most tokens of a sampled answer (default {LiveConfig.answer_tokens})")
-    p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
-                   help=f"the keys' learning rate as a share of --lr (default {TrainConfig.key_lr:g}; 0: the start's "
-                        "keys are kept and "
-                        "only the values trained)")
+    _training_args(p)
     p.add_argument("--init", choices=INITS,
                    help="the KV's start: the document's first P tokens (prefix), or its own KV cut per head from "
                         "each --start-tokens chunk by its rows' attention (select), values then refitted (match) "
@@ -91,6 +88,19 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(p)
     p.set_defaults(cartridge_func=_learn)
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+    """The flags of what the cartridge's gradient step trains, beside the KL to the teacher."""
+    from final.distill.train import TrainConfig
+
+    p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
+                   help=f"the keys' learning rate as a share of --lr (default {TrainConfig.key_lr:g}; 0: the start's "
+                        "keys are kept and only the values trained)")
+    p.add_argument("--hidden", type=float, default=TrainConfig.hidden, metavar="W",
+                   help="also match, at weight W, the teacher's hidden state after every layer at the rows' tokens "
+                        "(final/distill/hidden.py; the whole document's teacher, so not with --teacher-tokens; "
+                        f"default {TrainConfig.hidden:g}: the KL only)")
 
 
 def _partner_args(p: argparse.ArgumentParser) -> None:
@@ -116,11 +126,15 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
     from final.distill.train_cli import open_engine, read_text
+    from final.errors import CartridgeError
 
     text = read_text(args.text)
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
+    if args.hidden and args.teacher_tokens:
+        raise CartridgeError("--hidden matches the whole document's teacher; the rows of --teacher-tokens are each "
+                             "taught by a window of it", field="hidden")
     start_tokens = _start_tokens(args)  # checked before any row is written
     init = _init(args, start_tokens)
     _only_with(args, ("start_tokens",), init != "prefix", "--init select or match")
@@ -131,7 +145,7 @@ def _learn(args: argparse.Namespace) -> int:
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
                         quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy,
-                        key_lr=args.key_lr)
+                        key_lr=args.key_lr, hidden=args.hidden)
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")

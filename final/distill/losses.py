@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from final.distill.hidden import hidden_error
 from final.distill.quiet import measured
 
 LOSSES = ("forward_topk", "forward_topk_tail", "reverse_k1", "reverse_k3")
@@ -92,6 +93,7 @@ class StepLoss:
     targets: int
     keep_kl: float | None = None  # forward top-k KL on the partner's rows (Batch.keep), when the batch has them
     quiet: float | None = None  # our KV's mean loudness to those rows (final/distill/quiet.py), when weighed
+    hidden: float | None = None  # the whitened error to the teacher's hidden states (final/distill/hidden.py)
 
 
 def step_loss(name: str, logq: torch.Tensor, t: Targets, hard: float = 0.0) -> StepLoss:
@@ -122,8 +124,17 @@ def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk
     quiet = batch.keep is not None and bool(batch.quiet)
     ratio = quiet and batch.quiet_by == "ratio"  # our loudness to our own rows is the denominator
     with _heard(student, cache, batch, batch.where, ratio) as own:
-        logq = student.log_probs(keys, values, batch.ids, batch.where, share=not ratio)
+        logq = student.log_probs(keys, values, batch.ids, batch.where, share=not ratio,
+                                 hidden=batch.hidden is not None)
+    states = None
+    if batch.hidden is not None:
+        logq, states = logq
     out = step_loss(loss, logq, batch.targets, hard)
+    if states is not None:  # the teacher's states at every layer, asked for beside its top-k (hidden.py)
+        theirs, weight = batch.hidden
+        error = hidden_error(states, theirs)
+        out.loss = out.loss + weight * error
+        out.hidden = float(error.detach())
     if batch.keep is not None:  # rows about the partner beside us, answered as it alone would
         kept, weight = batch.keep
         # the loudness is read per layer call, so the rows' shared head is not run apart (share=False) when weighed

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from final.cartridges.format import CartridgeKV
+from final.distill.hidden import layer_states
 
 
 class Student:
@@ -43,9 +44,10 @@ class Student:
                 [cache.layers[i].values.float() for i in range(len(cache.layers))])
 
     def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
-                  where: torch.Tensor, share: bool = True) -> torch.Tensor:
+                  where: torch.Tensor, share: bool = True, hidden: bool = False) -> Any:
         """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
         are returned. Right padding needs no mask: causal attention never lets a real token see a later pad.
+        `hidden`: (log-probs, every layer's output [N, hidden] at those positions) (final.distill.hidden).
 
         The rows' common leading tokens before the first target (e.g. the system prompt every tool-use trace
         shares) run once, as one row, and their KV is shared by the batch: exact, and a step costs the shared
@@ -63,15 +65,19 @@ class Student:
         else:
             cache = DynamicCache([(k.to(self.dtype).expand(B, -1, -1, -1), v.to(self.dtype).expand(B, -1, -1, -1))
                                   for k, v in zip(keys, values)])
-        hidden = self._run(ids[:, shared:], cache, p + shared)
-        return F.log_softmax(self.model.lm_head(hidden[where[:, shared:]]).float(), dim=-1)
+        states = self._run(ids[:, shared:], cache, p + shared, hidden)
+        at = where[:, shared:]
+        logq = F.log_softmax(self.model.lm_head(states[-1][at]).float(), dim=-1)
+        return (logq, [h[at] for h in states]) if hidden else logq
 
-    def _run(self, ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
-        """The decoder over ids [B, T] at positions start.. after `cache` (which it extends); hidden states."""
+    def _run(self, ids: torch.Tensor, cache: Any, start: int, every: bool = False) -> Any:
+        """The decoder over ids [B, T] at positions start.. after `cache` (which it extends); the last hidden
+        states, or (`every`) every layer's output, the last being the final norm's (what the logits read)."""
         B, T = ids.shape
         positions = torch.arange(start, start + T, device=self.device)
-        return self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions[None].expand(B, -1),
-                                cache_position=positions, use_cache=True).last_hidden_state
+        out = self.model.model(input_ids=ids, past_key_values=cache, position_ids=positions[None].expand(B, -1),
+                               cache_position=positions, use_cache=True, output_hidden_states=every)
+        return layer_states(out) if every else [out.last_hidden_state]
 
 
 def _shared_prefix(ids: torch.Tensor, where: torch.Tensor) -> int:

@@ -52,13 +52,15 @@ class TrainConfig:
     on_policy: float = 0.0
     # the trainable keys' lr as a share of lr (0: the start's keys kept, only the values trained)
     key_lr: float = 1.0
+    # the weight of matching the teacher's hidden states at every layer on the rows' targets (final/distill/hidden.py)
+    hidden: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
         for key in ("beside", "on_policy"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise CartridgeError(f"must be in [0, 1], got {getattr(self, key)}", field=key)
-        for key in ("keep", "quiet", "hard", "key_lr"):
+        for key in ("keep", "quiet", "hard", "key_lr", "hidden"):
             if not (0.0 <= getattr(self, key) and math.isfinite(getattr(self, key))):
                 raise CartridgeError(f"must be a number >= 0, got {getattr(self, key)}", field=key)
         for key, what in (("keep", "keeping a partner's answers"), ("quiet", "quiet beside a partner")):
@@ -92,6 +94,8 @@ class Batch:
     # the weight of our KV's loudness to those rows (final/distill/quiet.py); 0: not measured
     quiet: float = 0.0
     quiet_by: str = "loudness"  # what it measures (TrainConfig.quiet_by)
+    # the teacher's hidden states at `where`, per layer, and the weight of matching them (final/distill/hidden.py)
+    hidden: tuple[list[torch.Tensor], float] | None = None
 
 
 @dataclass
@@ -155,18 +159,23 @@ def checkpoint_path(out: str | Path) -> Path:
 
 def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], cfg: TrainConfig, pad_id: int,
           ckpt: Path, progress: bool = True, log: Callable[[str], None] | None = None,
-          identity: dict | None = None, partners: Sequence[Any] = (), live: Any = None) -> list[dict]:
+          identity: dict | None = None, partners: Sequence[Any] = (), live: Any = None,
+          teacher: Any = None) -> list[dict]:
     """Adam on the cache's trainable part for cfg.steps steps, resuming from `ckpt` when it exists and saving to it
     every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
     included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must.
     `partners`: frozen cartridges (Partner), one served beside the trained one on cfg.beside of the steps, its
     rows' answers kept at weight cfg.keep. `live` (final.distill.live.LiveFacts): the source of the cfg.on_policy
-    share of each step's rows, answered by the cache as it is at that step."""
+    share of each step's rows, answered by the cache as it is at that step. `teacher` (final.distill.hidden.
+    HiddenTeacher): the document's model whose hidden states the rows match at weight cfg.hidden."""
     from tqdm import tqdm
 
     fresh = _live_rows(cfg)
     if fresh and live is None:
         raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
+    if cfg.hidden and teacher is None:
+        raise CartridgeError("matching hidden states needs the document's teacher (final.distill.hidden)",
+                             field="hidden")
     key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
     trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard, key_lr=cfg.key_lr)
     done = trainer.resume(cfg.steps)
@@ -179,6 +188,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
             sampled, info = live.rows(step, fresh, cache)
             rows += sampled
         batch = make_batch(rows, pad_id, student.device)
+        if cfg.hidden:
+            batch.hidden = (teacher.states(batch.ids, batch.where), cfg.hidden)
         partner = partner_for(step, cfg, partners)
         if partner is not None:
             _beside(batch, *partner, step, cfg, pad_id, student.device)
@@ -208,6 +219,26 @@ def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainCo
         batch.keep, batch.quiet, batch.quiet_by = (kept, cfg.keep), cfg.quiet, cfg.quiet_by
 
 
+def _setting_labels(cfg: TrainConfig) -> dict:
+    """The manifest's labels of the settings a run used away from their default (what the file was trained with)."""
+    used = {k: str(getattr(cfg, k)) for k in ("beside", "keep", "quiet", "on_policy", "hidden") if getattr(cfg, k)}
+    if cfg.quiet and cfg.quiet_by != "loudness":
+        used["quiet_by"] = cfg.quiet_by
+    return used
+
+
+def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConfig) -> Any:
+    """The document's model whose hidden states the rows match (cfg.hidden > 0), else None."""
+    if not cfg.hidden:
+        return None
+    if text is None:
+        raise CartridgeError("matching the teacher's hidden states needs the document: give --text", field="hidden")
+    from final.distill.hidden import HiddenTeacher
+    from final.prompts import document_ids
+
+    return HiddenTeacher(student, document_ids(tok, text))
+
+
 def digest(ids: Sequence[int]) -> str:
     """A short fingerprint of token ids (what a checkpoint must match to be resumed)."""
     import hashlib
@@ -217,7 +248,7 @@ def digest(ids: Sequence[int]) -> str:
 
 # settings TrainConfig gained after checkpoints were first written, and the default each behaves as before at
 _ADDED_LATER = {"beside": 0.0, "keep": 0.0, "quiet": 0.0, "quiet_by": "loudness", "hard": 0.0, "on_policy": 0.0,
-                "key_lr": 1.0}
+                "key_lr": 1.0, "hidden": 0.0}
 
 
 def _resume_key(cfg: TrainConfig) -> dict:
@@ -295,16 +326,13 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     kvs = [student.prefill(ids) for ids in beside]
     rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep or cfg.quiet else ()
             for t, kv in zip(partners, kvs)]
+    teacher = _hidden_teacher(student, tok, text, cfg)
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
-                   partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live)
+                   partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live, teacher=teacher)
     cart = cache.cartridge(save_dtype or student.dtype)
     out = save_cartridge(cart, out)
     labels = {"format": "chat", "method": "distillation" if text is None else "self-study distillation",
-              "init": init_kind, "steps": str(cfg.steps), **({"beside": str(cfg.beside)} if cfg.beside else {}),
-              **({"keep": str(cfg.keep)} if cfg.keep else {}),
-              **({"quiet": str(cfg.quiet)} if cfg.quiet else {}),
-              **({"quiet_by": cfg.quiet_by} if cfg.quiet and cfg.quiet_by != "loudness" else {}),
-              **({"on_policy": str(cfg.on_policy)} if cfg.on_policy else {}),
+              "init": init_kind, "steps": str(cfg.steps), **_setting_labels(cfg),
               "conversations": str(len(convs)), "data": str(data)}
     manifest = CartridgeManifest.describe(cart, out, cartridge_id=cartridge_id or out.stem, model_id=model,
                                           source_document=source_document, labels=labels,

@@ -71,6 +71,7 @@ class Trainer:
                "reverse_kl": first.reverse_kl, "targets": first.targets, "lr": lr,
                **({"keep_kl": first.keep_kl} if first.keep_kl is not None else {}),
                **({"quiet": first.quiet} if first.quiet is not None else {}),
+               **({"hidden": first.hidden} if first.hidden is not None else {}),
                "gradient_s": time.perf_counter() - t0,
                **extra}
         self.history.append(rec)

@@ -1,0 +1,116 @@
+"""Matching the teacher's hidden states (final/distill/hidden.py, `learn --hidden W`) on the tiny model: the teacher's
+states are the model's own over the document and the row in one pass; a cartridge that is the document's whole KV
+has none of the error, a shorter one has some; the error is whitened per dimension; training lowers it and records
+it; its weight is checked, needs the document and is part of what a resume must match."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cartridges_helpers import TINY
+from serve_helpers import DOC_A
+from final.distill.cli import main
+from final.distill.hidden import HiddenTeacher, hidden_error, layer_states
+from final.distill.losses import distill_loss
+from final.distill.student import TrainableKV
+from final.distill.train import TrainConfig, make_batch, train, train_cartridge
+from final.errors import CartridgeError
+from final.prompts import document_ids
+
+from test_cartridges_train import data, inference  # noqa: F401 - the tiny engine and its self-study rows
+from test_distill_facts import DOC
+from test_distill_keep import student, tok  # noqa: F401 - the tiny student and tokenizer fixtures
+
+ROWS = torch.tensor([[1, 4093, 198, 1780, 314, 1137, 563, 2, 0], [1, 4093, 198, 50, 723, 94, 1077, 39365, 2]])
+WHERE = torch.tensor([[True] * 8 + [False], [True] * 9])  # the first row's last token is padding
+
+
+def test_teacher_states_are_the_models_own_over_the_document_and_the_row(student, tok):
+    doc = document_ids(tok, DOC)
+    theirs = HiddenTeacher(student, doc).states(ROWS, WHERE)
+    for r, row in enumerate(ROWS):
+        n = int(WHERE[r].sum())
+        out = student.model.model(torch.tensor([doc + row[:n].tolist()]), output_hidden_states=True)
+        whole = layer_states(out)
+        assert len(whole) == len(theirs) == student.model.config.num_hidden_layers
+        before = int(WHERE[:r].sum())
+        for mine, full in zip(theirs, whole):
+            torch.testing.assert_close(mine[before:before + n], full[0, len(doc):], atol=2e-4, rtol=2e-4)
+
+
+def test_a_cartridge_that_is_the_whole_document_has_no_error_and_a_shorter_one_has(student, tok):
+    doc = document_ids(tok, DOC)
+    theirs = HiddenTeacher(student, doc).states(ROWS, WHERE)
+    keys, values = student.prefill(doc)
+    logq, mine = student.log_probs(keys, values, ROWS, WHERE, hidden=True)
+    assert float(hidden_error(mine, theirs)) < 1e-6
+    torch.testing.assert_close(logq, student.log_probs(keys, values, ROWS, WHERE))  # the logits read the last state
+    keys, values = student.prefill(doc[:8])
+    assert float(hidden_error(student.log_probs(keys, values, ROWS, WHERE, hidden=True)[1], theirs)) > 1e-3
+
+
+def test_the_error_is_measured_in_each_dimensions_own_spread():
+    g = torch.Generator().manual_seed(0)
+    theirs = torch.randn(64, 2, generator=g) * torch.tensor([100.0, 1.0])  # a massive dimension beside a small one
+    off_big, off_small = theirs + torch.tensor([1.0, 0.0]), theirs + torch.tensor([0.0, 1.0])
+    assert float(hidden_error([off_small], [theirs])) > 100 * float(hidden_error([off_big], [theirs]))
+    assert float(hidden_error([theirs], [theirs])) == 0.0
+    assert torch.isfinite(hidden_error([theirs[:1] + 1], [theirs[:1]]))  # one position: no spread, a floor
+
+
+def test_the_term_adds_to_the_loss_at_its_weight(student, tok, data):  # noqa: F811
+    from final.distill.convs import read_conversations
+
+    rows = read_conversations(data, student.vocab_size)
+    doc = document_ids(tok, DOC_A)  # the rows' document
+    cache = TrainableKV(*student.prefill(doc[:8]), frozen_tokens=1)
+    batch = make_batch(rows[:2], tok.eos_token_id, student.device)
+    plain = distill_loss(student, cache, batch)
+    batch.hidden = (HiddenTeacher(student, doc).states(batch.ids, batch.where), 3.0)
+    weighed = distill_loss(student, cache, batch)
+    assert plain.hidden is None and weighed.hidden > 0
+    assert weighed.loss.item() == pytest.approx(plain.loss.item() + 3.0 * weighed.hidden, rel=1e-5)
+
+
+def test_training_lowers_the_error_and_records_it(student, tok, data, tmp_path):  # noqa: F811
+    from final.distill.convs import read_conversations
+
+    rows = read_conversations(data, student.vocab_size)[:2]
+    doc = document_ids(tok, DOC_A)
+    cache = TrainableKV(*student.prefill(doc[:8]), frozen_tokens=1)
+    cfg = TrainConfig(tokens=8, steps=8, batch=2, lr=5e-2, hidden=10.0)  # every step the same two rows
+    history = train(student, cache, rows, cfg, tok.eos_token_id, tmp_path / "c.ckpt", progress=False,
+                    log=lambda _: None, teacher=HiddenTeacher(student, doc))
+    assert history[-1]["hidden"] < 0.9 * history[0]["hidden"]  # 1.55 -> 1.33 (a random tiny model)
+    with pytest.raises(CartridgeError) as err:
+        train(student, cache, rows, cfg, tok.eos_token_id, tmp_path / "d.ckpt", progress=False)
+    assert err.value.field == "hidden"  # the weight without the document's teacher
+
+
+def test_the_weight_is_checked_and_needs_the_document(data, tmp_path):  # noqa: F811
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(CartridgeError) as err:
+            TrainConfig(tokens=8, hidden=bad).check()
+        assert err.value.field == "hidden"
+    with pytest.raises(CartridgeError) as err:
+        train_cartridge(TINY, data, tmp_path / "c.pt", TrainConfig(tokens=8, steps=1, batch=2, hidden=1.0),
+                        progress=False)
+    assert err.value.field == "hidden"
+
+
+def test_cli_learn_hidden_is_labelled_resumes_only_at_its_weight_and_refuses_windows(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOC)
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
+            str(tmp_path / "c.pt"), "--batch", "2", "--beside", "0", "--model", TINY, "--quiet"]
+    assert main(args + ["--steps", "2", "--hidden", "1"]) == 0
+    assert json.loads((tmp_path / "c.pt.manifest.json").read_text())["labels"]["hidden"] == "1.0"
+    assert main(args + ["--steps", "3", "--hidden", "1"]) == 0  # resumed with the same weight
+    capsys.readouterr()
+    assert main(args + ["--steps", "4", "--hidden", "2"]) != 0  # another weight is another run
+    assert "hidden" in capsys.readouterr().err
+    windows = ["--teacher-tokens", "64", "--hidden", "1", "--steps", "1", "--out", str(tmp_path / "w.pt")]
+    assert main(args[:6] + args[8:] + windows) != 0
+    assert "--hidden matches the whole document's teacher" in capsys.readouterr().err
