@@ -14,6 +14,7 @@ from cartridges_helpers import TINY
 from serve_helpers import DOC_A
 from final.distill.cli import main
 from final.distill.hidden import HiddenTeacher, hidden_error, layer_states
+from final.distill.learn import HIDDEN
 from final.distill.losses import distill_loss
 from final.distill.student import TrainableKV
 from final.distill.train import TrainConfig, make_batch, train, train_cartridge
@@ -111,6 +112,18 @@ def test_cli_learn_hidden_is_labelled_resumes_only_at_its_weight_and_refuses_win
     capsys.readouterr()
     assert main(args + ["--steps", "4", "--hidden", "2"]) != 0  # another weight is another run
     assert "hidden" in capsys.readouterr().err
-    windows = ["--teacher-tokens", "64", "--hidden", "1", "--steps", "1", "--out", str(tmp_path / "w.pt")]
-    assert main(args[:6] + args[8:] + windows) != 0
+    windows = ["--teacher-tokens", "64", "--steps", "1", "--out", str(tmp_path / "w.pt")]
+    assert main(args[:6] + args[8:] + windows + ["--hidden", "1"]) != 0
     assert "--hidden matches the whole document's teacher" in capsys.readouterr().err
+    assert main(args[:6] + args[8:] + windows) == 0  # the windows' default: the KL only
+    assert "hidden" not in json.loads((tmp_path / "w.pt.manifest.json").read_text())["labels"]
+
+
+def test_cli_learn_matches_hidden_states_by_default(tmp_path):
+    (tmp_path / "doc.txt").write_text(DOC)
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--batch", "2", "--beside",
+            "0", "--model", TINY, "--quiet", "--steps", "1"]
+    assert main(args + ["--out", str(tmp_path / "c.pt")]) == 0
+    assert json.loads((tmp_path / "c.pt.manifest.json").read_text())["labels"]["hidden"] == str(HIDDEN)
+    assert main(args + ["--out", str(tmp_path / "d.pt"), "--hidden", "0"]) == 0
+    assert "hidden" not in json.loads((tmp_path / "d.pt.manifest.json").read_text())["labels"]

@@ -10,7 +10,9 @@ so a step costs one forward and backward pass (two beside a partner): the on-pol
 questions the model writes itself, spends most of its time sampling and, on the tuning documents, teaches the
 teacher's style of answer rather than its facts. The KV starts as the document's own, cut to P positions per head
 by the teacher's attention and the values refitted to it (`--init match`, final/distill/chunks.py), or as its first
-P tokens where the teacher reads windows of a long document.
+P tokens where the teacher reads windows of a long document. Beside the KL, the student's hidden state after every
+layer is matched to the teacher's at the rows' tokens (`--hidden`, final/distill/hidden.py), so the cartridge fits
+its rows the way the document does rather than by states the model never has after it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ BESIDE = 0.5  # the share of steps beside a partner: composed, 0.73x / 0.80x of 
 # the weight of the partner's answers kept at those steps (final/distill/keep.py): composed, 0.82x / 1.25x of alone
 # instead of 0.73x / 0.80x (brennock + kestrel tune halves), 19 questions of 45 right instead of 16
 KEEP = 1.0
+# the weight of matching the teacher's hidden states (final/distill/hidden.py): tune halves 42 of 67 questions
+# instead of 37 (bench/RESULTS.md, issue 42)
+HIDDEN = 4.0
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 
 
@@ -97,10 +102,10 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
                    help=f"the keys' learning rate as a share of --lr (default {TrainConfig.key_lr:g}; 0: the start's "
                         "keys are kept and only the values trained)")
-    p.add_argument("--hidden", type=float, default=TrainConfig.hidden, metavar="W",
+    p.add_argument("--hidden", type=float, metavar="W",
                    help="also match, at weight W, the teacher's hidden state after every layer at the rows' tokens "
                         "(final/distill/hidden.py; the whole document's teacher, so not with --teacher-tokens; "
-                        f"default {TrainConfig.hidden:g}: the KL only)")
+                        f"default {HIDDEN:g}, or 0 with --teacher-tokens; 0: the KL only)")
 
 
 def _partner_args(p: argparse.ArgumentParser) -> None:
@@ -126,15 +131,11 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.facts import FactConfig
     from final.distill.train import TrainConfig, train_cartridge
     from final.distill.train_cli import open_engine, read_text
-    from final.errors import CartridgeError
 
     text = read_text(args.text)
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
-    if args.hidden and args.teacher_tokens:
-        raise CartridgeError("--hidden matches the whole document's teacher; the rows of --teacher-tokens are each "
-                             "taught by a window of it", field="hidden")
     start_tokens = _start_tokens(args)  # checked before any row is written
     init = _init(args, start_tokens)
     _only_with(args, ("start_tokens",), init != "prefix", "--init select or match")
@@ -145,7 +146,7 @@ def _learn(args: argparse.Namespace) -> int:
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
                         quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy,
-                        key_lr=args.key_lr, hidden=args.hidden)
+                        key_lr=args.key_lr, hidden=_hidden(args))
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")
@@ -234,6 +235,19 @@ def _live_config(args: argparse.Namespace) -> Any:
                       answer_tokens=LiveConfig.answer_tokens if args.sample_tokens is None else args.sample_tokens)
     live.check()
     return live
+
+
+def _hidden(args: argparse.Namespace) -> float:
+    """--hidden as given, else HIDDEN where the rows' teacher is the whole document (0 under --teacher-tokens, whose
+    rows are each taught by a window: a given weight is refused there)."""
+    from final.errors import CartridgeError
+
+    if args.hidden is None:
+        return 0.0 if args.teacher_tokens else HIDDEN
+    if args.hidden and args.teacher_tokens:
+        raise CartridgeError("--hidden matches the whole document's teacher; the rows of --teacher-tokens are each "
+                             "taught by a window of it", field="hidden")
+    return args.hidden
 
 
 def _keep(args: argparse.Namespace) -> float:
