@@ -69,7 +69,7 @@ def main() -> int:
     print("| prefix | mean | " + " | ".join(f"L{i}" for i in range(0, layers, 3)) + " | last |")
     print("|---|---:|" + "---:|" * (len(range(0, layers, 3)) + 1))
     for label, keys, values in prefixes:
-        e = per_layer(student.log_probs(keys, values, ids, where, hidden=True)[1], theirs)
+        e = per_layer(student.states(keys, values, ids, where), theirs)
         print(f"| {label} | {sum(e) / layers:.3f} | " + " | ".join(f"{x:.2f}" for x in e[::3]) + f" | {e[-1]:.3f} |",
               flush=True)
     return 0

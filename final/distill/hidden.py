@@ -25,30 +25,19 @@ FLOOR = 0.01
 
 
 class HiddenTeacher:
-    """The model after the document: `states(ids, where)` gives the teacher's hidden states at a batch's target
+    """The model after the document - a prefix that is the document's whole KV, read as the student reads a
+    cartridge (Student.states): `states(ids, where)` gives the teacher's hidden states at a batch's target
     positions, per layer."""
 
     def __init__(self, student: Any, doc_ids: Sequence[int]):
         self.student = student
-        with torch.no_grad():
-            out = student.model(torch.tensor([list(doc_ids)], device=student.device), use_cache=True)
-        layers = out.past_key_values.layers
-        self.kv = [(layer.keys, layer.values) for layer in layers]
-        self.length = len(doc_ids)
+        self.keys, self.values = student.prefill(doc_ids)
 
     @torch.no_grad()
     def states(self, ids: torch.Tensor, where: torch.Tensor) -> list[torch.Tensor]:
         """[N, hidden] per layer (fp32): the states the teacher's layers output at the `where` positions of the rows
         `ids` [B, T] read after the document (the batch's own target positions, final.distill.train.Batch)."""
-        from transformers import DynamicCache
-
-        B, T = ids.shape
-        cache = DynamicCache([(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in self.kv])
-        positions = torch.arange(self.length, self.length + T, device=ids.device)
-        out = self.student.model.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                                       position_ids=positions[None].expand(B, -1), cache_position=positions,
-                                       output_hidden_states=True)
-        return [h[where].float() for h in layer_states(out)]
+        return [h.float() for h in self.student.states(self.keys, self.values, ids, where)]
 
 
 def layer_states(out: Any) -> list[torch.Tensor]:

@@ -46,8 +46,16 @@ class Student:
     def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
                   where: torch.Tensor, share: bool = True, hidden: bool = False) -> Any:
         """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
-        are returned. Right padding needs no mask: causal attention never lets a real token see a later pad.
-        `hidden`: (log-probs, every layer's output [N, hidden] at those positions) (final.distill.hidden).
+        are returned. `hidden`: (log-probs, every layer's output [N, hidden] at those positions) (states())."""
+        states = self.states(keys, values, ids, where, share, every=hidden)
+        logq = F.log_softmax(self.model.lm_head(states[-1]).float(), dim=-1)
+        return (logq, states) if hidden else logq
+
+    def states(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
+               where: torch.Tensor, share: bool = True, every: bool = True) -> list[torch.Tensor]:
+        """Each layer's output [N, hidden] at the `where` positions of `ids` read after the prefix (`every`; else the
+        last, the final norm's, alone). Right padding needs no mask: causal attention never lets a real token see
+        a later pad.
 
         The rows' common leading tokens before the first target (e.g. the system prompt every tool-use trace
         shares) run once, as one row, and their KV is shared by the batch: exact, and a step costs the shared
@@ -65,10 +73,8 @@ class Student:
         else:
             cache = DynamicCache([(k.to(self.dtype).expand(B, -1, -1, -1), v.to(self.dtype).expand(B, -1, -1, -1))
                                   for k, v in zip(keys, values)])
-        states = self._run(ids[:, shared:], cache, p + shared, hidden)
         at = where[:, shared:]
-        logq = F.log_softmax(self.model.lm_head(states[-1][at]).float(), dim=-1)
-        return (logq, [h[at] for h in states]) if hidden else logq
+        return [h[at] for h in self._run(ids[:, shared:], cache, p + shared, every)]
 
     def _run(self, ids: torch.Tensor, cache: Any, start: int, every: bool = False) -> Any:
         """The decoder over ids [B, T] at positions start.. after `cache` (which it extends); the last hidden
