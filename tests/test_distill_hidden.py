@@ -6,6 +6,7 @@ it; its weight is checked, needs the document and is part of what a resume must 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
 from final.distill.cli import main
-from final.distill.hidden import HiddenTeacher, hidden_error, layer_states
+from final.distill import hidden
+from final.distill.facts import FactConfig, fact_prompts, teacher_window, token_offsets, token_range
+from final.distill.hidden import HiddenTeacher, WindowTeacher, hidden_error, layer_states
 from final.distill.learn import HIDDEN
 from final.distill.losses import distill_loss
 from final.distill.student import TrainableKV
@@ -40,6 +43,30 @@ def test_teacher_states_are_the_models_own_over_the_document_and_the_row(student
         before = int(WHERE[:r].sum())
         for mine, full in zip(theirs, whole):
             torch.testing.assert_close(mine[before:before + n], full[0, len(doc):], atol=2e-4, rtol=2e-4)
+
+
+def test_a_windowed_rows_teacher_is_its_own_window_found_again_from_the_row(student, tok, monkeypatch):
+    offsets = token_offsets(tok, DOC)
+    # a row about the document's first sentence and one about its last, as `learn --teacher-tokens 16` makes them
+    prompts = fact_prompts(DOC, FactConfig(teacher_tokens=16))
+    rows = [SimpleNamespace(chunk=token_range(offsets, fp.span)) for fp in (prompts[0], prompts[-1])]
+    windows = [teacher_window(tok, DOC, fp.span, 16) for fp in (prompts[0], prompts[-1])]
+    assert windows[0] != windows[1]
+    monkeypatch.setattr(hidden, "KEPT_WINDOWS", 1)  # a window dropped is prefilled again, the same
+    teacher = WindowTeacher(student, tok, DOC, 16)
+    theirs = teacher.states(ROWS, WHERE, rows)
+    assert len(teacher.kept) == 1
+    torch.testing.assert_close(theirs, teacher.states(ROWS, WHERE, rows))
+    for r, window in enumerate(windows):  # each row after the window its KL targets were scored after
+        own = HiddenTeacher(student, document_ids(tok, window)).states(ROWS[r:r + 1], WHERE[r:r + 1])
+        before, n = int(WHERE[:r].sum()), int(WHERE[r].sum())
+        for mine, full in zip(theirs, own):
+            torch.testing.assert_close(mine[before:before + n], full, atol=2e-4, rtol=2e-4)
+    whole = HiddenTeacher(student, document_ids(tok, DOC)).states(ROWS, WHERE)
+    assert float(hidden_error(theirs, whole)) > 1e-3
+    with pytest.raises(CartridgeError) as err:  # rows made from a longer document
+        teacher.states(ROWS, WHERE, [SimpleNamespace(chunk=(0, 1)), SimpleNamespace(chunk=(3, 900))])
+    assert err.value.field == "chunk"
 
 
 def test_a_cartridge_that_is_the_whole_document_has_no_error_and_a_shorter_one_has(student, tok):
@@ -102,7 +129,7 @@ def test_the_weight_is_checked_and_needs_the_document(data, tmp_path):  # noqa: 
     assert err.value.field == "hidden"
 
 
-def test_cli_learn_hidden_is_labelled_resumes_only_at_its_weight_and_refuses_windows(tmp_path, capsys):
+def test_cli_learn_hidden_is_labelled_resumes_only_at_its_weight_and_matches_windows(tmp_path, capsys):
     (tmp_path / "doc.txt").write_text(DOC)
     args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
             str(tmp_path / "c.pt"), "--batch", "2", "--beside", "0", "--model", TINY, "--quiet"]
@@ -112,11 +139,11 @@ def test_cli_learn_hidden_is_labelled_resumes_only_at_its_weight_and_refuses_win
     capsys.readouterr()
     assert main(args + ["--steps", "4", "--hidden", "2"]) != 0  # another weight is another run
     assert "hidden" in capsys.readouterr().err
-    windows = ["--teacher-tokens", "64", "--steps", "1", "--out", str(tmp_path / "w.pt")]
-    assert main(args[:6] + args[8:] + windows + ["--hidden", "1"]) != 0
-    assert "--hidden matches the whole document's teacher" in capsys.readouterr().err
-    assert main(args[:6] + args[8:] + windows) == 0  # the windows' default: the KL only
+    windows = ["--teacher-tokens", "16", "--steps", "1"]
+    assert main(args[:6] + args[8:] + windows + ["--out", str(tmp_path / "w.pt")]) == 0  # the windows' default
     assert "hidden" not in json.loads((tmp_path / "w.pt.manifest.json").read_text())["labels"]
+    assert main(args[:6] + args[8:] + windows + ["--out", str(tmp_path / "v.pt"), "--hidden", "1"]) == 0
+    assert json.loads((tmp_path / "v.pt.manifest.json").read_text())["labels"]["hidden"] == "1.0"
 
 
 def test_cli_learn_matches_hidden_states_by_default(tmp_path):

@@ -229,7 +229,13 @@ def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int
     document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same).
     `offsets`: token_offsets(tokenizer, text), for callers asking many windows of one document."""
     offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
-    first, last = token_range(offsets, span)
+    return window_text(text, offsets, token_range(offsets, span), tokens)
+
+
+def window_text(text: str, offsets: list[tuple[int, int]], tokens_of: Sequence[int], tokens: int) -> str:
+    """The `tokens`-token window of `text` around its tokens [first, last) (`tokens_of`; a fact row's `chunk`, so a
+    row's teacher window is found again from the row alone: final.distill.hidden.WindowTeacher)."""
+    first, last = tokens_of
     lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
     hi = max(last, min(len(offsets), lo + tokens))
     return text[offsets[lo][0]:offsets[hi - 1][1]]

@@ -9,12 +9,14 @@ positions (a whitened squared error, 1 for a student as far off as another posit
 dimensions SmolLM2 keeps massive activations in do not drown the rest; the term is the mean over layers (the last
 one is the final norm's output, what the logits read).
 
-The teacher is the whole document as the system turn (final.prompts.document_ids), prefilled once; rows taught
-from windows of a long document (`--teacher-tokens`) have another teacher a row, so the two are not combined.
+The teacher is the rows' own: the whole document as the system turn (final.prompts.document_ids), prefilled once
+(HiddenTeacher); or, for rows taught from windows of a long document (`--teacher-tokens N`), each row's N-token
+window around its sentence, found again from the row's `chunk` and prefilled once a window (WindowTeacher).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +24,9 @@ import torch
 # the floor of a dimension's spread, as a share of the layer's mean spread: a dimension constant over the batch
 # (or a batch of one position) does not turn a tiny error into a huge one
 FLOOR = 0.01
+# windows whose KV a WindowTeacher keeps (each ~12 MB at 256 tokens for SmolLM2-135M in fp32): a long document's
+# ~300 windows would hold GBs; the rows of a step are drawn across the document, so more buy few hits
+KEPT_WINDOWS = 64
 
 
 class HiddenTeacher:
@@ -34,10 +39,52 @@ class HiddenTeacher:
         self.keys, self.values = student.prefill(doc_ids)
 
     @torch.no_grad()
-    def states(self, ids: torch.Tensor, where: torch.Tensor) -> list[torch.Tensor]:
+    def states(self, ids: torch.Tensor, where: torch.Tensor, rows: Sequence[Any] = ()) -> list[torch.Tensor]:
         """[N, hidden] per layer (fp32): the states the teacher's layers output at the `where` positions of the rows
-        `ids` [B, T] read after the document (the batch's own target positions, final.distill.train.Batch)."""
+        `ids` [B, T] read after the document (the batch's own target positions, final.distill.train.Batch). `rows`
+        (the batch's Conversations) is not needed: every row has this one teacher."""
         return [h.float() for h in self.student.states(self.keys, self.values, ids, where)]
+
+
+class WindowTeacher:
+    """The model after each row's own window of a long document (`--teacher-tokens`): the `tokens`-token window
+    around the row's sentence (its `chunk`, final.distill.facts.window_text), the teacher its KL targets were
+    scored by; each window prefilled once and kept (the last KEPT_WINDOWS)."""
+
+    def __init__(self, student: Any, tokenizer: Any, text: str, tokens: int):
+        from final.distill.facts import token_offsets
+
+        self.student, self.tokenizer, self.text, self.tokens = student, tokenizer, text, tokens
+        self.offsets = token_offsets(tokenizer, text)
+        self.kept: OrderedDict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+
+    def window(self, chunk: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The KV of the window around the document's tokens `chunk` = [first, last), as its teacher read it."""
+        from final.distill.facts import window_text
+        from final.errors import CartridgeError
+        from final.prompts import document_ids
+
+        first, last = chunk
+        if not 0 <= first < last <= len(self.offsets):
+            raise CartridgeError(f"a row's chunk {list(chunk)} is not a span of the document's {len(self.offsets)} "
+                                 "tokens: its rows were made from another document", field="chunk")
+        window = window_text(self.text, self.offsets, chunk, self.tokens)
+        if window not in self.kept:
+            self.kept[window] = self.student.prefill(document_ids(self.tokenizer, window))
+            if len(self.kept) > KEPT_WINDOWS:
+                self.kept.popitem(last=False)
+        self.kept.move_to_end(window)
+        return self.kept[window]
+
+    @torch.no_grad()
+    def states(self, ids: torch.Tensor, where: torch.Tensor, rows: Sequence[Any] = ()) -> list[torch.Tensor]:
+        """As HiddenTeacher.states, each row of `rows` (the Conversations of `ids`, in order) after its own window:
+        one forward a row, as the windows differ."""
+        if len(rows) != len(ids):
+            raise ValueError(f"{len(ids)} rows of ids need their {len(ids)} Conversations, got {len(rows)}")
+        per_row = [self.student.states(*self.window(row.chunk), ids[r:r + 1], where[r:r + 1])
+                   for r, row in enumerate(rows)]
+        return [torch.cat([layers[i] for layers in per_row]).float() for i in range(len(per_row[0]))]
 
 
 def layer_states(out: Any) -> list[torch.Tensor]:

@@ -104,8 +104,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                         "keys are kept and only the values trained)")
     p.add_argument("--hidden", type=float, metavar="W",
                    help="also match, at weight W, the teacher's hidden state after every layer at the rows' tokens "
-                        "(final/distill/hidden.py; the whole document's teacher, so not with --teacher-tokens; "
-                        f"default {HIDDEN:g}, or 0 with --teacher-tokens; 0: the KL only)")
+                        "(final/distill/hidden.py): the whole document's, or with --teacher-tokens each row's own "
+                        f"window's (default {HIDDEN:g}, or 0 with --teacher-tokens; 0: the KL only)")
 
 
 def _partner_args(p: argparse.ArgumentParser) -> None:
@@ -169,7 +169,8 @@ def _learn(args: argparse.Namespace) -> int:
             source = LiveFacts(inference, text, facts, live)
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
                                   dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
-                                  partners=texts, live=source, init=init, chunk_tokens=start_tokens)
+                                  partners=texts, live=source, init=init, chunk_tokens=start_tokens,
+                                  teacher_tokens=args.teacher_tokens)
     finally:
         if source is not None:
             source.close()
@@ -238,15 +239,11 @@ def _live_config(args: argparse.Namespace) -> Any:
 
 
 def _hidden(args: argparse.Namespace) -> float:
-    """--hidden as given, else HIDDEN where the rows' teacher is the whole document (0 under --teacher-tokens, whose
-    rows are each taught by a window: a given weight is refused there)."""
-    from final.errors import CartridgeError
-
+    """--hidden as given, else HIDDEN where the rows' teacher is the whole document; under --teacher-tokens (each row
+    matched to its own window's states, final.distill.hidden.WindowTeacher) 0 unless given: not measured as the
+    default there yet."""
     if args.hidden is None:
         return 0.0 if args.teacher_tokens else HIDDEN
-    if args.hidden and args.teacher_tokens:
-        raise CartridgeError("--hidden matches the whole document's teacher; the rows of --teacher-tokens are each "
-                             "taught by a window of it", field="hidden")
     return args.hidden
 
 

@@ -167,7 +167,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     `partners`: frozen cartridges (Partner), one served beside the trained one on cfg.beside of the steps, its
     rows' answers kept at weight cfg.keep. `live` (final.distill.live.LiveFacts): the source of the cfg.on_policy
     share of each step's rows, answered by the cache as it is at that step. `teacher` (final.distill.hidden.
-    HiddenTeacher): the document's model whose hidden states the rows match at weight cfg.hidden."""
+    HiddenTeacher or WindowTeacher): the rows' teacher, whose hidden states they match at weight cfg.hidden."""
     from tqdm import tqdm
 
     fresh = _live_rows(cfg)
@@ -189,7 +189,7 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
             rows += sampled
         batch = make_batch(rows, pad_id, student.device)
         if cfg.hidden:
-            batch.hidden = (teacher.states(batch.ids, batch.where), cfg.hidden)
+            batch.hidden = (teacher.states(batch.ids, batch.where, rows), cfg.hidden)
         partner = partner_for(step, cfg, partners)
         if partner is not None:
             _beside(batch, *partner, step, cfg, pad_id, student.device)
@@ -227,15 +227,19 @@ def _setting_labels(cfg: TrainConfig) -> dict:
     return used
 
 
-def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConfig) -> Any:
-    """The document's model whose hidden states the rows match (cfg.hidden > 0), else None."""
+def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConfig,
+                    windows: int | None = None) -> Any:
+    """The rows' teacher whose hidden states they match (cfg.hidden > 0), else None: the whole document, or each
+    row's `windows`-token window of it (the rows were scored by those: `learn --teacher-tokens`)."""
     if not cfg.hidden:
         return None
     if text is None:
         raise CartridgeError("matching the teacher's hidden states needs the document: give --text", field="hidden")
-    from final.distill.hidden import HiddenTeacher
+    from final.distill.hidden import HiddenTeacher, WindowTeacher
     from final.prompts import document_ids
 
+    if windows:
+        return WindowTeacher(student, tok, text, windows)
     return HiddenTeacher(student, document_ids(tok, text))
 
 
@@ -288,7 +292,8 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
                     init_text: str | None = None, device: str = "cpu", dtype: str = "auto",
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
                     source_document: str | None = None, progress: bool = True, partners: Sequence[str] = (),
-                    live: Any = None, init: str = "prefix", chunk_tokens: int | None = None) -> dict:
+                    live: Any = None, init: str = "prefix", chunk_tokens: int | None = None,
+                    teacher_tokens: int | None = None) -> dict:
     """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
     conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
@@ -296,7 +301,8 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     `live`: the source of on-policy rows (final.distill.live.LiveFacts), when cfg.on_policy > 0.
     `init` select / match: the KV starts as the document's own, cut from its `chunk_tokens`-token chunks by the
     attention of the rows about each (final.distill.chunks; `text` needed), computed unless a checkpoint will
-    replace it."""
+    replace it. `teacher_tokens`: the rows were scored by windows of `text` this long (`learn --teacher-tokens`),
+    so their hidden states (cfg.hidden) are matched to each row's window's."""
     from transformers import AutoTokenizer
 
     from final.distill.chunks import start
@@ -326,7 +332,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     kvs = [student.prefill(ids) for ids in beside]
     rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep or cfg.quiet else ()
             for t, kv in zip(partners, kvs)]
-    teacher = _hidden_teacher(student, tok, text, cfg)
+    teacher = _hidden_teacher(student, tok, text, cfg, teacher_tokens)
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
                    partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live, teacher=teacher)
     cart = cache.cartridge(save_dtype or student.dtype)
