@@ -11,7 +11,7 @@ one is the final norm's output, what the logits read).
 
 The teacher is the rows' own: the whole document as the system turn (final.prompts.document_ids), prefilled once
 (HiddenTeacher); or, for rows taught from windows of a long document (`--teacher-tokens N`), each row's N-token
-window around its sentence, found again from the row's `chunk` and prefilled once a window (WindowTeacher).
+window around its sentence, found again from the row's `chunk` and prefilled when needed (WindowTeacher).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 # the floor of a dimension's spread, as a share of the layer's mean spread: a dimension constant over the batch
 # (or a batch of one position) does not turn a tiny error into a huge one
 FLOOR = 0.01
-# windows whose KV a WindowTeacher keeps (each ~12 MB at 256 tokens for SmolLM2-135M in fp32): a long document's
-# ~300 windows would hold GBs; the rows of a step are drawn across the document, so more buy few hits
+# windows whose KV a WindowTeacher keeps (each ~12 MB at 256 tokens for SmolLM2-135M in fp32): all of a long
+# document's would hold GBs (skarrow's 1,046 rows have 441 windows: 5 GB), so the rest are prefilled again
 KEPT_WINDOWS = 64
 
 
@@ -49,7 +49,7 @@ class HiddenTeacher:
 class WindowTeacher:
     """The model after each row's own window of a long document (`--teacher-tokens`): the `tokens`-token window
     around the row's sentence (its `chunk`, final.distill.facts.window_text), the teacher its KL targets were
-    scored by; each window prefilled once and kept (the last KEPT_WINDOWS)."""
+    scored by; each window prefilled when a row needs it, the last KEPT_WINDOWS kept."""
 
     def __init__(self, student: Any, tokenizer: Any, text: str, tokens: int):
         from final.distill.facts import token_offsets
