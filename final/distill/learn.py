@@ -89,7 +89,8 @@ def register_learn(sub: Any) -> None:
                         "--teacher-tokens)")
     p.add_argument("--top-k", type=int, default=20, help="teacher logprobs kept per target token (default 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu",
+                   help="where the gradient, the rows' teacher and the on-policy samples run: cpu or cuda[:N]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(p)
     p.set_defaults(cartridge_func=_learn)
@@ -158,7 +159,8 @@ def _learn(args: argparse.Namespace) -> int:
         _check_made_with(data, made_with)  # ...if they were made from this document with these settings
     need_partners = train.beside and not partners.is_file()
     # the engine writes what is missing and, for on-policy rows, samples and scores through the training
-    inference = open_engine(args)[0] if not data.is_file() or need_partners or train.on_policy else None
+    opened = not data.is_file() or need_partners or train.on_policy
+    inference = open_engine(args, device=args.device)[0] if opened else None
     source = None
     try:
         _write_inputs(inference, text, facts, made_with, data, partners if need_partners else None, args.tokens)

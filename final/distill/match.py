@@ -51,8 +51,10 @@ class _Recorder:
         self.group = cfg.num_attention_heads // self.kvh
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.prefix, self.positions, p = prefix, positions, positions.shape[-1]
-        self.gram = torch.zeros(cfg.num_hidden_layers, self.kvh, p, p, dtype=torch.float64)
-        self.rhs = torch.zeros(cfg.num_hidden_layers, self.kvh, p, self.D, dtype=torch.float64)
+        # the sums live where the positions do: the model's device, so a CUDA pass never copies per layer
+        dev = positions.device
+        self.gram = torch.zeros(cfg.num_hidden_layers, self.kvh, p, p, dtype=torch.float64, device=dev)
+        self.rhs = torch.zeros(cfg.num_hidden_layers, self.kvh, p, self.D, dtype=torch.float64, device=dev)
         self.layer: int | None = None
         self.targets: list[torch.Tensor] | None = None
         self.outputs: list[torch.Tensor] | None = None
@@ -63,8 +65,8 @@ class _Recorder:
         q = query[0].double().reshape(kvh, group * T, D)  # query head h * group + j serves KV head h
         k, v = key[0].double(), value[0].double()
         scores = q @ k.transpose(1, 2) * (scaling if scaling is not None else D ** -0.5)
-        at = torch.arange(T).repeat(group) + (S - T)  # each stacked query's own position
-        scores = scores.masked_fill(torch.arange(S)[None, :] > at[:, None], float("-inf"))
+        at = torch.arange(T, device=q.device).repeat(group) + (S - T)  # each stacked query's own position
+        scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > at[:, None], float("-inf"))
         e = (scores - scores.amax(-1, keepdim=True)).exp()
         y = (e @ v) / e.sum(-1, keepdim=True)
         if self.outputs is not None:
@@ -94,7 +96,7 @@ def solve(gram: torch.Tensor, rhs: torch.Tensor, values: torch.Tensor, frozen: i
     g, b, v = gram[:, frozen:, frozen:], rhs[:, frozen:], values.double()
     b = b - gram[:, frozen:, :frozen] @ v[:, :frozen]
     lam = ridge * g.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
-    eye = torch.eye(g.shape[-1], dtype=g.dtype)
+    eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
     fitted = torch.linalg.solve(g + lam * eye, b + lam * v[:, frozen:])
     return torch.cat([v[:, :frozen], fitted], 1).to(values.dtype)
 
@@ -110,7 +112,7 @@ def fit_values(student: "Student", doc_ids: Sequence[int], rows: Sequence[Sequen
     from transformers import AttentionInterface, DynamicCache
 
     model, L, p = student.model, len(doc_ids), keys[0].shape[2]
-    teacher = _Recorder(model, L, positions.cpu())
+    teacher = _Recorder(model, L, positions.to(student.device))
     outputs: list[list[torch.Tensor]] = []
     if sequential:
         teacher.layer = -1  # this pass only records the teacher's head outputs
@@ -128,7 +130,7 @@ def fit_values(student: "Student", doc_ids: Sequence[int], rows: Sequence[Sequen
         if not sequential:
             return [_solved(teacher, layer, v, frozen, ridge) for layer, v in enumerate(values)]
         fitted = list(values)
-        mine = _Recorder(model, p, torch.arange(p).expand(positions.shape).contiguous())
+        mine = _Recorder(model, p, torch.arange(p, device=student.device).expand(positions.shape).contiguous())
         AttentionInterface.register(ATTN, mine)
         for layer in range(len(values)):
             mine.layer = layer
@@ -146,4 +148,4 @@ def fit_values(student: "Student", doc_ids: Sequence[int], rows: Sequence[Sequen
 
 
 def _solved(rec: _Recorder, layer: int, values: torch.Tensor, frozen: int, ridge: float) -> torch.Tensor:
-    return solve(rec.gram[layer], rec.rhs[layer], values[0].cpu(), frozen, ridge)[None].to(values.device)
+    return solve(rec.gram[layer], rec.rhs[layer], values[0].to(rec.gram.device), frozen, ridge)[None].to(values.device)

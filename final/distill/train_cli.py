@@ -10,11 +10,12 @@ from typing import Any
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
 
-def open_engine(args: argparse.Namespace):
-    """The embedded engine (through InferenceEngine, the one composition root) and its tokenizer."""
+def open_engine(args: argparse.Namespace, device: str = "cpu"):
+    """The embedded engine (through InferenceEngine, the one composition root) and its tokenizer; on `device` where
+    a command's --device also puts its teacher and samples there (learn, distill), else on the CPU."""
     from final.inf import local_engine
 
-    inference = local_engine(args.model, dtype=args.dtype)
+    inference = local_engine(args.model, dtype=args.dtype, device=device)
     return inference, inference.engine, inference.tokenizer
 
 
@@ -136,7 +137,8 @@ def _register_distill(sub: Any) -> None:
                         "against `final serve` (started here unless --server)")
     d.add_argument("--server", help="with --rollout verl: a running `final serve` URL that can read --out")
     d.add_argument("--config", help="InferenceEngine config for the teacher and in-process rollouts (any backend)")
-    d.add_argument("--device", default="cpu", help="where the gradient runs: cpu or cuda[:N]")
+    d.add_argument("--device", default="cpu",
+                   help="where the gradient, the teacher and the in-process samples run: cpu or cuda[:N]")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     _question_args(d, "512-2048", 64)
     _model_args(d)
@@ -203,7 +205,7 @@ def _inference(args: argparse.Namespace):
         from final.inf import InferenceEngine
 
         return InferenceEngine(args.config)
-    return open_engine(args)[0]
+    return open_engine(args, device=args.device)[0]
 
 
 def _synth(args: argparse.Namespace) -> int:
