@@ -64,6 +64,14 @@ def test_a_windowed_rows_teacher_is_its_own_window_found_again_from_the_row(stud
             torch.testing.assert_close(mine[before:before + n], full, atol=2e-4, rtol=2e-4)
     whole = HiddenTeacher(student, document_ids(tok, DOC)).states(ROWS, WHERE)
     assert float(hidden_error(theirs, whole)) > 1e-3
+    calls, real = [], student.states  # rows that share a window share its forward, their states in row order
+    monkeypatch.setattr(student, "states", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
+    got = teacher.states(torch.cat([ROWS, ROWS[:1]]), torch.cat([WHERE, WHERE[:1]]), rows + rows[:1])
+    assert sorted(calls) == [1, 2]
+    both = int(WHERE.sum())
+    for mine, each in zip(got, theirs):
+        torch.testing.assert_close(mine[:both], each, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(mine[both:], each[:int(WHERE[0].sum())], atol=2e-4, rtol=2e-4)
     with pytest.raises(CartridgeError) as err:  # rows made from a longer document
         teacher.states(ROWS, WHERE, [SimpleNamespace(chunk=(0, 1)), SimpleNamespace(chunk=(3, 900))])
     assert err.value.field == "chunk"

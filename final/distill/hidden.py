@@ -60,15 +60,21 @@ class WindowTeacher:
 
     def window(self, chunk: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The KV of the window around the document's tokens `chunk` = [first, last), as its teacher read it."""
+        return self._kv(self._window_text(chunk))
+
+    def _window_text(self, chunk: Sequence[int]) -> str:
         from final.distill.facts import window_text
         from final.errors import CartridgeError
-        from final.prompts import document_ids
 
         first, last = chunk
         if not 0 <= first < last <= len(self.offsets):
             raise CartridgeError(f"a row's chunk {list(chunk)} is not a span of the document's {len(self.offsets)} "
                                  "tokens: its rows were made from another document", field="chunk")
-        window = window_text(self.text, self.offsets, chunk, self.tokens)
+        return window_text(self.text, self.offsets, chunk, self.tokens)
+
+    def _kv(self, window: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from final.prompts import document_ids
+
         if window not in self.kept:
             self.kept[window] = self.student.prefill(document_ids(self.tokenizer, window))
             if len(self.kept) > KEPT_WINDOWS:
@@ -79,11 +85,19 @@ class WindowTeacher:
     @torch.no_grad()
     def states(self, ids: torch.Tensor, where: torch.Tensor, rows: Sequence[Any] = ()) -> list[torch.Tensor]:
         """As HiddenTeacher.states, each row of `rows` (the Conversations of `ids`, in order) after its own window:
-        one forward a row, as the windows differ."""
+        one forward a window (the rows that share it together), the states put back in the rows' order."""
         if len(rows) != len(ids):
             raise ValueError(f"{len(ids)} rows of ids need their {len(ids)} Conversations, got {len(rows)}")
-        per_row = [self.student.states(*self.window(row.chunk), ids[r:r + 1], where[r:r + 1])
-                   for r, row in enumerate(rows)]
+        groups: OrderedDict[str, list[int]] = OrderedDict()
+        for r, row in enumerate(rows):  # every chunk checked before any forward
+            groups.setdefault(self._window_text(row.chunk), []).append(r)
+        counts = where.sum(1).tolist()
+        per_row: list[list[torch.Tensor]] = [[] for _ in rows]
+        for window, idx in groups.items():
+            layers = self.student.states(*self._kv(window), ids[idx], where[idx])
+            for h in layers:  # [the group's positions, hidden], row by row in the group's order
+                for r, part in zip(idx, torch.split(h, [counts[r] for r in idx])):
+                    per_row[r].append(part)
         return [torch.cat([layers[i] for layers in per_row]).float() for i in range(len(per_row[0]))]
 
 
