@@ -200,12 +200,14 @@ def _synth_config(args: argparse.Namespace, **kw: Any):
                        **({"seed_types": args.seed_types} if args.seed_types else {}), **kw)
 
 
-def _inference(args: argparse.Namespace):
+def _inference(args: argparse.Namespace, device: str = "cpu"):
+    """The teacher's and samples' engine: the --config's, else the embedded one on `device` (distill's --device;
+    synth has none, and writes its rows on the CPU)."""
     if args.config:
         from final.inf import InferenceEngine
 
         return InferenceEngine(args.config)
-    return open_engine(args, device=args.device)[0]
+    return open_engine(args, device=device)[0]
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -259,7 +261,7 @@ def _distill(args: argparse.Namespace) -> int:
                         checkpoint_every=args.checkpoint_every, rollout=args.rollout,
                         synth=_synth_config(args, seed=args.seed))
     cfg.check()
-    inference = _inference(args)
+    inference = _inference(args, device=args.device)
     try:
         history = distill(inference, text, args.out, cfg, model=args.model, device=args.device, dtype=args.dtype,
                           server=args.server, progress=not args.quiet)
