@@ -58,11 +58,8 @@ class WindowTeacher:
         self.offsets = token_offsets(tokenizer, text)
         self.kept: OrderedDict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
 
-    def window(self, chunk: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The KV of the window around the document's tokens `chunk` = [first, last), as its teacher read it."""
-        return self._kv(self._window_text(chunk))
-
     def _window_text(self, chunk: Sequence[int]) -> str:
+        """The window around the document's tokens `chunk` = [first, last), as its teacher read it."""
         from final.distill.facts import window_text
         from final.errors import CartridgeError
 
