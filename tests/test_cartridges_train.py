@@ -277,3 +277,31 @@ def test_key_lr_share_puts_the_keys_in_their_own_group():
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in cache.trainable_keys}
     assert [len(g["params"]) for g in _groups(cache, 1.0)] == [4]
     assert [len(g["params"]) for g in _groups(cache, 0.0)] == [2] and not cache.trainable_keys[0].requires_grad
+
+
+def test_average_writes_the_mean_of_the_last_steps_and_keeps_the_last_to_resume(data, tmp_path):
+    """--average 0.5 over 4 steps writes the mean of the cartridges after steps 3 and 4 (each the same as a run that
+    stopped there: the lr is constant and the batches depend on the step alone); the checkpoint keeps step 4's, a
+    rerun writes the same average, and a resume whose window would start elsewhere is refused by name."""
+    def run(name: str, steps: int, average: float = 0.0):
+        out = tmp_path / f"{name}.pt"
+        train_cartridge(TINY, data, out, TrainConfig(tokens=P, steps=steps, batch=2, lr=5e-2, average=average),
+                        text=DOC_A, progress=False)
+        return out, load_cartridge(out)
+
+    _, three = run("three", 3)
+    _, four = run("four", 4)
+    out, avg = run("avg", 4, 0.5)
+    for a, b, m in zip(three.keys + three.values, four.keys + four.values, avg.keys + avg.values):
+        assert torch.allclose(m, (a + b) / 2, atol=1e-6)
+    assert not all(torch.equal(m, b) for m, b in zip(avg.values, four.values))
+    last = torch.load(checkpoint_path(out), weights_only=True)["cache"]
+    assert torch.equal(last["trainable_values.0"], four.values[0][:, :, 1:])
+    _, again = run("avg", 4, 0.5)  # the run is done: the average is read back from the checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(avg.keys + avg.values, again.keys + again.values))
+    with pytest.raises(CartridgeError) as err:  # 8 steps at 0.5 average from step 5: steps 3-4 cannot be used
+        run("avg", 8, 0.5)
+    assert err.value.field == "average"
+    with pytest.raises(CartridgeError) as err:
+        TrainConfig(tokens=P, average=1.5).check()
+    assert err.value.field == "average"

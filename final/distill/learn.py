@@ -107,6 +107,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="also match, at weight W, the teacher's hidden state after every layer at the rows' tokens "
                         "(final/distill/hidden.py): the whole document's, or with --teacher-tokens each row's own "
                         f"window's (default {HIDDEN:g}, or 0 with --teacher-tokens; 0: the KL only)")
+    p.add_argument("--average", type=float, default=TrainConfig.average, metavar="F",
+                   help="write the mean of the cartridge over the last F of the steps instead of the last step's "
+                        f"(default {TrainConfig.average:g}: the last step's); the checkpoint keeps the last step's")
 
 
 def _partner_args(p: argparse.ArgumentParser) -> None:
@@ -147,7 +150,7 @@ def _learn(args: argparse.Namespace) -> int:
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
                         quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy,
-                        key_lr=args.key_lr, hidden=_hidden(args))
+                        key_lr=args.key_lr, hidden=_hidden(args), average=args.average)
     train.check()
     live = _live_config(args)
     data = args.out.with_name(args.out.name + ".facts.jsonl")

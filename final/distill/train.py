@@ -54,10 +54,13 @@ class TrainConfig:
     key_lr: float = 1.0
     # the weight of matching the teacher's hidden states at every layer on the rows' targets (final/distill/hidden.py)
     hidden: float = 0.0
+    # the share of the last steps whose cartridges are averaged into the one written (0: the last step's): Adam at a
+    # constant lr ends wherever its walk stopped; the mean over the window (Polyak / SWA) is the flatter point
+    average: float = 0.0
 
     def check(self) -> None:
         check_training(self, ("tokens", "steps", "batch", "checkpoint_every"))
-        for key in ("beside", "on_policy"):
+        for key in ("beside", "on_policy", "average"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise CartridgeError(f"must be in [0, 1], got {getattr(self, key)}", field=key)
         for key in ("keep", "quiet", "hard", "key_lr", "hidden"):
@@ -179,6 +182,8 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
     trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard, key_lr=cfg.key_lr)
     done = trainer.resume(cfg.steps)
+    if cfg.average:
+        trainer.average_from(average_start(cfg))
     bar = tqdm(range(done, cfg.steps), desc="train", unit="step", disable=not progress, initial=done,
                total=cfg.steps)
     for step in bar:
@@ -194,11 +199,19 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
         if partner is not None:
             _beside(batch, *partner, step, cfg, pad_id, student.device)
         rec = trainer.step(batch, beside=partner and ("front" if partner[1] else "behind"), **info)
+        trainer.accumulate()
         bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['forward_kl']:.4f}")
         (log or bar.write)(f"step {step + 1}/{cfg.steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             trainer.save()
+    if cfg.average:
+        trainer.use_average()
     return trainer.history
+
+
+def average_start(cfg: TrainConfig) -> int:
+    """The steps done before the averaged window (cfg.average of the steps, at least the last one)."""
+    return cfg.steps - max(1, round(cfg.steps * cfg.average))
 
 
 def _live_rows(cfg: TrainConfig) -> int:
@@ -221,7 +234,8 @@ def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainCo
 
 def _setting_labels(cfg: TrainConfig) -> dict:
     """The manifest's labels of the settings a run used away from their default (what the file was trained with)."""
-    used = {k: str(getattr(cfg, k)) for k in ("beside", "keep", "quiet", "on_policy", "hidden") if getattr(cfg, k)}
+    used = {k: str(getattr(cfg, k)) for k in ("beside", "keep", "quiet", "on_policy", "hidden", "average")
+            if getattr(cfg, k)}
     if cfg.quiet and cfg.quiet_by != "loudness":
         used["quiet_by"] = cfg.quiet_by
     return used
@@ -252,7 +266,7 @@ def digest(ids: Sequence[int]) -> str:
 
 # settings TrainConfig gained after checkpoints were first written, and the default each behaves as before at
 _ADDED_LATER = {"beside": 0.0, "keep": 0.0, "quiet": 0.0, "quiet_by": "loudness", "hard": 0.0, "on_policy": 0.0,
-                "key_lr": 1.0, "hidden": 0.0}
+                "key_lr": 1.0, "hidden": 0.0, "average": 0.0}
 
 
 def _resume_key(cfg: TrainConfig) -> dict:

@@ -37,6 +37,8 @@ class Trainer:
         self.opt = torch.optim.Adam(_groups(cache, key_lr), lr=lr)
         self.history: list[dict] = []
         self.best: dict | None = None  # {"step", "kl", "cache": state_dict}: the best cartridge validation judged
+        # the running sum of the trainable part after each step from "from" on (average_from / accumulate)
+        self.average: dict | None = None  # {"from", "count", "sum": state_dict (float64)}
 
     def resume(self, steps: int) -> int:
         """Load the checkpoint if there is one; returns the steps already done."""
@@ -77,6 +79,39 @@ class Trainer:
         self.history.append(rec)
         return rec
 
+    def average_from(self, first: int) -> None:
+        """Average the cartridge over the steps after step `first` (0-based count of steps done before the window):
+        a resumed checkpoint whose window started elsewhere (another --steps) cannot give that average."""
+        saved = self.average
+        if saved is not None and saved["count"] and saved["from"] != first:
+            raise CartridgeError(f"the checkpoint averages the cartridge from step {saved['from'] + 1}; these steps "
+                                 f"and --average start it at step {first + 1}: use the same --steps or delete "
+                                 f"{self.ckpt}", file=str(self.ckpt), field="average")
+        if saved is None or saved["from"] != first:
+            self.average = {"from": first, "count": 0, "sum": None}
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add the trainable part as it is now to the running average, if the window has begun."""
+        if self.average is None or len(self.history) <= self.average["from"]:
+            return
+        now = {k: v.detach().cpu().double() for k, v in self.cache.state_dict().items() if k.startswith("trainable")}
+        total = self.average["sum"]
+        self.average["sum"] = now if total is None else {k: total[k] + now[k] for k in now}
+        self.average["count"] += 1
+
+    @torch.no_grad()
+    def use_average(self) -> None:
+        """Put the average (the mean of what accumulate() saw) in the cache: the cartridge the run writes. The
+        checkpoint keeps the last step's, which a resumed run continues from."""
+        avg = self.average
+        if avg is None or not avg["count"]:
+            raise CartridgeError("no step was averaged: --average needs at least one step in its window",
+                                 field="average")
+        state = self.cache.state_dict()
+        self.cache.load_state_dict({**state, **{k: (v / avg["count"]).to(state[k].dtype)
+                                               for k, v in avg["sum"].items()}})
+
     @torch.no_grad()
     def validate(self, batch: Any) -> float:
         """The cartridge's KL (the teacher's top-k plus a bucket for the rest: losses.forward_topk_tail) on a batch
@@ -102,7 +137,7 @@ class Trainer:
     def save(self) -> None:
         state = {"cache": {k: v.detach().cpu() for k, v in self.cache.state_dict().items()},
                  "optimizer": self.opt.state_dict(), "history": list(self.history), "config": self.key,
-                 "best": self.best}
+                 "best": self.best, "average": self.average}
         tmp = self.ckpt.with_name(f".{self.ckpt.name}.tmp")
         torch.save(state, tmp)
         tmp.replace(self.ckpt)
@@ -119,6 +154,7 @@ class Trainer:
             self.cache.load_state_dict(state["cache"])
             self.opt.load_state_dict(state["optimizer"])
             self.best = state.get("best")
+            self.average = state.get("average")
             return [dict(r) for r in state["history"]]
         except (RuntimeError, KeyError, TypeError, EOFError, ValueError) as exc:
             if isinstance(exc, CartridgeError):
