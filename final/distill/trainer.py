@@ -37,8 +37,9 @@ class Trainer:
         self.opt = torch.optim.Adam(_groups(cache, key_lr), lr=lr)
         self.history: list[dict] = []
         self.best: dict | None = None  # {"step", "kl", "cache": state_dict}: the best cartridge validation judged
-        # the running sum of the trainable part after each step from "from" on (average_from / accumulate)
-        self.average: dict | None = None  # {"from", "count", "sum": state_dict (float64)}
+        # the running sum of the trainable part after each step past "from" (average_from / accumulate); the steps
+        # in it are len(history) - from, as the sum is saved with the history it belongs to
+        self.average: dict | None = None  # {"from", "sum": state_dict (float64) or None}
 
     def resume(self, steps: int) -> int:
         """Load the checkpoint if there is one; returns the steps already done."""
@@ -83,34 +84,37 @@ class Trainer:
         """Average the cartridge over the steps after step `first` (0-based count of steps done before the window):
         a resumed checkpoint whose window started elsewhere (another --steps) cannot give that average."""
         saved = self.average
-        if saved is not None and saved["count"] and saved["from"] != first:
+        if saved is not None and saved["sum"] is not None and saved["from"] != first:
             raise CartridgeError(f"the checkpoint averages the cartridge from step {saved['from'] + 1}; these steps "
                                  f"and --average start it at step {first + 1}: use the same --steps or delete "
                                  f"{self.ckpt}", file=str(self.ckpt), field="average")
         if saved is None or saved["from"] != first:
-            self.average = {"from": first, "count": 0, "sum": None}
+            self.average = {"from": first, "sum": None}
 
     @torch.no_grad()
     def accumulate(self) -> None:
         """Add the trainable part as it is now to the running average, if the window has begun."""
         if self.average is None or len(self.history) <= self.average["from"]:
             return
-        now = {k: v.detach().cpu().double() for k, v in self.cache.state_dict().items() if k.startswith("trainable")}
-        total = self.average["sum"]
-        self.average["sum"] = now if total is None else {k: total[k] + now[k] for k in now}
-        self.average["count"] += 1
+        now = {k: v.detach().to("cpu", torch.float64, copy=True) for k, v in self.cache.state_dict().items()
+               if k.startswith("trainable")}  # a copy: the sum is added to in place
+        if self.average["sum"] is None:
+            self.average["sum"] = now
+        else:
+            for k, v in now.items():
+                self.average["sum"][k].add_(v)
 
     @torch.no_grad()
     def use_average(self) -> None:
         """Put the average (the mean of what accumulate() saw) in the cache: the cartridge the run writes. The
         checkpoint keeps the last step's, which a resumed run continues from."""
         avg = self.average
-        if avg is None or not avg["count"]:
+        if avg is None or avg["sum"] is None:
             raise CartridgeError("no step was averaged: --average needs at least one step in its window",
                                  field="average")
+        count = len(self.history) - avg["from"]
         state = self.cache.state_dict()
-        self.cache.load_state_dict({**state, **{k: (v / avg["count"]).to(state[k].dtype)
-                                               for k, v in avg["sum"].items()}})
+        self.cache.load_state_dict({**state, **{k: (v / count).to(state[k].dtype) for k, v in avg["sum"].items()}})
 
     @torch.no_grad()
     def validate(self, batch: Any) -> float:
