@@ -15,7 +15,7 @@ from final.distill.qa import load_qa
 from final.distill.qa_eval import WHOLE, normalise, qa_evaluate, wilson
 from final.errors import CartridgeError
 
-from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
+from test_cartridges_train import data, inference  # noqa: F401  (the module's engine and rows fixtures)
 
 QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
 SETS = ("brennock", "kestrel", "lake_ivra")  # ~1,000 tokens each
@@ -131,6 +131,50 @@ def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
     assert cart["right"] == first["right"] and len(cart["right"]) == round(cart["acc"])  # ids, for a breakdown
     assert main(["cartridge", "eval", str(path), "--model", TINY]) != 0
     assert "field 'qa': give --qa" in capsys.readouterr().err
+
+
+def test_eval_asks_a_training_checkpoints_last_step(data, tmp_path, capsys):  # noqa: F811 (fixture)
+    """`eval --checkpoint OUT.ckpt` asks the cartridge after the run's last step: under --average 0.5 the written
+    file is the mean, the checkpoint holds step 4's - the cartridge of a plain 4-step run, tensor for tensor, and
+    asked with the same answers and KL. A checkpoint named without --checkpoint, a cartridge file with it and
+    another position convention are refused by field."""
+    import torch
+
+    from final.cartridges.format import load_cartridge
+    from final.distill.cli import main
+    from final.distill.train import TrainConfig, checkpoint_path, train_cartridge
+    from final.distill.trainer import checkpoint_cartridge
+
+    runs = {}
+    for name, average in (("avg", 0.5), ("last", 0.0)):
+        runs[name] = tmp_path / f"{name}.pt"
+        train_cartridge(TINY, data, runs[name], TrainConfig(tokens=8, steps=4, batch=2, lr=5e-2, average=average),
+                        text=DOC_A, progress=False)
+    ckpt = checkpoint_path(runs["avg"])
+    cart, step = checkpoint_cartridge(ckpt)
+    last = load_cartridge(runs["last"])
+    assert step == 4 and cart.num_frozen_tokens == last.num_frozen_tokens == 1
+    assert all(torch.equal(a, b) for a, b in zip(cart.keys + cart.values, last.keys + last.values))
+    (tmp_path / "s.txt").write_text(DOC_A)
+    (tmp_path / "s.jsonl").write_text(line(id="a") + "\n")
+    ask = ["--model", TINY, "--qa", str(tmp_path / "s.jsonl"), "--multiple", "2", "--open-tokens", "4", "--json"]
+    capsys.readouterr()  # the training's own lines
+
+    def asked(*argv: str) -> dict:
+        assert main(["cartridge", "eval", *argv, *ask]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    got = asked(str(ckpt), "--checkpoint")
+    row = got["qa"]["rows"][-1]
+    want, avg = asked(str(runs["last"]))["qa"]["rows"][-1], asked(str(runs["avg"]))["qa"]["rows"][-1]
+    assert got["checkpoint_step"] == 4 and row["condition"] == "cartridge"
+    assert row["kl"] == pytest.approx(want["kl"], abs=1e-6) and row["right"] == want["right"]
+    assert abs(row["kl"] - avg["kl"]) > 1e-6  # the written file is another cartridge
+    for argv, field in (([str(ckpt)], "trainable_keys"), ([str(runs["avg"]), "--checkpoint"], "checkpoint"),
+                        ([str(ckpt), "--checkpoint", "--positions", "from_zero"], "positions")):
+        assert main(["cartridge", "eval", *argv, *ask]) != 0
+        err = capsys.readouterr().err
+        assert f"field '{field}'" in err and (field != "trainable_keys" or "--checkpoint" in err)
 
 
 def test_the_relevant_chunk_row_asks_each_question_after_its_own_window(inference, tmp_path, capsys):

@@ -192,7 +192,9 @@ def assemble(obj: dict, name: str, *, allow_nonfinite: bool = False) -> Cartridg
     obj = {LEGACY.get(k, k): v for k, v in obj.items()}
     for key in ("trainable_keys", "trainable_values"):
         if key not in obj:
-            raise CartridgeError(f"missing key {key!r} (found {sorted(obj)})", file=name, field=key)
+            hint = ("; this is a training checkpoint: `final cartridge eval --checkpoint` asks its cartridge"
+                    if {"cache", "history"} <= set(obj) else "")
+            raise CartridgeError(f"missing key {key!r} (found {sorted(obj)}){hint}", file=name, field=key)
     if ("frozen_keys" in obj) != ("frozen_values" in obj):
         have, lack = ("frozen_keys", "frozen_values") if "frozen_keys" in obj else ("frozen_values", "frozen_keys")
         raise CartridgeError(f"has {have!r} but not {lack!r}", file=name, field=lack)

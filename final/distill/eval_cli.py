@@ -40,6 +40,10 @@ def register_eval(sub: Any) -> None:
     e.add_argument("--positions", choices=("after_prefix", "from_zero"),
                    help="the cartridge's position convention (default: its manifest's or run config's; with "
                         "--compose, for both cartridges)")
+    e.add_argument("--checkpoint", action="store_true",
+                   help="PATH is a training checkpoint (OUT.ckpt of learn, train or distill): ask the cartridge as "
+                        "it stood after the run's last step - the written file is the mean under --average and the "
+                        "best step under validation - or a run that has not finished")
     e.add_argument("--limit", type=int, help="use only the first N conversations")
     e.add_argument("--json", action="store_true", help="print JSON")
     _model_args(e)
@@ -62,7 +66,7 @@ def _eval(args: argparse.Namespace) -> int:
     inference, engine, tok = open_engine(args)
     report: dict = {}
     try:
-        cart = CartridgeService(engine, inference.model_dir).read_served(args.path, positions=args.positions)
+        cart = _read(args, CartridgeService(engine, inference.model_dir), report)
         if args.compose is not None:
             report["compose"] = _eval_compose(args, inference, cart)
         elif args.qa is not None:
@@ -74,6 +78,26 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
+
+
+def _read(args: argparse.Namespace, service: Any, report: dict) -> Any:
+    """The cartridge PATH names, as served: a cartridge file (or run folder), or with --checkpoint the last step's
+    cartridge in a training checkpoint (whose step goes in the report)."""
+    from final.cartridges.manifest import check_matches_model
+    from final.distill.trainer import checkpoint_cartridge
+    from final.errors import CartridgeError
+
+    if not args.checkpoint:
+        return service.read_served(args.path, positions=args.positions)
+    if args.positions not in (None, "after_prefix"):
+        raise CartridgeError("a training checkpoint's cartridge is in the training's convention, after_prefix; "
+                             f"--positions {args.positions} cannot apply to it", field="positions")
+    cart, step = checkpoint_cartridge(args.path)
+    check_matches_model(cart, service.model, str(args.path))
+    report["checkpoint_step"] = step
+    if not args.json:
+        print(f"{args.path}: the cartridge after step {step} (training checkpoint)")
+    return cart
 
 
 def _eval_qa(args: argparse.Namespace, inference: Any, cart: Any) -> dict:

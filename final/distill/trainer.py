@@ -177,3 +177,29 @@ def _groups(cache: Any, key_lr: float) -> list[dict]:
     cache.trainable_keys.requires_grad_(key_lr > 0)  # no gradient is worked out for what is not trained
     keys = [{"params": list(cache.trainable_keys), "scale": key_lr}] if key_lr else []
     return [{"params": list(cache.trainable_values)}] + keys
+
+
+def checkpoint_cartridge(path: Path) -> tuple[Any, int]:
+    """The cartridge a training checkpoint (OUT.ckpt) holds - as it stood after the run's last step, which the
+    written file is not under --average (the mean) or validation (the best step), nor before a stopped run ends -
+    and that step. In the training forward's convention (after_prefix), checked as a cartridge file is."""
+    from final.cartridges.format import PARTS, assemble
+
+    name = str(path)
+    if not Path(path).is_file():
+        raise CartridgeError("file does not exist", file=name, field="path")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        cache, history = state["cache"], state["history"]
+    except (RuntimeError, KeyError, TypeError, EOFError, ValueError, OSError) as exc:
+        raise CartridgeError(f"not a training checkpoint (OUT.ckpt of learn/train/distill): {type(exc).__name__}: "
+                             f"{str(exc)[:200]}", file=name, field="checkpoint") from None
+    layers: dict[tuple[str, int], Any] = {}
+    for key, tensor in cache.items():  # TrainableKV's state_dict: "trainable_keys.3", ...
+        part, _, index = key.rpartition(".")
+        if part not in PARTS or not index.isdigit():
+            raise CartridgeError(f"the checkpoint's cache holds {key!r}, not a cartridge's part", file=name,
+                                 field="checkpoint")
+        layers[part, int(index)] = tensor
+    parts = {p: [layers[q, i] for q, i in sorted(layers) if q == p] for p in PARTS}
+    return assemble(parts, name), len(history)
