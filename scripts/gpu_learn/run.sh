@@ -2,10 +2,11 @@
 # On the GPU machine (see prepare.sh): `stash` keeps call 1's half of the model in /tmp/gl; `bench FLAGS...` runs
 # `final bench --device cuda FLAGS` on the real model (after call 1, like learn); `learn SET...` joins the
 # GGUF, installs the wheels, and runs `final cartridge learn` with --device cuda for each bench/qa set (what
-# bench/cartridge_qa.py runs: p = $TOKENS, default 64, with the flags in $FLAGS, default none), writing each
-# cartridge, its manifest and the log to $OUT (a cartridge over the 16 MiB a file can come back in is cut in two:
-# `cat X.part00 X.part01 > X` here). The QA is asked back on the CPU machine (bench/cartridge_qa.py --work on the
-# fetched folder reads the minutes from summary.json; `final cartridge eval` for the others).
+# bench/cartridge_qa.py runs: p = $TOKENS, default 64, with the flags in $FLAGS, default none), each cartridge, its
+# manifest, summary.json and the log packed in one tar cut into 15 MB parts in $OUT (at most 8 files come back,
+# 16 MiB each: five documents' files one by one did not), also when a run fails part-way; here, in an empty folder:
+# `cat FILES_AT/learn.tar.part* | tar x`. The QA is asked back on the CPU machine (bench/cartridge_qa.py --work on
+# that folder reads the minutes from summary.json; `final cartridge eval` for the others).
 set -o pipefail
 S=/tmp/gl
 mkdir -p $S
@@ -29,7 +30,10 @@ if [ $stage = bench ]; then  # `final bench` on CUDA with the real model, e.g. `
   python3 -m final.cli bench --device cuda "$@" 2>&1 | grep -v -i warn | tee $OUT/bench.log
   exit
 fi
-W=$OUT P=${TOKENS:-64}
+W=/tmp/gl-out P=${TOKENS:-64}
+rm -rf $W && mkdir -p $W
+pack() { tar -C $W -cf - . | split -b 15M -d - $OUT/learn.tar.part && ls -la $OUT; }
+trap pack EXIT
 echo "{" > $W/summary.json
 for set in "$@"; do
   t0=$(date +%s.%N)
@@ -39,7 +43,7 @@ for set in "$@"; do
     --out $out --quiet --device cuda $FLAGS 2>&1 | grep -v -i warn | tee -a $W/learn.log || exit 5
   t1=$(date +%s.%N)
   cp $out.manifest.json $W/
-  if [ "$(stat -c %s $out)" -gt 16000000 ]; then split -n 2 -d $out $W/$(basename $out).part; else cp $out $W/; fi
+  cp $out $W/
   echo "\"$set\": {\"minutes\": $(python3 -c "print(($t1 - $t0) / 60)"), \"device\": \"cuda\"}," >> $W/summary.json
 done
 sed -i '$ s/,$//' $W/summary.json && echo "}" >> $W/summary.json
