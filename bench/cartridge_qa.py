@@ -1,7 +1,8 @@
 """Do cartridges know their documents? QA accuracy and KL per method and p on the question sets (bench/qa).
 
     .venv/bin/python bench/cartridge_qa.py [--sets brennock,kestrel,lake_ivra] [--split tune] [--tokens 64]
-        [--command learn|distill] [--multiple 8] [--chunk-tokens N] [--work DIR] [--label NAME] [-- flags...]
+        [--command learn|distill] [--multiple 8] [--chunk-tokens N] [--work DIR] [--label NAME] [--last]
+        [-- flags...]
 
 For each set: `final cartridge learn` (or `distill`: --command) of its document at p = --tokens with the flags
 given after `--` (none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_qa"))
     p.add_argument("--label", help="the method's name in the table (default: the command, with its flags)")
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--last", action="store_true", help="add the row of the cartridge after the run's last step "
+                   "(its checkpoint, OUT.ckpt): what the written file is not under --average")
     args = p.parse_args(argv)
     args.label = args.label or " ".join([args.command, *extra])
     args.work.mkdir(parents=True, exist_ok=True)
@@ -98,6 +101,8 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     from final.distill.cli import main as cli
     from final.distill.qa import load_qa
     from final.distill.qa_eval import qa_evaluate
+    from final.distill.train import checkpoint_path
+    from final.distill.trainer import checkpoint_cartridge
     from final.inf import local_engine
 
     qa = load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if args.split == "all" else args.split)
@@ -112,8 +117,9 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     inference = local_engine(args.model, dtype="float32")
     try:
         cart = CartridgeService(inference.engine, inference.model_dir).read_served(out)
+        others = [("last step", checkpoint_cartridge(checkpoint_path(out))[0])] if args.last else []
         return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
-                           chunk_tokens=args.chunk_tokens), minutes, qa.questions
+                           chunk_tokens=args.chunk_tokens, others=others), minutes, qa.questions
     finally:
         inference.shutdown()
 

@@ -133,7 +133,7 @@ def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
     assert "field 'qa': give --qa" in capsys.readouterr().err
 
 
-def test_eval_asks_a_training_checkpoints_last_step(data, tmp_path, capsys):  # noqa: F811 (fixture)
+def test_eval_asks_a_training_checkpoints_last_step(inference, data, tmp_path, capsys):  # noqa: F811 (fixtures)
     """`eval --checkpoint OUT.ckpt` asks the cartridge after the run's last step: under --average 0.5 the written
     file is the mean, the checkpoint holds step 4's - the cartridge of a plain 4-step run, tensor for tensor, and
     asked with the same answers and KL. A checkpoint named without --checkpoint, a cartridge file with it and
@@ -175,6 +175,11 @@ def test_eval_asks_a_training_checkpoints_last_step(data, tmp_path, capsys):  # 
         assert main(["cartridge", "eval", *argv, *ask]) != 0
         err = capsys.readouterr().err
         assert f"field '{field}'" in err and (field != "trainable_keys" or "--checkpoint" in err)
+    # the bench's --last row: qa_evaluate's `others`, asked after the written file's row like it
+    rows = qa_evaluate(inference, DOC_A, load_qa(tmp_path / "s.jsonl").questions, load_cartridge(runs["avg"]),
+                       multiple=2, open_tokens=4, others=[("last step", cart)])
+    assert [r.condition for r in rows][-2:] == ["cartridge", "last step"]
+    assert rows[-1].kl == pytest.approx(row["kl"], abs=1e-6) and rows[-2].kl == pytest.approx(avg["kl"], abs=1e-6)
 
 
 def test_the_relevant_chunk_row_asks_each_question_after_its_own_window(inference, tmp_path, capsys):

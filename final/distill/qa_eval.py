@@ -99,8 +99,9 @@ def conditions(engine: Any, tokenizer: Any, text: str, cart: CartridgeKV | None,
 
 def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: CartridgeKV | None = None, *,
                 p: int | None = None, multiple: int = 8, open_tokens: int = 32,
-                chunk_tokens: int | None = None) -> list[QARow]:
-    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows;
+                chunk_tokens: int | None = None, others: Sequence[tuple[str, CartridgeKV]] = ()) -> list[QARow]:
+    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows; `others`:
+    more (name, cartridge) rows after it, asked the same way (e.g. a run's last step beside its written file);
     `chunk_tokens`: add the relevant-chunk row (relevant_chunks()), last."""
     if not questions:
         raise CartridgeError("no questions to ask", field="qa")
@@ -110,7 +111,7 @@ def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: 
         raise CartridgeError(f"must be at least 1, got {chunk_tokens}", field="chunk_tokens")
     engine, tok = inference.engine, inference.tokenizer
     chunks = relevant_chunks(tok, text, questions, chunk_tokens) if chunk_tokens is not None else None
-    conds = conditions(engine, tok, text, cart, p, multiple)
+    conds = conditions(engine, tok, text, cart, p, multiple) + list(others)
     scored = {name: _ask_after(inference, kv, questions, open_tokens) for name, kv in conds}
     teacher = [logits for _, _, _, logits in scored[WHOLE]]
     rows = [row(name, *_size(kv), scored[name], teacher, questions) for name, kv in conds]
