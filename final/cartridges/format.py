@@ -155,6 +155,16 @@ def _load_weights_only(path: Path):
                 raise
 
 
+def read_pt(path: str | Path) -> dict:
+    """A torch file's top-level dict as a cartridge's is read (weights_only: tensors, containers and ParameterList
+    only; every failure a CartridgeError naming the file) - also for files beside cartridges, such as a training
+    checkpoint, that come from the same untrusted places."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        head = fh.read(16)
+    return _read_pt(path, head)
+
+
 def _read_pt(path: Path, head: bytes) -> dict:
     from safetensors import SafetensorError  # torch >= 2.10 hands a *.safetensors name to safetensors itself
 

@@ -183,17 +183,16 @@ def checkpoint_cartridge(path: Path) -> tuple[Any, int]:
     """The cartridge a training checkpoint (OUT.ckpt) holds - as it stood after the run's last step, which the
     written file is not under --average (the mean) or validation (the best step), nor before a stopped run ends -
     and that step. In the training forward's convention (after_prefix), checked as a cartridge file is."""
-    from final.cartridges.format import PARTS, assemble
+    from final.cartridges.format import PARTS, assemble, read_pt
 
     name = str(path)
     if not Path(path).is_file():
         raise CartridgeError("file does not exist", file=name, field="path")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        cache, history = state["cache"], state["history"]
-    except (RuntimeError, KeyError, TypeError, EOFError, ValueError, OSError) as exc:
-        raise CartridgeError(f"not a training checkpoint (OUT.ckpt of learn/train/distill): {type(exc).__name__}: "
-                             f"{str(exc)[:200]}", file=name, field="checkpoint") from None
+    state = read_pt(path)
+    cache, history = state.get("cache"), state.get("history")
+    if not isinstance(cache, dict) or not isinstance(history, list):
+        raise CartridgeError(f"not a training checkpoint (OUT.ckpt of learn, train or distill): it holds "
+                             f"{sorted(state)}, not a cache and a history", file=name, field="checkpoint")
     layers: dict[tuple[str, int], Any] = {}
     for key, tensor in cache.items():  # TrainableKV's state_dict: "trainable_keys.3", ...
         part, _, index = key.rpartition(".")
