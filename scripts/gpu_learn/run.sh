@@ -4,7 +4,8 @@
 # GGUF, installs the wheels, and runs `final cartridge learn` with --device cuda for each bench/qa set (what
 # bench/cartridge_qa.py runs: p = $TOKENS, default 64, with the flags in $FLAGS, default none), each cartridge, its
 # manifest, summary.json and the log packed in one tar cut into 15 MB parts in $OUT (at most 8 files come back,
-# 16 MiB each: five documents' files one by one did not), also when a run fails part-way; here, in an empty folder:
+# 16 MiB each, 64 MiB in all - some twenty p = 64 cartridges a call, two at p = 512: five documents' files one by
+# one did not come back), also when a run fails part-way; here, in an empty folder:
 # `cat FILES_AT/learn.tar.part* | tar x`. The QA is asked back on the CPU machine (bench/cartridge_qa.py --work on
 # that folder reads the minutes from summary.json; `final cartridge eval` for the others).
 set -o pipefail
@@ -37,7 +38,8 @@ trap pack EXIT
 echo "{" > $W/summary.json
 for set in "$@"; do
   t0=$(date +%s.%N)
-  out=/tmp/w/${set}_p$P.pt
+  out=/tmp/w/$(echo "$P $FLAGS" | md5sum | cut -c1-8)/${set}_p$P.pt  # a folder per setting: a rerun resumes its own
+  mkdir -p "$(dirname $out)"
   # shellcheck disable=SC2086 - FLAGS is a list of flags
   python3 -m final.cli cartridge learn --model builtin:smollm2-135m-instruct --text bench/qa/$set.txt --tokens $P \
     --out $out --quiet --device cuda $FLAGS 2>&1 | grep -v -i warn | tee -a $W/learn.log || exit 5
