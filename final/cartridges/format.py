@@ -80,15 +80,7 @@ def load_cartridge(path: str | Path, *, allow_nonfinite: bool = False) -> Cartri
     """Read a `.pt` or `.safetensors` cartridge (by content, not extension) and validate its structure."""
     path = Path(path).expanduser()
     name = str(path)
-    if not path.exists():
-        raise CartridgeError("file does not exist", file=name, field="path")
-    if not path.is_file():
-        raise CartridgeError("is not a regular file", file=name, field="path")
-    size = path.stat().st_size
-    if size == 0:
-        raise CartridgeError("file is empty", file=name, field="file")
-    with open(path, "rb") as fh:
-        head = fh.read(16)
+    head, size = _head(path)
     if _looks_like_safetensors(head, size):
         parts, _meta = _read_safetensors(path)
     else:
@@ -159,10 +151,22 @@ def read_pt(path: str | Path) -> dict:
     """A torch file's top-level dict as a cartridge's is read (weights_only: tensors, containers and ParameterList
     only; every failure a CartridgeError naming the file) - also for files beside cartridges, such as a training
     checkpoint, that come from the same untrusted places."""
-    path = Path(path)
+    path = Path(path).expanduser()
+    return _read_pt(path, _head(path)[0])
+
+
+def _head(path: Path) -> tuple[bytes, int]:
+    """The file's first 16 bytes and its size, after the checks every read makes (exists, a regular file, not empty)."""
+    name = str(path)
+    if not path.exists():
+        raise CartridgeError("file does not exist", file=name, field="path")
+    if not path.is_file():
+        raise CartridgeError("is not a regular file", file=name, field="path")
+    size = path.stat().st_size
+    if size == 0:
+        raise CartridgeError("file is empty", file=name, field="file")
     with open(path, "rb") as fh:
-        head = fh.read(16)
-    return _read_pt(path, head)
+        return fh.read(16), size
 
 
 def _read_pt(path: Path, head: bytes) -> dict:

@@ -186,9 +186,7 @@ def checkpoint_cartridge(path: Path) -> tuple[Any, int]:
     from final.cartridges.format import PARTS, assemble, read_pt
 
     name = str(path)
-    if not Path(path).is_file():
-        raise CartridgeError("file does not exist", file=name, field="path")
-    state = read_pt(path)
+    state = read_pt(path)  # the existence and emptiness checks a cartridge file gets
     cache, history = state.get("cache"), state.get("history")
     if not isinstance(cache, dict) or not isinstance(history, list):
         raise CartridgeError(f"not a training checkpoint (OUT.ckpt of learn, train or distill): it holds "
