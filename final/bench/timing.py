@@ -78,13 +78,22 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
     return 2 * n / best
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of one large square matmul: the compute ceiling the decode-step floor is also bounded by."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    torch.matmul(a, b)
-    best = min(timed(lambda: torch.matmul(a, b))[0] for _ in range(repeats))
-    return 2 * n**3 / best
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3, budget_s: float = 0.25) -> float:
+    """FLOP/s of one large square matmul: the compute ceiling the decode-step floor is also bounded by.
+
+    The size grows from 256 to `n` only while one matmul stays under `budget_s`: where a dtype has no fast kernel
+    (bf16 on a CPU without AVX-512 BF16 runs at ~1 GFLOP/s) a 2048 matmul takes a minute and says nothing a
+    smaller one does not - throughput is flat in n once the matrices outgrow the caches."""
+    size = min(256, n)
+    while True:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        took = timed(lambda: torch.matmul(a, b))[0]  # also the warm-up
+        if size >= n or took > budget_s:
+            break
+        size = min(2 * size, n)
+    best = min(timed(lambda: torch.matmul(a, b))[0] for _ in range(repeats if took <= budget_s else 1))
+    return 2 * size**3 / best
 
 
 def cpu_name() -> str:
