@@ -216,3 +216,25 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
     assert "text_sha256 differ" in capsys.readouterr().err
     assert main(["cartridge", "learn", "--text", str(tmp_path / "none.txt"), "--tokens", "8", "--out",
                  str(tmp_path / "d.pt"), "--model", TINY]) != 0
+
+
+def test_learn_notes_a_long_document_taught_whole_and_not_in_windows(tmp_path, capsys, monkeypatch):
+    """Past LONG_DOCUMENT tokens the whole-document teacher costs several times the windows' (bench/RESULTS.md):
+    `learn` says so before it starts, and not when --teacher-tokens is given or the document is short."""
+    from final.distill import learn
+
+    (tmp_path / "doc.txt").write_text(DOC)
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
+            str(tmp_path / "c.pt"), "--steps", "1", "--batch", "2", "--model", TINY, "--quiet", "--beside", "0"]
+    assert main(args) == 0
+    assert "note:" not in capsys.readouterr().err  # the real threshold: DOC is far below it
+    monkeypatch.setattr(learn, "LONG_DOCUMENT", 16)
+    (tmp_path / "c.pt").unlink()
+    (tmp_path / "c.pt.ckpt").unlink(missing_ok=True)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "note:" in err and "--teacher-tokens 256" in err and "doc.txt" in err
+    assert main(["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
+                 str(tmp_path / "w.pt"), "--steps", "1", "--batch", "2", "--model", TINY, "--quiet", "--beside",
+                 "0", "--teacher-tokens", "16"]) == 0
+    assert "note:" not in capsys.readouterr().err
