@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,8 @@ KEEP = 1.0
 HIDDEN = 4.0
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 # SmolLM2's context before its extension to 8,192 tokens: past it the whole-document teacher reads the document
-# at every row for little gain. On skarrow (6,706 tokens, p = 256) the defaults took 88 min on 2 cores and answered
-# 13 of 47 tune questions; --teacher-tokens 256 took 24 min and answered 15 (bench/RESULTS.md, issue 42). A notice,
-# not a switch: the gap in answers is within noise, the gap in cost is not.
+# at every row for little gain (the measured cost and answers: _long_document_note's message, bench/RESULTS.md).
+# A notice, not a switch: the gap in answers is within noise, the gap in cost is not.
 LONG_DOCUMENT = 2048
 
 
@@ -198,8 +198,6 @@ def _learn(args: argparse.Namespace) -> int:
 def _long_document_note(args: argparse.Namespace, text: str) -> None:
     """Say so (on stderr, before any work) where the whole document, past LONG_DOCUMENT tokens, will be every row's
     teacher: the run costs several times the windows' and the user may not know --teacher-tokens exists."""
-    import sys
-
     from transformers import AutoTokenizer
 
     from final.models import resolve_model_path
