@@ -13,14 +13,16 @@ SmolLM2-135M-Instruct fp32 on bench/data/vellmark.txt.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # cartridge_distill: its held-out rows and judge
 INTS = lambda v: [int(x) for x in v.split(",") if x]  # noqa: E731
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "cartridge_distill",
                     help="where bench/cartridge_distill.py keeps its held-out rows (made here if missing)")
@@ -34,19 +36,46 @@ def main() -> int:
                     help="ridge values of the sequential `match` variant (each layer fitted to the student's queries)")
     ap.add_argument("--unmoved", action="store_true", help="also the select keys left where they were")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    import sys
 
-    sys.path.insert(0, str(ROOT / "bench"))
+def judge_starts(inference, text, rows, student, observed, p: int, count: int, args) -> None:
+    """One p's starts cut from what the teacher's observed conversations attend to, each judged on the held-out rows.
+    observed: (the teacher's document ids, its conversations, the document's keys and values, their attention mass)."""
+    from cartridge_distill import judge
+
+    from final.cartridges.format import CartridgeKV
+    from final.distill.match import fit_values
+    from final.distill.select import gather_kv, select_kv, select_positions
+    from final.models import resolve_model_path
+
+    doc_ids, convs, keys, values, mass = observed
+    model_dir = resolve_model_path(args.model)
+    positions = select_positions(mass, p, 1)
+    kept_k, kept_v = select_kv(keys, values, positions, model_dir)
+    carts = [("select", CartridgeKV(kept_k, kept_v, 1))]
+    if args.unmoved:
+        carts.append(("select, keys not moved", CartridgeKV(*gather_kv(keys, values, positions), 1)))
+    for ridge, sequential in [(r, False) for r in args.ridge] + [(r, True) for r in args.sequential]:
+        t0 = time.perf_counter()
+        fitted = fit_values(student, doc_ids, convs, positions, kept_k, kept_v, 1, ridge,
+                            sequential)
+        print(f"(fitting took {time.perf_counter() - t0:.1f} s)", flush=True)
+        name = f"match{', sequential' if sequential else ''}, ridge {ridge:g}"
+        carts.append((name, CartridgeKV(kept_k, fitted, 1)))
+    for name, cart in carts:
+        kl = judge(inference, text, rows, cart)["cartridge"]
+        print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)
+
+
+def main() -> int:
+    args = parse_args()
     from cartridge_distill import DOC, heldout, judge
 
     from final.cartridges.build import build_from_text
-    from final.cartridges.format import CartridgeKV
     from final.distill.distill import DistillConfig
     from final.distill.rows import observe
-    from final.distill.match import fit_values
-    from final.distill.select import attention_mass, gather_kv, select_kv, select_positions
+    from final.distill.select import attention_mass
     from final.distill.synth import ChunkContext, teacher_system
     from final.distill.student import Student
     from final.inf import local_engine
@@ -73,23 +102,10 @@ def main() -> int:
                 _, convs = observe(inference, teacher, doc, cfg)
                 mass = attention_mass(student, teacher.doc_ids, convs)
                 keys, values = student.prefill(teacher.doc_ids)
+                observed = (teacher.doc_ids, convs, keys, values, mass)
             print(f"(observing {count} conversations took {time.perf_counter() - t0:.1f} s)", flush=True)
             for p in args.tokens:
-                positions = select_positions(mass, p, 1)
-                kept_k, kept_v = select_kv(keys, values, positions, model_dir)
-                carts = [("select", CartridgeKV(kept_k, kept_v, 1))]
-                if args.unmoved:
-                    carts.append(("select, keys not moved", CartridgeKV(*gather_kv(keys, values, positions), 1)))
-                for ridge, sequential in [(r, False) for r in args.ridge] + [(r, True) for r in args.sequential]:
-                    t0 = time.perf_counter()
-                    fitted = fit_values(student, teacher.doc_ids, convs, positions, kept_k, kept_v, 1, ridge,
-                                        sequential)
-                    print(f"(fitting took {time.perf_counter() - t0:.1f} s)", flush=True)
-                    name = f"match{', sequential' if sequential else ''}, ridge {ridge:g}"
-                    carts.append((name, CartridgeKV(kept_k, fitted, 1)))
-                for name, cart in carts:
-                    kl = judge(inference, text, rows, cart)["cartridge"]
-                    print(f"| {name}, p={p}, {count} conversations | {p} | {kl:.4f} |", flush=True)
+                judge_starts(inference, text, rows, student, observed, p, count, args)
     finally:
         inference.shutdown()
     return 0

@@ -44,7 +44,7 @@ def kv_bytes(cache, seqs) -> int:
     return cache.bytes_per_token * sum(s.prefix_len + s.cached_len + 1 for s in seqs)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32")
@@ -70,7 +70,28 @@ def main() -> None:
                          "how much of it each thread waited in the team's barrier")
     ap.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
                     help="instead: ms to prefill --batch prompts of TOKENS tokens (best of --steps)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def remove_gemms() -> None:
+    """--no-gemm: every weight matmul returns a preallocated result, so the step's time is what lies outside them."""
+    from final.engine import linear
+
+    outputs: dict = {}
+
+    def fake(self, x):
+        key = (tuple(x.shape[:-1]), self.out_features, x.dtype)
+        if key not in outputs:
+            outputs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        return outputs[key]
+
+    linear.Linear.__call__ = fake
+    linear.Linear.add_to = lambda self, residual, x: residual + fake(self, x)
+    os.environ["FINAL_GEMV"] = "0"  # torch's path: the kernel's whole-layer decode has no GEMMs to take out
+
+
+def main() -> None:
+    args = parse_args()
     if args.prefill:
         return prefill_times(args)
     if args.phases:  # before the first engine loads the kernel: a build of its own (the flags are in its cache key)
@@ -81,63 +102,21 @@ def main() -> None:
         return compare_isas(args)
 
     from final.engine import EmbeddedEngine
-    from gemv import memory_rates  # bench/gemv.py, beside this file
     from final.engine.sampling_params import SamplingParams
     from final.models import resolve_model_path
 
     if args.no_gemm:
-        from final.engine import linear
-
-        outputs: dict = {}
-
-        def fake(self, x):
-            key = (tuple(x.shape[:-1]), self.out_features, x.dtype)
-            if key not in outputs:
-                outputs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
-            return outputs[key]
-
-        linear.Linear.__call__ = fake
-        linear.Linear.add_to = lambda self, residual, x: residual + fake(self, x)
-        os.environ["FINAL_GEMV"] = "0"  # torch's path: the kernel's whole-layer decode has no GEMMs to take out
+        remove_gemms()
 
     engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams.from_dict({"max_new_tokens": 10_000, "temperature": 0})
-
-    def body(runner) -> tuple[float, float, str]:
-        torch.set_num_threads(args.threads)
-        seqs, append = fresh_rows(engine, runner, args.batch, params)
-        for _ in range(5):  # warm-up
-            append(runner.decode(seqs))
-        table = ""
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                for _ in range(10):
-                    append(runner.decode(seqs))
-            table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
-        cpu, wall = [], []
-        layers = phase_clock(runner)
-        for i in range(args.steps):
-            if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
-                reads.append(memory_rates(3)[1])
-            kvs.append(kv_bytes(runner.cache, seqs))
-            c0, w0 = time.thread_time(), time.perf_counter()
-            append(runner.decode(seqs))
-            cpu.append(time.thread_time() - c0)
-            wall.append(time.perf_counter() - w0)
-        if args.roofline:
-            reads.append(memory_rates(3)[1])  # the last block's rate after it too
-        if layers:
-            table += layers(sum(wall))
-        return cpu, wall, table
 
     reads: list[float] = []
     kvs: list[int] = []
 
     weight_bytes = streamed_bytes(engine.model)
     try:
-        cpus, walls, table = engine.call(body)
+        cpus, walls, table = engine.call(lambda runner: timed_steps(engine, runner, args, params, reads, kvs))
     finally:
         engine.shutdown()
     if table:
@@ -148,6 +127,40 @@ def main() -> None:
           f"{cpu * 1e3:.2f} ms CPU / {wall * 1e3:.2f} ms wall per decode step (median of {args.steps})")
     if args.roofline:
         print(roofline(weight_bytes, kvs, walls, reads))
+
+
+def timed_steps(engine, runner, args, params, reads: list, kvs: list) -> tuple[list, list, str]:
+    """The decode steps timed on the engine thread (runner: its ModelRunner); the machine's read rates and each
+    step's K/V bytes are appended to reads and kvs for --roofline."""
+    from gemv import memory_rates  # bench/gemv.py, beside this file
+
+    torch.set_num_threads(args.threads)
+    seqs, append = fresh_rows(engine, runner, args.batch, params)
+    for _ in range(5):  # warm-up
+        append(runner.decode(seqs))
+    table = ""
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(10):
+                append(runner.decode(seqs))
+        table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
+    cpu, wall = [], []
+    layers = phase_clock(runner)
+    for i in range(args.steps):
+        if args.roofline and i % 10 == 0:  # the machine's read rate, between the steps (its speed drifts)
+            reads.append(memory_rates(3)[1])
+        kvs.append(kv_bytes(runner.cache, seqs))
+        c0, w0 = time.thread_time(), time.perf_counter()
+        append(runner.decode(seqs))
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    if args.roofline:
+        reads.append(memory_rates(3)[1])  # the last block's rate after it too
+    if layers:
+        table += layers(sum(wall))
+    return cpu, wall, table
 
 
 def roofline(weight_bytes: int, kvs: list[int], walls: list[float], reads: list[float]) -> str:
