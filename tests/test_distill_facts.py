@@ -9,7 +9,8 @@ import pytest
 
 from cartridges_helpers import TINY
 from final.distill.cli import main
-from final.distill.facts import FactConfig, cues, fact_prompts, fact_rows, names, sentences, teacher_window
+from final.distill.facts import FactConfig, cues, fact_prompts, fact_rows, names, teacher_window
+from final.distill.sentences import sentences, unwrap
 from final.errors import CartridgeError
 
 from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
@@ -41,14 +42,16 @@ def test_every_sentence_is_asked_about_and_answers_come_from_the_document():
     spans = sentences(DOC)
     quoted = {fp.span[0] for fp in prompts if fp.kind == "quote"}
     assert quoted == {a for a, _ in spans}  # a sentence without cues is asked about by its opening words
+    read = unwrap(DOC)  # the document as rows read it: its one wrapped line break a space (test_distill_sentences)
+    assert read == DOC.replace("Brennock.\nToday", "Brennock. Today")
     for fp in prompts:
-        assert fp.answer in DOC
+        assert fp.answer in read
         if fp.kind == "cloze":
-            sentence = DOC[fp.span[0]:fp.span[1]]
+            sentence = read[fp.span[0]:fp.span[1]]
             assert "___" in fp.question and fp.answer in sentence
             assert fp.question.count("___") == 1 and sentence.replace(fp.answer, "___", 1) in fp.question
         else:
-            assert fp.answer.startswith(DOC[fp.span[0]:fp.span[1]])  # the sentence and the next
+            assert fp.answer.startswith(read[fp.span[0]:fp.span[1]])  # the sentence and the next
     assert {fp.answer for fp in prompts if fp.kind == "cloze"} >= {"1742", "Odo Brennock", "6,300", "eleven",
                                                                    "Sallow River", "1903"}
     only = fact_prompts(DOC, FactConfig(kinds=("cloze",)))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from final.distill.convs import Conversation, append
+from final.distill.sentences import unwrap, unwrapped_sentences
 from final.distill.synth import ChunkContext, teacher_system
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -66,8 +67,6 @@ _WORD = re.compile(r"(?<![\w'-])[a-z][a-z'-]{3,}(?![\w'-])")
 # Capitalised only because a sentence starts with them: never a cue on their own.
 _FUNCTION = frozenset("a an and as at by for from in it its on the their there these this those to when where "
                       "which while with after before during since until each every all some most many".split())
-# A sentence ends at . ! ? (and a closing quote or bracket) before whitespace, or at a line break.
-_SENTENCE = re.compile(r"[^\n]+?(?:[.!?][\"')\]]*(?=\s)|$)", re.M)
 
 
 @dataclass
@@ -108,17 +107,6 @@ class FactPrompt:
     span: tuple[int, int]  # the characters of the document the row is about (the teacher's window centres on it)
 
 
-def sentences(text: str) -> list[tuple[int, int]]:
-    """The document's sentences as character spans (stripped; blank ones dropped)."""
-    spans = []
-    for m in _SENTENCE.finditer(text):
-        s = m.group(0)
-        lead = len(s) - len(s.lstrip())
-        if s.strip():
-            spans.append((m.start() + lead, m.start() + len(s.rstrip())))
-    return spans
-
-
 def names(text: str) -> frozenset[str]:
     """Capitalised words the document uses inside a sentence: the names a sentence's first word may be."""
     return frozenset(m.group(1) for m in re.finditer(r"(?<=[a-z,;] )([A-Z][\w'-]*)", text))
@@ -144,7 +132,8 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
     """Per sentence, in document order: up to `cues` quote rows, one cloze row per cue, up to `words` word rows and
     one ask row per cue (cfg.kinds)."""
     rng = random.Random(cfg.seed)
-    spans = sentences(text)
+    text = unwrap(text)  # a hard wrap is a space in questions and answers (the spans are the document's)
+    spans = unwrapped_sentences(text)
     known = names(text)
     counts = word_counts(text)
     out = []

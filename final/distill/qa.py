@@ -8,13 +8,15 @@ NAME.jsonl with one question a line:
   scored as the assistant's answer by log-likelihood (final.distill.qa_eval);
 - `reference`: the short open answer a greedy generation must contain;
 - `support`: a verbatim span of the document that answers the question (checked here: it must occur in the
-  document exactly once; its place gives `position`, so a set shows it covers the whole document);
+  document exactly once, whitespace aside - a hard-wrapped document breaks it over lines; its place gives
+  `position`, so a set shows it covers the whole document);
 - `split`: "tune" (may be looked at while choosing methods and settings) or "test" (held back until the end).
 A problem names the file, the line and the field (CartridgeError).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +92,15 @@ def _question(obj: object, n: int, name: str, text: str) -> Question:
     answer = obj["answer"]
     if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
         raise bad("answer", f"must be an index into choices, in [0, {len(choices)}), got {answer!r}")
-    found = text.count(obj["support"])
-    if found != 1:
-        raise bad("support", f"must occur in the document exactly once, found {found} times")
+    found = support_spans(text, obj["support"])
+    if len(found) != 1:
+        raise bad("support", f"must occur in the document exactly once, found {len(found)} times")
     return Question(obj["id"], obj["split"], obj["question"], tuple(choices), answer, obj["reference"],
-                    obj["support"], text.index(obj["support"]) / max(len(text), 1))
+                    obj["support"], found[0][0] / max(len(text), 1))
+
+
+def support_spans(text: str, support: str) -> list[tuple[int, int]]:
+    """Where `support` occurs in `text`, as [start, end) character spans, any run of whitespace matching any other:
+    a support copied from a hard-wrapped document's rendering ("Sallow River") is its "Sallow\\nRiver"."""
+    pattern = r"\s+".join(re.escape(word) for word in support.split())
+    return [m.span() for m in re.finditer(pattern, text)] if pattern else []

@@ -29,7 +29,7 @@ from final.cartridges.format import CartridgeKV
 from final.compat import chat_ids
 from final.distill.evaluate import kl_and_top1
 from final.distill.facts import teacher_window, token_offsets
-from final.distill.qa import Question
+from final.distill.qa import Question, support_spans
 from final.distill.synth import teacher_ids
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -135,10 +135,10 @@ def relevant_chunks(tokenizer: Any, text: str, questions: Sequence[Question], to
     offsets = token_offsets(tokenizer, text)
     out = []
     for q in questions:
-        start = text.find(q.support)
-        if start < 0:
+        found = support_spans(text, q.support)
+        if not found:
             raise CartridgeError(f"question {q.id!r}: support not in the document", field="support")
-        out.append(teacher_window(tokenizer, text, (start, start + len(q.support)), tokens, offsets))
+        out.append(teacher_window(tokenizer, text, found[0], tokens, offsets))
     return out
 
 

@@ -1,0 +1,108 @@
+"""A document's sentences, for the fact rows (final/distill/facts.py): every sentence is asked about, so where one
+ends decides what a row quotes and what a blank leaves around it.
+
+A sentence ends at an end mark, at a full-width one (CJK text puts no space after it), or at a line break - but
+not at a hard wrap's: a .txt file wrapped at 60-80 columns breaks its sentences, and the names in them
+("Sallow\\nRiver"), across lines; read line by line, its rows would quote half-sentences and blank half-names.
+unwrap() tells a wrap's line break from a paragraph's or a list's by the paragraph's shape, and keeps the text's
+length, so a sentence's span is the document's own. A run without end marks (a transcript, a list run together) is cut
+at clause marks so that no row's answer is the whole document.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A sentence ends at . ! ? (and a closing quote or bracket) before whitespace, at a full-width 。！？ (CJK text has
+# no space after them), or at a line break that is not a hard wrap (unwrap below).
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)|[。！？][」』\"')\]]*")
+# A line that stands on its own: a heading, list item, quote, table row, code fence or indented code.
+_BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
+# "6. Tickets are sold..." is wrapped prose after "...when the wind reaches force", a list item after a line that
+# ends a sentence or is an item itself
+_NUMBERED = re.compile(r" {0,3}\d{1,3}[.)]\s")
+_ENDED = re.compile(r"[.!?:;。！？][」』\"')\]]*$")
+# A paragraph whose longest line is this long may be hard-wrapped prose (wrapped text is 60-80 columns; a list of
+# short "Key: value" lines without markers keeps one sentence a line).
+WRAPPED = 32
+# The most characters of one sentence: a run without end marks (a transcript, a list run together) is cut at its
+# clause marks so that no fact row's answer is the whole document (bench/qa's longest sentence: 275).
+LONGEST_SENTENCE = 400
+
+
+def sentences(text: str) -> list[tuple[int, int]]:
+    """The document's sentences as character spans (stripped; blank ones dropped). A hard-wrapped paragraph's line
+    breaks do not end its sentences (unwrap); a sentence past LONGEST_SENTENCE characters is cut at clause marks."""
+    return unwrapped_sentences(unwrap(text))
+
+
+def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
+    """sentences() of a text already unwrapped (unwrap is not idempotent: a joined paragraph is one long line)."""
+    spans = []
+    for lo, hi in _lines(flat):
+        start = lo
+        item = _NUMBERED.match(flat, lo, hi)  # "1. Moor at the quay." is one sentence, not "1." and the rest
+        for m in _SENTENCE_END.finditer(flat, item.end() if item else lo, hi):
+            spans += _cut(flat, start, m.end())
+            start = m.end()
+        spans += _cut(flat, start, hi)
+    return spans
+
+
+def unwrap(text: str) -> str:
+    """`text` with each hard wrap's line break as a space (_wrapped), so that a sentence wrapped over lines is one
+    sentence and a name broken over two lines ("Sallow\\nRiver") one name. The same length as `text`: a span of
+    it is the document's span."""
+    out = list(text)
+    lines = text.split("\n")
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line) + 1)
+    widest = 0  # the paragraph's longest line: a paragraph is a run of non-blank lines
+    for i, line in enumerate(lines):
+        if i == 0 or not lines[i - 1].strip():
+            j = next((j for j in range(i, len(lines)) if not lines[j].strip()), len(lines))
+            widest = max((len(x.rstrip()) for x in lines[i:j]), default=0)
+        if i + 1 < len(lines) and _wrapped(line, lines[i + 1], widest):
+            out[starts[i + 1] - 1] = " "
+    return "".join(out)
+
+
+def _wrapped(line: str, after: str, widest: int) -> bool:
+    """Whether the break between `line` and the next, `after`, is a hard wrap inside a paragraph whose longest line
+    has `widest` characters: the paragraph is as wide as prose (WRAPPED); the line is near its width, or the next
+    line's first word would not have fitted on it (a wrap leaves at most a word's room); it is no heading or table
+    row; the next line is not blank and starts no block of its own (a list after a colon)."""
+    body = line.rstrip()
+    block = _BLOCK.match(after) and not (_NUMBERED.match(after) and not _ENDED.search(body) and not _BLOCK.match(line))
+    room = len(body) >= 0.6 * widest or len(body) + 1 + len((after.split() or [""])[0]) > widest  # the next word
+    return (widest >= WRAPPED and room and bool(after.strip())
+            and not body.lstrip().startswith(("#", "|")) and not block)
+
+
+def _lines(text: str) -> list[tuple[int, int]]:
+    """The [lo, hi) spans of text's lines (between line breaks)."""
+    spans, at = [], 0
+    for line in text.split("\n"):
+        spans.append((at, at + len(line)))
+        at += len(line) + 1
+    return spans
+
+
+def _cut(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) stripped, in pieces of at most LONGEST_SENTENCE characters cut after a clause mark (else a space)
+    in a piece's second half; nothing where it is blank."""
+    while lo < hi and text[lo].isspace():
+        lo += 1
+    while hi > lo and text[hi - 1].isspace():
+        hi -= 1
+    if lo == hi:
+        return []
+    if hi - lo <= LONGEST_SENTENCE:
+        return [(lo, hi)]
+    piece = text[lo:lo + LONGEST_SENTENCE]
+    half = LONGEST_SENTENCE // 2
+    marks = [m.end() for m in re.finditer(r"[,;:](?=\s)|[、，；：]", piece) if m.end() > half]
+    spaces = [m.start() for m in re.finditer(r"\s", piece) if m.start() > half]
+    end = lo + (marks[-1] if marks else spaces[-1] if spaces else LONGEST_SENTENCE)
+    return _cut(text, lo, end) + _cut(text, end, hi)

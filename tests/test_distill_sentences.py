@@ -1,0 +1,89 @@
+"""A document's sentences (final/distill/sentences.py) and the fact rows made from them, on documents shaped as users'
+files are: hard-wrapped .txt, Markdown with headings and lists, "Key: value" lines, CJK text, runs without end
+marks. Each case failed before the splitter read wraps: a wrapped paragraph was split at every line break."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from final.distill.facts import FactConfig, fact_prompts
+from final.distill.qa import load_qa, support_spans
+from final.distill.sentences import LONGEST_SENTENCE, sentences, unwrap
+
+QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
+PROSE = ("Brennock Ferry is a small river town on the eastern bank of the Sallow River, in the province of Upper "
+         "Marrow. It was founded in 1742 by a ferryman named Odo Brennock, who ran a rope ferry across the river at "
+         "its narrowest point. The ferry was stopped when the wind reached force 6. Tickets cost 3 crowns.\n\n"
+         "The railway reached the town in 1874, when the Marrow Valley Railway opened a station on the western edge "
+         "of town. Its first stationmaster was Edwin Tarrant.\n")
+
+
+def wrapped(text: str, width: int) -> str:
+    return "\n\n".join(textwrap.fill(p, width) for p in text.split("\n\n") if p.strip()) + "\n"
+
+
+def words(text: str, spans: list[tuple[int, int]]) -> list[str]:
+    return [" ".join(text[a:b].split()) for a, b in spans]
+
+
+@pytest.mark.parametrize("width", [34, 50, 72, 79, 100])
+def test_a_hard_wrapped_document_has_the_sentences_and_rows_of_its_unwrapped_text(width):
+    text = wrapped(PROSE, width)
+    assert "\n" in text.split("\n\n")[0]  # the paragraph is wrapped ("force\n6." included at some widths)
+    assert words(text, sentences(text)) == words(PROSE, sentences(PROSE))
+    assert len(unwrap(text)) == len(text)  # a span of the unwrapped text is the document's
+    flat, wrap = fact_prompts(PROSE, FactConfig(kinds=("quote", "cloze", "ask"))), \
+        fact_prompts(text, FactConfig(kinds=("quote", "cloze", "ask")))
+    assert [(p.kind, p.question, p.answer) for p in wrap] == [(p.kind, p.question, p.answer) for p in flat]
+    assert not any("\n" in p.question or "\n" in p.answer.split("\n\n")[0] for p in wrap)
+    assert {p.answer for p in wrap if p.kind == "cloze"} >= {"Sallow River", "Upper Marrow", "Odo Brennock"}
+
+
+def test_the_shipped_documents_wrapped_at_72_columns_give_the_same_rows():
+    for name in ("brennock", "kestrel", "lake_ivra"):
+        text = (QA / f"{name}.txt").read_text()
+        cfg = FactConfig(kinds=("quote", "cloze", "word", "ask"))
+        assert fact_prompts(wrapped(text, 72), cfg) == fact_prompts(text, cfg), name
+
+
+def test_line_breaks_that_end_something_are_kept():
+    doc = ("# Harbour notes\n"
+           "Founded: 1742\nPiers: 12\nHarbour master: Ana Vell\n\n"
+           "The harbour has three basins and a long stone breakwater on its western side:\n"
+           "- the Inner Basin, for fishing boats\n- the Outer Basin\n"
+           "1. Moor at the quay.\n2. Pay the harbour dues.\n"
+           "| berth | depth |\n| A | 4 m |\n"
+           "    def dues(length):\n        return 2 * length\n")
+    got = words(doc, sentences(doc))
+    assert got[:4] == ["# Harbour notes", "Founded: 1742", "Piers: 12", "Harbour master: Ana Vell"]
+    assert "- the Inner Basin, for fishing boats" in got and "- the Outer Basin" in got
+    assert "1. Moor at the quay." in got and "2. Pay the harbour dues." in got
+    assert "| berth | depth |" in got and "def dues(length):" in got
+    assert unwrap(doc) == doc  # nothing here is a wrap
+
+
+def test_cjk_sentences_end_at_full_width_marks():
+    doc = "东港镇建于一七四二年。镇上有十二座码头！人口约三千四百人？" * 3
+    spans = sentences(doc)
+    assert len(spans) == 9 and doc[slice(*spans[1])] == "镇上有十二座码头！"
+
+
+def test_a_run_without_end_marks_is_cut_at_clause_marks_and_keeps_every_word():
+    doc = ", ".join(f"the ferry stopped at landing {i} near the mill of Odo Vell" for i in range(60))
+    spans = sentences(doc)
+    assert len(spans) > 5 and all(b - a <= LONGEST_SENTENCE for a, b in spans)
+    assert all(doc[b - 1] == "," for _, b in spans[:-1])  # after a clause mark, not inside a word
+    assert " ".join(words(doc, spans)) == doc
+    assert max(len(p.answer) for p in fact_prompts(doc, FactConfig())) <= 2 * LONGEST_SENTENCE
+
+
+def test_a_question_sets_support_is_found_across_a_wrap(tmp_path):
+    text = wrapped((QA / "brennock.txt").read_text(), 60)
+    assert support_spans(text, "on the eastern bank of the Sallow River") != []
+    (tmp_path / "brennock.txt").write_text(text)
+    (tmp_path / "brennock.jsonl").write_text((QA / "brennock.jsonl").read_text())
+    shipped, wrap = load_qa(QA / "brennock.jsonl"), load_qa(tmp_path / "brennock.jsonl")
+    assert [q.position for q in wrap.questions] == [q.position for q in shipped.questions]
