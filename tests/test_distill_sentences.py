@@ -87,3 +87,26 @@ def test_a_question_sets_support_is_found_across_a_wrap(tmp_path):
     (tmp_path / "brennock.jsonl").write_text((QA / "brennock.jsonl").read_text())
     shipped, wrap = load_qa(QA / "brennock.jsonl"), load_qa(tmp_path / "brennock.jsonl")
     assert [q.position for q in wrap.questions] == [q.position for q in shipped.questions]
+
+
+def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path, capsys):
+    from cartridges_helpers import TINY
+    from final.distill.cli import main
+    from final.errors import CartridgeError
+
+    doc = tmp_path / "cafe.txt"
+    doc.write_bytes("Café Brennock was founded in 1742.\r\n".encode("latin-1"))
+    assert main(["cartridge", "learn", "--text", str(doc), "--tokens", "8", "--out", str(tmp_path / "c.pt"),
+                 "--steps", "1", "--model", TINY, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert str(doc) in err and "'text'" in err and "not UTF-8" in err and "0xe9 at offset 3" in err
+    assert not (tmp_path / "c.pt").exists()
+    (tmp_path / "cafe.jsonl").write_text("Café".encode("utf-16").decode("latin-1"), encoding="latin-1")
+    with pytest.raises(CartridgeError, match="not UTF-8") as exc:
+        load_qa(tmp_path / "cafe.jsonl", document=QA / "brennock.txt")
+    assert exc.value.field == "qa"
+    from final.distill.train_cli import read_text
+
+    doc.write_bytes(wrapped(PROSE, 60).replace("\n", "\r\n").encode("utf-8"))  # a Windows file, wrapped
+    assert read_text(doc) == wrapped(PROSE, 60)
+    assert words(read_text(doc), sentences(read_text(doc))) == words(PROSE, sentences(PROSE))

@@ -111,10 +111,21 @@ def append(path: Path, rows: Iterable[Conversation]) -> None:
         os.fsync(fh.fileno())
 
 
-def jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
+def read_utf8(path: Path, field: str) -> str:
+    """A text file a user hands in (a document, a question set, training rows), as UTF-8 with any line endings;
+    one that is not UTF-8 (a Latin-1 or UTF-16 export) is a CartridgeError naming the file, the byte and `field`,
+    not a UnicodeDecodeError traceback."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CartridgeError(f"is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                             "(save it as UTF-8)", file=str(path), field=field) from None
+
+
+def jsonl_objects(path: Path, field: str = "data") -> Iterator[tuple[int, object]]:
     """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON is a
     CartridgeError naming the file and the line (the rule of every JSONL file final reads for training)."""
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, field).splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from final.distill.convs import jsonl_objects
+from final.distill.convs import jsonl_objects, read_utf8
 from final.errors import CartridgeError
 
 SPLITS = ("tune", "test")
@@ -57,10 +57,10 @@ def load_qa(path: str | Path, split: str | None = None, document: str | Path | N
     for p, field in ((path, "qa"), (doc_path, "document")):
         if not p.is_file():
             raise CartridgeError("file does not exist", file=str(p), field=field)
-    text = doc_path.read_text()
+    text = read_utf8(doc_path, "document")
     questions: list[Question] = []
     seen: set[str] = set()
-    for n, obj in jsonl_objects(path):
+    for n, obj in jsonl_objects(path, "qa"):
         q = _question(obj, n, name, text)
         if q.id in seen:
             raise CartridgeError(f"line {n}: id {q.id!r} appears twice", file=name, field="id")

@@ -20,11 +20,12 @@ def open_engine(args: argparse.Namespace, device: str = "cpu"):
 
 
 def read_text(path: Path) -> str:
+    from final.distill.convs import read_utf8
     from final.errors import CartridgeError
 
     if not path.is_file():
         raise CartridgeError("text file does not exist", file=str(path), field="text")
-    return path.read_text()
+    return read_utf8(path, "text")
 
 
 def chunk_range(value: str) -> tuple[int, int]:
