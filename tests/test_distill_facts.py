@@ -241,3 +241,19 @@ def test_learn_notes_a_long_document_taught_whole_and_not_in_windows(tmp_path, c
                  str(tmp_path / "w.pt"), "--steps", "1", "--batch", "2", "--model", TINY, "--quiet", "--beside",
                  "0", "--teacher-tokens", "16"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_learn_refuses_a_document_its_teacher_cannot_read_and_names_the_windows(tmp_path, capsys):
+    """A document that, with a fact row after it, is past the model's context window (the tiny model's 4,096; the
+    shipped 6.7k-token skarrow) is refused before any row is written - the file and field named, and the flag
+    that reads it in windows - instead of failing inside the rows with an internal cartridge's name."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent / "bench" / "qa" / "skarrow.txt"
+    base = ["cartridge", "learn", "--text", str(doc), "--tokens", "8", "--steps", "1", "--model", TINY, "--quiet"]
+    for extra, fix in (([], "--teacher-tokens 256"), (["--teacher-tokens", "256", "--start-tokens", "0"],
+                                                       "--start-tokens 256")):
+        assert main([*base, "--out", str(tmp_path / "c.pt"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert str(doc) in err and "'text'" in err and "context window of 4,096" in err and fix in err
+        assert list(tmp_path.iterdir()) == []  # nothing written

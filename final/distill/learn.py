@@ -37,7 +37,7 @@ KEEP = 1.0
 HIDDEN = 4.0
 PARTNERS = 4  # partner texts written when --beside > 0 (final/distill/partners.py)
 # SmolLM2's context before its extension to 8,192 tokens: past it the whole-document teacher reads the document
-# at every row for little gain (the measured cost and answers: _long_document_note's message, bench/RESULTS.md).
+# at every row for little gain (the measured cost and answers: _check_length's note, bench/RESULTS.md).
 # A notice, not a switch: the gap in answers is within noise, the gap in cost is not.
 LONG_DOCUMENT = 2048
 
@@ -143,8 +143,6 @@ def _learn(args: argparse.Namespace) -> int:
     from final.distill.train_cli import open_engine, read_text
 
     text = read_text(args.text)
-    if args.teacher_tokens is None:
-        _long_document_note(args, text)
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
     _only_with(args, ("sample_temperature", "sample_tokens"), bool(args.on_policy), "--on-policy")
     _only_with(args, ("quiet_by",), bool(args.quiet_partner), "--quiet-partner")
@@ -155,6 +153,7 @@ def _learn(args: argparse.Namespace) -> int:
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
+    _check_length(args, text, facts, whole_start=start_tokens is None and init != "prefix")
     train = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                         beside=args.beside, keep=_keep(args), quiet=args.quiet_partner,
                         quiet_by=args.quiet_by or "loudness", hard=args.hard, on_policy=args.on_policy,
@@ -195,16 +194,31 @@ def _learn(args: argparse.Namespace) -> int:
     return 0
 
 
-def _long_document_note(args: argparse.Namespace, text: str) -> None:
-    """Say so (on stderr, before any work) where the whole document, past LONG_DOCUMENT tokens, will be every row's
-    teacher: the run costs several times the windows' and the user may not know --teacher-tokens exists."""
+def _check_length(args: argparse.Namespace, text: str, facts: Any, whole_start: bool) -> None:
+    """Before any work: refuse a document that the whole-document teacher (or the start cut from the whole
+    document) cannot read with a row after it in the model's context window - naming the way that can; and say so
+    (on stderr) where the whole document, past LONG_DOCUMENT tokens, will be every row's teacher: the run costs
+    several times the windows' and the user may not know --teacher-tokens exists."""
+    if args.teacher_tokens is not None and not whole_start:
+        return
     from transformers import AutoTokenizer
 
+    from final.distill.facts import end_of_turn, fact_prompts, prompt_ids
+    from final.errors import CartridgeError
+    from final.inf import context_window
     from final.models import resolve_model_path
     from final.prompts import document_ids
 
-    n = len(document_ids(AutoTokenizer.from_pretrained(resolve_model_path(args.model)), text))
-    if n > LONG_DOCUMENT:
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    n, window, end = len(document_ids(tok, text)), context_window(args.model), end_of_turn(tok)
+    row = max((sum(map(len, prompt_ids(tok, fp, end))) for fp in fact_prompts(text, facts)), default=0)
+    if n + row >= window:
+        fix = "--teacher-tokens 256" if args.teacher_tokens is None else "--start-tokens 256 (or --init prefix)"
+        reader = "every row's teacher" if args.teacher_tokens is None else "the start (--start-tokens 0)"
+        raise CartridgeError(f"is {n:,} tokens and its longest fact row {row:,} more: {reader} reads both, past the "
+                             f"model's context window of {window:,}; pass {fix} to read it in 256-token windows",
+                             file=str(args.text), field="text")
+    if args.teacher_tokens is None and n > LONG_DOCUMENT:
         print(f"note: {args.text} is {n:,} tokens, past the {LONG_DOCUMENT:,} the model reads well; every row's "
               "teacher reads all of it, which makes this run several times longer than with --teacher-tokens 256 "
               "(each row taught from its 256-token window; on a 6,706-token document 24 min against 88 on 2 "
