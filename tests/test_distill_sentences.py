@@ -71,6 +71,12 @@ def test_cjk_sentences_end_at_full_width_marks():
     assert len(spans) == 9 and doc[slice(*spans[1])] == "镇上有十二座码头！"
 
 
+def test_curly_quotes_and_an_ellipsis_close_a_sentence():
+    doc = "He wrote “the ferry runs at noon.” Then he left… The ferry’s bell rang."
+    assert words(doc, sentences(doc)) == ["He wrote “the ferry runs at noon.”", "Then he left…",
+                                          "The ferry’s bell rang."]
+
+
 def test_a_run_without_end_marks_is_cut_at_clause_marks_and_keeps_every_word():
     doc = ", ".join(f"the ferry stopped at landing {i} near the mill of Odo Vell" for i in range(60))
     spans = sentences(doc)

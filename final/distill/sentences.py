@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 
-# A sentence ends at . ! ? (and a closing quote or bracket) before whitespace, at a full-width 。！？ (CJK text has
-# no space after them), or at a line break that is not a hard wrap (unwrap below).
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)|[。！？][」』\"')\]]*")
+# A sentence ends at . ! ? … (and a closing quote or bracket, straight or curly) before whitespace, at a full-width
+# 。！？ (CJK text has no space after them), or at a line break that is not a hard wrap (unwrap below).
+_SENTENCE_END = re.compile(r"[.!?…][\"')\]”’»]*(?=\s)|[。！？][」』\"')\]”’]*")
 # A line that stands on its own: a heading, list item, quote, table row, code fence or indented code.
 _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # "6. Tickets are sold..." is wrapped prose after "...when the wind reaches force", a list item after a line that
