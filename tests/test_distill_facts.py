@@ -243,7 +243,7 @@ def test_learn_notes_a_long_document_taught_whole_and_not_in_windows(tmp_path, c
     assert "note:" not in capsys.readouterr().err
 
 
-def test_learn_refuses_a_document_its_teacher_cannot_read_and_names_the_windows(tmp_path, capsys):
+def test_learn_refuses_a_document_it_cannot_read_or_shorter_than_the_cartridge_naming_the_flag(tmp_path, capsys):
     """A document that, with a fact row after it, is past the model's context window (the tiny model's 4,096; the
     shipped 6.7k-token skarrow) is refused before any row is written - the file and field named, and the flag
     that reads it in windows - instead of failing inside the rows with an internal cartridge's name."""
@@ -257,3 +257,11 @@ def test_learn_refuses_a_document_its_teacher_cannot_read_and_names_the_windows(
         err = capsys.readouterr().err
         assert str(doc) in err and "'text'" in err and "context window of 4,096" in err and fix in err
         assert list(tmp_path.iterdir()) == []  # nothing written
+    short = tmp_path / "short" / "doc.txt"  # shorter than the cartridge asked for: refused, naming --tokens
+    short.parent.mkdir()
+    short.write_text("The ferry was founded in 1742.")
+    assert main(["cartridge", "learn", "--text", str(short), "--tokens", "64", "--out", str(tmp_path / "s.pt"),
+                 "--model", TINY, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "'tokens'" in err and "fewer than --tokens 64" in err and str(short) in err
+    assert list(tmp_path.iterdir()) == [short.parent]

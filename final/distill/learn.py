@@ -195,12 +195,10 @@ def _learn(args: argparse.Namespace) -> int:
 
 
 def _check_length(args: argparse.Namespace, text: str, facts: Any, whole_start: bool) -> None:
-    """Before any work: refuse a document that the whole-document teacher (or the start cut from the whole
-    document) cannot read with a row after it in the model's context window - naming the way that can; and say so
-    (on stderr) where the whole document, past LONG_DOCUMENT tokens, will be every row's teacher: the run costs
-    several times the windows' and the user may not know --teacher-tokens exists."""
-    if args.teacher_tokens is not None and not whole_start:
-        return
+    """Before any work: refuse a document shorter than the cartridge, or one that the whole-document teacher (or
+    the start cut from the whole document) cannot read with a row after it in the model's context window - naming
+    the way that can; and say so (on stderr) where the whole document, past LONG_DOCUMENT tokens, will be every
+    row's teacher: the run costs several times the windows' and the user may not know --teacher-tokens exists."""
     from transformers import AutoTokenizer
 
     from final.distill.facts import end_of_turn, fact_prompts, prompt_ids
@@ -211,6 +209,12 @@ def _check_length(args: argparse.Namespace, text: str, facts: Any, whole_start: 
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     n, window, end = len(document_ids(tok, text)), context_window(args.model), end_of_turn(tok)
+    if n < args.tokens:
+        raise CartridgeError(f"{args.text} renders to {n:,} tokens as a system turn, fewer than --tokens "
+                             f"{args.tokens:,}: a cartridge stands for at most its document's tokens (pass --tokens "
+                             f"{n:,} or fewer)", field="tokens")
+    if args.teacher_tokens is not None and not whole_start:
+        return
     row = max((sum(map(len, prompt_ids(tok, fp, end))) for fp in fact_prompts(text, facts)), default=0)
     if n + row >= window:
         fix = "--teacher-tokens 256" if args.teacher_tokens is None else "--start-tokens 256 (or --init prefix)"
