@@ -102,8 +102,10 @@ class EngineConfig:
 
     def check_against_model(self, local_path: str) -> int:
         """Check lengths against the model's positions; returns max_model_len."""
+        from final.models import model_positions
+
         cfg = json.loads((Path(local_path) / "config.json").read_text())
-        max_pos = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+        max_pos = model_positions(local_path)
         factor = (cfg.get("rope_scaling") or {}).get("factor", 1.0) if isinstance(cfg.get("rope_scaling"), dict) else 1.0
         total = self.rollout["prompt_length"] + self.rollout["response_length"]
         limit = int(max_pos * factor) if max_pos else None

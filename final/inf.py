@@ -22,7 +22,7 @@ from final.admission import Admission
 from final.calls import CallObserver, aholding, holding, loop_running, off_loop, until_deadline, within_deadline
 from final.config import EngineConfig, load_config
 from final.errors import CartridgeError, EngineError
-from final.models import cache_dir, eos_token_ids, resolve_model_path
+from final.models import cache_dir, eos_token_ids, model_positions, resolve_model_path
 from final.outputs import (ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of,
                             raise_if_aborted)
 from final.request import CallRules, Request, prepare, prepare_score
@@ -373,19 +373,11 @@ def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_nu
                  progress: bool = False) -> InferenceEngine:
     """An InferenceEngine on the embedded engine over the model's whole context window: what the tools that work
     on the engine itself build on (cartridge build/verify, benchmarks); its `.engine` is the EmbeddedEngine."""
-    positions = context_window(model)
+    positions = model_positions(resolve_model_path(model))
     response = min(512, positions // 4)
     return InferenceEngine({"model_path": model, "progress": progress, "rollout": {
         "name": "local", "dtype": dtype, "max_num_seqs": max_num_seqs, "prompt_length": positions - response,
         "response_length": response, "engine_kwargs": {"local": {"device": device}}}})
-
-
-def context_window(model: str) -> int:
-    """The model's context window in tokens (its config's max_position_embeddings): what local_engine serves."""
-    import json
-
-    cfg = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
-    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
 
 
 _live: "weakref.WeakSet[InferenceEngine]" = weakref.WeakSet()

@@ -228,3 +228,10 @@ def eos_token_ids(local_dir: str, tokenizer: Any) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def model_positions(model_dir: str | Path) -> int | None:
+    """The model folder's context window in tokens: its config's max_position_embeddings (a multimodal config's
+    text_config's), None where it names none."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")

@@ -203,12 +203,12 @@ def _check_length(args: argparse.Namespace, text: str, facts: Any, whole_start: 
 
     from final.distill.facts import end_of_turn, fact_prompts, prompt_ids
     from final.errors import CartridgeError
-    from final.inf import context_window
-    from final.models import resolve_model_path
+    from final.models import model_positions, resolve_model_path
     from final.prompts import document_ids
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-    n, window, end = len(document_ids(tok, text)), context_window(args.model), end_of_turn(tok)
+    model_dir = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    n, window, end = len(document_ids(tok, text)), model_positions(model_dir), end_of_turn(tok)
     if n < args.tokens:
         raise CartridgeError(f"{args.text} renders to {n:,} tokens as a system turn, fewer than --tokens "
                              f"{args.tokens:,}: a cartridge stands for at most its document's tokens (pass --tokens "

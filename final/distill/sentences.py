@@ -55,16 +55,14 @@ def unwrap(text: str) -> str:
     it is the document's span."""
     out = list(text)
     lines = text.split("\n")
-    starts = [0]
-    for line in lines:
-        starts.append(starts[-1] + len(line) + 1)
+    ends = [hi for _, hi in _lines(text)]  # where each line's break is
     widest = 0  # the paragraph's longest line: a paragraph is a run of non-blank lines
     for i, line in enumerate(lines):
         if i == 0 or not lines[i - 1].strip():
             j = next((j for j in range(i, len(lines)) if not lines[j].strip()), len(lines))
             widest = max((len(x.rstrip()) for x in lines[i:j]), default=0)
         if i + 1 < len(lines) and _wrapped(line, lines[i + 1], widest):
-            out[starts[i + 1] - 1] = " "
+            out[ends[i]] = " "
     return "".join(out)
 
 
@@ -92,17 +90,17 @@ def _lines(text: str) -> list[tuple[int, int]]:
 def _cut(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
     """[lo, hi) stripped, in pieces of at most LONGEST_SENTENCE characters cut after a clause mark (else a space)
     in a piece's second half; nothing where it is blank."""
-    while lo < hi and text[lo].isspace():
-        lo += 1
-    while hi > lo and text[hi - 1].isspace():
-        hi -= 1
-    if lo == hi:
-        return []
-    if hi - lo <= LONGEST_SENTENCE:
-        return [(lo, hi)]
-    piece = text[lo:lo + LONGEST_SENTENCE]
-    half = LONGEST_SENTENCE // 2
-    marks = [m.end() for m in re.finditer(r"[,;:](?=\s)|[、，；：]", piece) if m.end() > half]
-    spaces = [m.start() for m in re.finditer(r"\s", piece) if m.start() > half]
-    end = lo + (marks[-1] if marks else spaces[-1] if spaces else LONGEST_SENTENCE)
-    return _cut(text, lo, end) + _cut(text, end, hi)
+    out = []
+    while True:
+        while lo < hi and text[lo].isspace():
+            lo += 1
+        while hi > lo and text[hi - 1].isspace():
+            hi -= 1
+        if hi - lo <= LONGEST_SENTENCE:
+            return out + [(lo, hi)] if lo < hi else out
+        piece, half = text[lo:lo + LONGEST_SENTENCE], LONGEST_SENTENCE // 2
+        marks = [m.end() for m in re.finditer(r"[,;:](?=\s)|[、，；：]", piece) if m.end() > half]
+        spaces = [m.start() for m in re.finditer(r"\s", piece) if m.start() > half]
+        end = lo + (marks[-1] if marks else spaces[-1] if spaces else LONGEST_SENTENCE)
+        out.append((lo, lo + len(text[lo:end].rstrip())))
+        lo = end
