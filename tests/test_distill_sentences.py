@@ -116,3 +116,31 @@ def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path, capsys):
     doc.write_bytes(wrapped(PROSE, 60).replace("\n", "\r\n").encode("utf-8"))  # a Windows file, wrapped
     assert read_text(doc) == wrapped(PROSE, 60)
     assert words(read_text(doc), sentences(read_text(doc))) == words(PROSE, sentences(PROSE))
+
+
+def test_an_abbreviations_period_ends_no_sentence_and_stays_in_its_name():
+    doc = ("The station was directed by Dr. Samir Okonkwo-Lind, who came from St. Cuthra's in 1998. Locomotive No. 3 "
+           "was built c. 1820 by J. R. Ailes for the U.S. Navy, e.g. for towing. It carried coal, slate, etc. and "
+           "some wool. So did I.\n\nPart V. The Scientific Party\n\nThe ferry ran at 9 a.m. The bell rang.")
+    assert words(doc, sentences(doc)) == [
+        "The station was directed by Dr. Samir Okonkwo-Lind, who came from St. Cuthra's in 1998.",
+        "Locomotive No. 3 was built c. 1820 by J. R. Ailes for the U.S. Navy, e.g. for towing.",
+        "It carried coal, slate, etc. and some wool.", "So did I.", "Part V. The Scientific Party",
+        "The ferry ran at 9 a.m.", "The bell rang."]
+    rows = fact_prompts(doc, FactConfig())
+    blanks = {p.answer for p in rows if p.kind == "cloze"}
+    assert {"Dr. Samir Okonkwo-Lind", "St. Cuthra's", "J. R. Ailes", "U.S. Navy"} <= blanks
+    assert not any(p.answer in ("Dr", "St", "Samir Okonkwo-Lind", "Cuthra's") for p in rows)
+    shipped = (QA / "brennock.txt").read_text()
+    assert "St. Cuthra's Church, the oldest building" in {shipped[a:b][:40] for a, b in sentences(shipped)}
+
+
+def test_a_byte_order_mark_is_not_part_of_the_document_or_the_question_set(tmp_path):
+    from final.distill.train_cli import read_text
+
+    doc = tmp_path / "notepad.txt"
+    doc.write_bytes(b"\xef\xbb\xbf" + PROSE.encode("utf-8"))  # Notepad's "UTF-8 with BOM"
+    assert read_text(doc) == PROSE
+    (tmp_path / "brennock.txt").write_text((QA / "brennock.txt").read_text())
+    (tmp_path / "brennock.jsonl").write_bytes(b"\xef\xbb\xbf" + (QA / "brennock.jsonl").read_bytes())
+    assert load_qa(tmp_path / "brennock.jsonl").questions == load_qa(QA / "brennock.jsonl").questions

@@ -116,7 +116,7 @@ def read_utf8(path: Path, field: str) -> str:
     one that is not UTF-8 (a Latin-1 or UTF-16 export) is a CartridgeError naming the file, the byte and `field`,
     not a UnicodeDecodeError traceback."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # Notepad's "UTF-8 with BOM": the mark is no text
     except UnicodeDecodeError as exc:
         raise CartridgeError(f"is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
                              "(save it as UTF-8)", file=str(path), field=field) from None

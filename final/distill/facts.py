@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from final.distill.convs import Conversation, append
-from final.distill.sentences import unwrap, unwrapped_sentences
+from final.distill.sentences import TITLES, unwrap, unwrapped_sentences
 from final.distill.synth import ChunkContext, teacher_system
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -50,9 +50,12 @@ _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
                 "sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
                 "hundred|thousand|half|quarter|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth")
+# A name's word: a capitalised word, or a title or initials with their periods before the rest of the name ("Dr. Hesper
+# Lund", "J. R. Ailes", "U.S. Navy": split at the period, "Dr" would be a cue of its own and the name another).
+_NAME_WORD = rf"(?:(?:{'|'.join(sorted(TITLES))}|[A-Z](?:\.[A-Z])*)\.(?=\s+[A-Z])|[A-Z][\w'-]*)"
 # A cue: a run of capitalised words (joined by of/the/de/and), a number with its inner separators, or a number
 # written as words ("eleven households").
-_CUE = re.compile(r"[A-Z][\w'-]*(?:\s+(?:(?:of|the|de|and)\s+)?[A-Z][\w'-]*)*|\d(?:[\d,.:/-]*\d)?|"
+_CUE = re.compile(rf"{_NAME_WORD}(?:\s+(?:(?:of|the|de|and)\s+)?{_NAME_WORD})*|\d(?:[\d,.:/-]*\d)?|"
                   rf"\b(?:{NUMBER_WORDS})(?:[ -](?:{NUMBER_WORDS}))*\b")
 # Ordinary words no fact hangs on: a word row never blanks one (the document's frequent words are left out by count).
 _PLAIN = frozenset("about above across after again against along also although among another around became because "

@@ -5,7 +5,9 @@ A sentence ends at an end mark, at a full-width one (CJK text puts no space afte
 not at a hard wrap's: a .txt file wrapped at 60-80 columns breaks its sentences, and the names in them
 ("Sallow\\nRiver"), across lines; read line by line, its rows would quote half-sentences and blank half-names.
 unwrap() tells a wrap's line break from a paragraph's or a list's by the paragraph's shape, and keeps the text's
-length, so a sentence's span is the document's own. A run without end marks (a transcript, a list run together) is cut
+length, so a sentence's span is the document's own. A period after an abbreviation ("Dr. Lund", "No. 3", "e.g. a
+tern", "J. R. Ailes") ends nothing: split there, "Dr." would be a sentence and "Lund" a name without its title. A
+run without end marks (a transcript, a list run together) is cut
 at clause marks so that no row's answer is the whole document.
 """
 
@@ -16,6 +18,15 @@ import re
 # A sentence ends at . ! ? … (and a closing quote or bracket, straight or curly) before whitespace, at a full-width
 # 。！？ (CJK text has no space after them), or at a line break that is not a hard wrap (unwrap below).
 _SENTENCE_END = re.compile(r"[.!?…][\"')\]”’»]*(?=\s)|[。！？][」』\"')\]”’]*")
+# A period after these ends no sentence when a name follows: titles ("Dr. Lund", "St. Mary's", "Mt. Orr")
+TITLES = frozenset("Mr Mrs Ms Mme Mlle Dr Prof St Ste Mt Ft Rev Fr Gen Col Capt Cpt Maj Lt Sgt Cmdr Cdr Adm Gov "
+                   "Sen Rep Hon Pres Supt Insp".split())
+# ... when a number follows ("No. 3", "p. 12", "c. 1820"), or a lowercase word ("approx. five", "etc. and")
+_BEFORE_NUMBER = frozenset("No Nos no nos Vol vol Vols vols p pp Fig fig Figs figs ch Ch art Art sec Sec c ca".split())
+_LOWER_NEXT = frozenset("etc approx ca c incl esp resp vol vols fig figs cf al a.m p.m".split())
+_NEVER_END = frozenset("e.g i.e cf viz vs".split())  # inside a sentence whatever follows
+# an initial ("J. R. Ailes", "Part V. The Party") or a dotted acronym ("U.S. Navy") before a capitalised word
+_INITIALS = re.compile(r"(?:[A-Z]\.)*[A-Z]")
 # A line that stands on its own: a heading, list item, quote, table row, code fence or indented code.
 _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # "6. Tickets are sold..." is wrapped prose after "...when the wind reaches force", a list item after a line that
@@ -43,10 +54,32 @@ def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
         start = lo
         item = _NUMBERED.match(flat, lo, hi)  # "1. Moor at the quay." is one sentence, not "1." and the rest
         for m in _SENTENCE_END.finditer(flat, item.end() if item else lo, hi):
+            if _abbreviation(flat, m.start(), m.end()):
+                continue
             spans += _cut(flat, start, m.end())
             start = m.end()
         spans += _cut(flat, start, hi)
     return spans
+
+
+def _abbreviation(text: str, dot: int, end: int) -> bool:
+    """Whether the end mark text[dot:end] is an abbreviation's period, not a sentence's end (TITLES and the sets
+    beside it): judged by the word before it and the first character after it."""
+    if end != dot + 1 or text[dot] != ".":
+        return False  # "?", "!" or a closing quote after the period end a sentence whatever came before
+    start = dot
+    while start > 0 and not text[start - 1].isspace() and text[start - 1] not in "([\"'“‘":
+        start -= 1
+    word, after = text[start:dot], text[end:].lstrip()[:1]
+    if word in _NEVER_END or (after.isdigit() and word in _BEFORE_NUMBER):
+        return True
+    if after.islower() and word.lower() in _LOWER_NEXT:
+        return True
+    if not after.isupper():
+        return False
+    # "I" is an initial only after a capitalised word ("Part I. Origins"), not after "did I."
+    before = text[:start].rstrip().rsplit(None, 1)[-1:] or [""]
+    return word in TITLES or (bool(_INITIALS.fullmatch(word)) and (word != "I" or before[0][:1].isupper()))
 
 
 def unwrap(text: str) -> str:
