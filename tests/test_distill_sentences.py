@@ -144,3 +144,36 @@ def test_a_byte_order_mark_is_not_part_of_the_document_or_the_question_set(tmp_p
     (tmp_path / "brennock.txt").write_text((QA / "brennock.txt").read_text())
     (tmp_path / "brennock.jsonl").write_bytes(b"\xef\xbb\xbf" + (QA / "brennock.jsonl").read_bytes())
     assert load_qa(tmp_path / "brennock.jsonl").questions == load_qa(QA / "brennock.jsonl").questions
+
+
+def test_a_word_wrapped_at_its_hyphen_is_one_word_again():
+    # textwrap (and most editors) break "red-brick" after the hyphen: read as a break, the row says "red- brick"
+    # and the name "Okonkwo-\nLind" becomes "Okonkwo- Lind". Every shipped document, at every width that breaks
+    # one of its hyphens, gives its unwrapped rows again.
+    cfg, broken = FactConfig(kinds=("quote", "cloze", "word", "ask")), 0
+    for path in sorted(QA.glob("*.txt")):
+        text = path.read_text()
+        flat = [(p.kind, p.question, p.answer) for p in fact_prompts(text, cfg)]
+        for width in range(60, 81):
+            wrap = wrapped(text, width)
+            if "-\n" in wrap:
+                broken += 1
+                assert [(p.kind, p.question, p.answer) for p in fact_prompts(wrap, cfg)] == flat, (path.name, width)
+    assert broken > 50
+    # typeset text breaks a word at a syllable: joined without its hyphen where the document spells it so elsewhere
+    typeset = textwrap.fill("In the census of 1901 the town counted its popu-lation for the first time by house; "
+                            "the population was 3,000 and the houses were 412.", 50)
+    assert "popu-\n" in typeset and "counted its population for" in " ".join(unwrap(typeset).split())
+    assert "red-brick mill" in " ".join(unwrap("A row of houses stood beside the old red-\nbrick mill.").split())
+
+
+def test_every_shipped_question_is_found_in_its_document_wrapped_at_a_hyphen(tmp_path):
+    for path in sorted(QA.glob("*.txt")):
+        text = path.read_text()
+        width = next((w for w in range(60, 81) if "-\n" in wrapped(text, w)), None)
+        if width is None:
+            continue
+        (tmp_path / path.name).write_text(wrapped(text, width))
+        (tmp_path / f"{path.stem}.jsonl").write_text(path.with_suffix(".jsonl").read_text())
+        assert len(load_qa(tmp_path / f"{path.stem}.jsonl").questions) == len(load_qa(
+            path.with_suffix(".jsonl")).questions), path.name

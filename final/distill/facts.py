@@ -45,6 +45,7 @@ KINDS = ("quote", "cloze", "word", "ask")
 ANSWERS = ("document", "teacher")
 MIN_WINDOW = 16  # the fewest tokens of a teacher's window or of a chunk a start is cut from
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
+_SPACES = re.compile(r"(?<=\S) {2,}(?=\S)")
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
@@ -159,7 +160,8 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
             out.append(FactPrompt(kind, rng.choice(CLOZE).format(blanked=blanked), answer, (start, hi)))
         if "ask" in cfg.kinds:
             out += [FactPrompt("ask", q, cue, (lo, hi)) for cue, q in asked(sentence, found)]
-    return out
+    # unwrap pads a word joined across a hyphen's wrap with the break's spaces ("red-brick  mill"): one is a space
+    return [FactPrompt(p.kind, _SPACES.sub(" ", p.question), _SPACES.sub(" ", p.answer), p.span) for p in out]
 
 
 def word_counts(text: str) -> dict[str, int]:

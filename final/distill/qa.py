@@ -101,6 +101,7 @@ def _question(obj: object, n: int, name: str, text: str) -> Question:
 
 def support_spans(text: str, support: str) -> list[tuple[int, int]]:
     """Where `support` occurs in `text`, as [start, end) character spans, any run of whitespace matching any other:
-    a support copied from a hard-wrapped document's rendering ("Sallow River") is its "Sallow\\nRiver"."""
-    pattern = r"\s+".join(re.escape(word) for word in support.split())
+    a support copied from a hard-wrapped document's rendering ("Sallow River") is its "Sallow\\nRiver", and a
+    hyphen may be a wrap's ("red-\\nbrick")."""
+    pattern = r"\s+".join(re.escape(word).replace(r"\-", r"-\s*") for word in support.split())  # "red-\nbrick"
     return [m.span() for m in re.finditer(pattern, text)] if pattern else []

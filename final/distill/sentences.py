@@ -84,19 +84,36 @@ def _abbreviation(text: str, dot: int, end: int) -> bool:
 
 def unwrap(text: str) -> str:
     """`text` with each hard wrap's line break as a space (_wrapped), so that a sentence wrapped over lines is one
-    sentence and a name broken over two lines ("Sallow\\nRiver") one name. The same length as `text`: a span of
-    it is the document's span."""
+    sentence and a name broken over two lines ("Sallow\\nRiver", "Okonkwo-\\nLind") one name. The same length as
+    `text`: a span of it is the document's span (a word joined across a hyphen's wrap moves by a character)."""
     out = list(text)
     lines = text.split("\n")
     ends = [hi for _, hi in _lines(text)]  # where each line's break is
     widest = 0  # the paragraph's longest line: a paragraph is a run of non-blank lines
+    words = {w.lower() for w in re.findall(r"[^\W\d_]+(?:-[^\W\d_]+)*", text)}  # as the document spells them
     for i, line in enumerate(lines):
         if i == 0 or not lines[i - 1].strip():
             j = next((j for j in range(i, len(lines)) if not lines[j].strip()), len(lines))
             widest = max((len(x.rstrip()) for x in lines[i:j]), default=0)
         if i + 1 < len(lines) and _wrapped(line, lines[i + 1], widest):
             out[ends[i]] = " "
+            _join_hyphen(text, out, ends[i], words)
     return "".join(out)
+
+
+def _join_hyphen(text: str, out: list[str], end: int, words: set[str]) -> None:
+    """A wrap after a hyphen ("Okonkwo-\nLind", "red-\nbrick": textwrap and editors break there; "popu-\nlation":
+    typeset text) joins the word again in `out`, moving the break's character(s) after it as spaces so the length
+    stays. The hyphen stays unless the document writes the word without it elsewhere and never with it."""
+    head = re.search(r"([^\W\d_]+)-[ \t]*$", text[max(0, end - 64):end])
+    tail = re.match(r"([^\W\d_]+)\S*", text[end + 1:end + 65])  # the word, and its comma or stop with it
+    if not head or not tail:
+        return
+    first, rest, moved = head.group(1), tail.group(1), tail.group(0)
+    dash = end - len(head.group(0)) + len(first)  # where the hyphen is
+    drop = (first + rest).lower() in words and f"{first}-{rest}".lower() not in words
+    at = dash if drop else dash + 1
+    out[at:end + 1 + len(moved)] = list(moved.ljust(end + 1 + len(moved) - at))
 
 
 def _wrapped(line: str, after: str, widest: int) -> bool:
