@@ -162,3 +162,29 @@ def test_cli_learn_matches_hidden_states_by_default(tmp_path):
     assert json.loads((tmp_path / "c.pt.manifest.json").read_text())["labels"]["hidden"] == str(HIDDEN)
     assert main(args + ["--out", str(tmp_path / "d.pt"), "--hidden", "0"]) == 0
     assert "hidden" not in json.loads((tmp_path / "d.pt.manifest.json").read_text())["labels"]
+
+
+def test_kept_states_are_the_teachers_computed_once_a_row_in_any_batch(student, tok, monkeypatch):
+    from final.distill.hidden import KeptStates
+
+    teacher = HiddenTeacher(student, document_ids(tok, DOC))
+    calls = []
+    original = teacher.states
+    monkeypatch.setattr(teacher, "states", lambda ids, where, rows=(): calls.append(len(ids)) or original(ids, where))
+    kept = KeptStates(teacher)
+    both = kept.states(ROWS, WHERE)
+    torch.testing.assert_close(both, original(ROWS, WHERE), atol=2e-4, rtol=2e-4)
+    # the second row alone, the two swapped, the first padded wider: read back, no forward
+    second = kept.states(ROWS[1:], WHERE[1:])
+    n = int(WHERE[0].sum())
+    torch.testing.assert_close(second, [h[n:] for h in both])
+    swapped = kept.states(ROWS.flip(0), WHERE.flip(0))
+    torch.testing.assert_close(swapped, [torch.cat([h[n:], h[:n]]) for h in both])
+    wide = torch.cat([ROWS[:1], torch.zeros((1, 3), dtype=torch.long)], 1)
+    torch.testing.assert_close(kept.states(wide, torch.cat([WHERE[:1], torch.zeros((1, 3), dtype=torch.bool)], 1)),
+                               [h[:n] for h in both])
+    assert calls == [2]
+    full = KeptStates(teacher, budget=0)  # nothing kept past the budget: computed each time, the same
+    torch.testing.assert_close(full.states(ROWS, WHERE), both, atol=2e-4, rtol=2e-4)
+    full.states(ROWS, WHERE)
+    assert calls == [2, 2, 2] and not full.kept

@@ -27,6 +27,9 @@ FLOOR = 0.01
 # windows whose KV a WindowTeacher keeps (each ~12 MB at 256 tokens for SmolLM2-135M in fp32): all of a long
 # document's would hold GBs (skarrow's 1,046 rows have 441 windows: 5 GB), so the rest are prefilled again
 KEPT_WINDOWS = 64
+# the most bytes of rows' teacher states KeptStates keeps (fp32, 30 layers x 576 a target token): brennock's 158
+# rows take 660 MB; skarrow's 1,046 window rows would take ~4 GB, and about half are kept
+KEPT_BYTES = 2 << 30
 
 
 class HiddenTeacher:
@@ -113,3 +116,38 @@ def hidden_error(mine: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor]) -
         scale = var + FLOOR * var.mean() + 1e-12
         terms.append(((s.float() - t) ** 2 / scale).mean())
     return torch.stack(terms).mean()
+
+
+class KeptStates:
+    """A teacher (HiddenTeacher or WindowTeacher) whose states are kept per row: `learn` goes over its rows a dozen
+    times (240 steps x 8 of ~160), and a row's teacher states depend on the row alone, so each is computed once,
+    the batch's missing rows together, and then read (a step's teacher forward was ~30% of it:
+    bench/RESULTS.md). Up to `budget` bytes are kept (fp32, as used); past that a row is computed each time."""
+
+    def __init__(self, teacher: Any, budget: int = KEPT_BYTES):
+        self.teacher, self.budget, self.used = teacher, budget, 0
+        self.kept: dict[bytes, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def states(self, ids: torch.Tensor, where: torch.Tensor, rows: Sequence[Any] = ()) -> list[torch.Tensor]:
+        """As the teacher's states(), the same rows in the same order."""
+        keys = [_row_key(i, w) for i, w in zip(ids, where)]
+        missing = [r for r, k in enumerate(keys) if k not in self.kept]
+        fresh: dict[int, list[torch.Tensor]] = {}
+        if missing:
+            got = self.teacher.states(ids[missing], where[missing], [rows[r] for r in missing] if rows else ())
+            counts = where[missing].sum(1).tolist()
+            parts = [torch.split(h, counts) for h in got]  # per layer, per row
+            for n, r in enumerate(missing):
+                fresh[r] = [layer[n] for layer in parts]
+                size = sum(x.numel() * x.element_size() for x in fresh[r])
+                if self.used + size <= self.budget:
+                    self.kept[keys[r]], self.used = fresh[r], self.used + size
+        per_row = [fresh.get(r) or self.kept[k] for r, k in enumerate(keys)]
+        return [torch.cat([row[i] for row in per_row]) for i in range(len(per_row[0]))]
+
+
+def _row_key(ids: torch.Tensor, where: torch.Tensor) -> bytes:
+    """A row's identity for its teacher states: its tokens and target positions (its padding aside)."""
+    last = int(where.nonzero().max()) + 2 if where.any() else len(ids)
+    return ids[:last].cpu().numpy().tobytes() + where[:last].cpu().numpy().tobytes()

@@ -249,12 +249,12 @@ def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConf
         return None
     if text is None:
         raise CartridgeError("matching the teacher's hidden states needs the document: give --text", field="hidden")
-    from final.distill.hidden import HiddenTeacher, WindowTeacher
+    from final.distill.hidden import HiddenTeacher, KeptStates, WindowTeacher
     from final.prompts import document_ids
 
     if windows:
-        return WindowTeacher(student, tok, text, windows)
-    return HiddenTeacher(student, document_ids(tok, text))
+        return KeptStates(WindowTeacher(student, tok, text, windows))
+    return KeptStates(HiddenTeacher(student, document_ids(tok, text)))
 
 
 def digest(ids: Sequence[int]) -> str:
