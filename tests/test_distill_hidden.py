@@ -188,3 +188,6 @@ def test_kept_states_are_the_teachers_computed_once_a_row_in_any_batch(student, 
     torch.testing.assert_close(full.states(ROWS, WHERE), both, atol=2e-4, rtol=2e-4)
     full.states(ROWS, WHERE)
     assert calls == [2, 2, 2] and not full.kept
+    sampled = KeptStates(teacher)  # on-policy rows (`--on-policy`) are new each step: not kept, filling the budget
+    sampled.states(ROWS, WHERE, [SimpleNamespace(sampled=True), SimpleNamespace(sampled=False)])
+    assert len(sampled.kept) == 1 and calls == [2, 2, 2, 2]

@@ -141,7 +141,8 @@ class KeptStates:
             for n, r in enumerate(missing):
                 fresh[r] = [layer[n] for layer in parts]
                 size = sum(x.numel() * x.element_size() for x in fresh[r])
-                if self.used + size <= self.budget:
+                once = bool(rows) and rows[r].sampled  # an on-policy row is new each step: never read again
+                if not once and self.used + size <= self.budget:
                     self.kept[keys[r]], self.used = fresh[r], self.used + size
         per_row = [fresh.get(r) or self.kept[k] for r, k in enumerate(keys)]
         return [torch.cat([row[i] for row in per_row]) for i in range(len(per_row[0]))]
