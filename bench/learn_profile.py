@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("learn", nargs=argparse.REMAINDER, help="-- then `final cartridge learn`'s arguments")
     args = ap.parse_args(argv)
-    learn = [a for a in args.learn if a != "--"] if args.learn[:1] == ["--"] else args.learn
+    learn = args.learn[1:] if args.learn[:1] == ["--"] else args.learn
     from final.distill import hidden, train, trainer
     from final.distill.cli import main as cli
 

@@ -27,6 +27,7 @@ _LOWER_NEXT = frozenset("etc approx ca c incl esp resp vol vols fig figs cf al a
 _NEVER_END = frozenset("e.g i.e cf viz vs".split())  # inside a sentence whatever follows
 # an initial ("J. R. Ailes", "Part V. The Party") or a dotted acronym ("U.S. Navy") before a capitalised word
 _INITIALS = re.compile(r"(?:[A-Z]\.)*[A-Z]")
+_NEXT = re.compile(r"\s*(\S?)")
 # A line that stands on its own: a heading, list item, quote, table row, code fence or indented code.
 _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # "6. Tickets are sold..." is wrapped prose after "...when the wind reaches force", a list item after a line that
@@ -70,7 +71,9 @@ def _abbreviation(text: str, dot: int, end: int) -> bool:
     start = dot
     while start > 0 and not text[start - 1].isspace() and text[start - 1] not in "([\"'“‘":
         start -= 1
-    word, after = text[start:dot], text[end:].lstrip()[:1]
+    # the next character past any spaces, and the word before `word`: matched in place, as this runs at every
+    # end mark (slicing text[end:] copied the rest of the document each time: quadratic in a long one)
+    word, after = text[start:dot], _NEXT.match(text, end).group(1)
     if word in _NEVER_END or (after.isdigit() and word in _BEFORE_NUMBER):
         return True
     if after.islower() and word.lower() in _LOWER_NEXT:
@@ -78,8 +81,10 @@ def _abbreviation(text: str, dot: int, end: int) -> bool:
     if not after.isupper():
         return False
     # "I" is an initial only after a capitalised word ("Part I. Origins"), not after "did I."
-    before = text[:start].rstrip().rsplit(None, 1)[-1:] or [""]
-    return word in TITLES or (bool(_INITIALS.fullmatch(word)) and (word != "I" or before[0][:1].isupper()))
+    if word == "I":
+        before = text[max(0, start - 64):start].rstrip().rsplit(None, 1)[-1:] or [""]
+        return before[0][:1].isupper()
+    return word in TITLES or bool(_INITIALS.fullmatch(word))
 
 
 def unwrap(text: str) -> str:
