@@ -4,6 +4,7 @@ marks. Each case failed before the splitter read wraps: a wrapped paragraph was 
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -22,7 +23,11 @@ PROSE = ("Brennock Ferry is a small river town on the eastern bank of the Sallow
 
 
 def wrapped(text: str, width: int) -> str:
-    return "\n\n".join(textwrap.fill(p, width) for p in text.split("\n\n") if p.strip()) + "\n"
+    """The text as an editor hard-wraps it: each prose paragraph filled to `width`; headings, lists and tables (a
+    Markdown document's) kept as they are."""
+    block = re.compile(r" {0,3}(?:#|[-*+>] |\d{1,3}[.)] |\|)", re.M)
+    return "\n\n".join(p if block.match(p) or re.search(r"\n(?: {0,3}(?:#|[-*+>] |\d{1,3}[.)] |\|))", p)
+                       else textwrap.fill(p, width) for p in text.split("\n\n") if p.strip()) + "\n"
 
 
 def words(text: str, spans: list[tuple[int, int]]) -> list[str]:
@@ -63,6 +68,50 @@ def test_line_breaks_that_end_something_are_kept():
     assert "1. Moor at the quay." in got and "2. Pay the harbour dues." in got
     assert "| berth | depth |" in got and "def dues(length):" in got
     assert unwrap(doc) == doc  # nothing here is a wrap
+
+
+MARKDOWN = ("# Carrow Bay Ferry\n\n"
+            "The ferry links Dunmore Quay to the island of Skell.\n\n"
+            "- Operator: Skell Island Council\n- Crossing time: 35 minutes\n\n"
+            "## Timetable\n\n"
+            "| Day | First sailing | Last sailing |\n"
+            "|-----|:-------------:|-------------:|\n"
+            "| Weekdays | 07:10 | 19:45 |\n"
+            "| Sun. and holidays | 09:30 | 17:00 |\n\n"
+            "Fares\n=====\n\nA return costs 4 crowns.\n\n---\n\nService began in 1911.\n")
+
+
+def test_a_markdown_tables_rows_are_sentences_asked_about_under_their_header():
+    # A row's cells are named by the header: "| Weekdays | ___ | 19:45 |" alone does not say which sailing is
+    # blanked. Before, the header and the rule row were sentences of their own ("What does the document say about
+    # |-----|...?"), a row was blanked and quoted without its header, quoted with the next row, and "Sun." split it.
+    got = words(MARKDOWN, sentences(MARKDOWN))
+    assert "| Weekdays | 07:10 | 19:45 |" in got and "| Sun. and holidays | 09:30 | 17:00 |" in got
+    assert "| Day | First sailing | Last sailing |" not in got  # read with every row instead
+    assert not [w for w in got if set(w) <= set("|-:= ")]  # no table rule, setext underline or thematic break
+    assert "Fares" in got and "A return costs 4 crowns." in got
+    rows = fact_prompts(MARKDOWN, FactConfig())
+    header = "| Day | First sailing | Last sailing |\n"
+    cloze = {p.answer: p.question for p in rows if p.kind == "cloze"}
+    assert cloze["07:10"].endswith(f'"{header}| Weekdays | ___ | 19:45 |"')
+    assert cloze["17:00"].endswith(f'"{header}| Sun. and holidays | 09:30 | ___ |"')
+    quoted = [p.answer for p in rows if p.kind == "quote" and "17:00" in p.answer]
+    assert quoted and set(quoted) == {header + "| Sun. and holidays | 09:30 | 17:00 |"}
+
+
+def test_no_blank_is_left_without_words_around_it_or_takes_an_items_key():
+    # "# ___" (a heading blanked) asks nothing; "- ___ time: 35 minutes" blanks the key a user asks by, as a
+    # sentence's subject is not blanked
+    rows = fact_prompts(MARKDOWN, FactConfig(kinds=("quote", "cloze", "word")))
+    blanked = [p for p in rows if p.kind in ("cloze", "word")]
+    assert all(re.search(r"\w", p.question.split('"', 1)[1].replace("___", "")) for p in blanked)
+    assert not [p.question for p in blanked if '"# ___"' in p.question]
+    answers = {p.answer for p in blanked}
+    assert {"Skell Island Council", "35"} <= answers and not {"Operator", "Crossing", "Carrow Bay Ferry"} & answers
+    # a sentence without cues is asked about by its words, not its list number
+    numbered = fact_prompts("1. Moor at the quay.\n2. then pay the dues.\n", FactConfig(kinds=("quote",)))
+    assert "then pay the dues" in numbered[1].question
+    assert not [p for p in numbered if "2." in p.question]
 
 
 def test_cjk_sentences_end_at_full_width_marks():

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from final.distill.convs import Conversation, append
-from final.distill.sentences import TITLES, unwrap, unwrapped_sentences
+from final.distill.sentences import TITLES, table_headers, unwrap, unwrapped_sentences
 from final.distill.synth import ChunkContext, teacher_system
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -46,6 +46,9 @@ ANSWERS = ("document", "teacher")
 MIN_WINDOW = 16  # the fewest tokens of a teacher's window or of a chunk a start is cut from
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
 _SPACES = re.compile(r"(?<=\S) {2,}(?=\S)")
+_WORDY = re.compile(r"[^\W_]")  # a blank needs words around it: "## ___" (a heading blanked) asks nothing
+# a line's Markdown marker (heading, list item, quote): the sentence's subject or an item's key comes after it
+_MARKER = re.compile(r" {0,3}(?:#{1,6}|[-*+>]|\d{1,3}[.)])[ \t]+")
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
@@ -140,25 +143,35 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
     spans = unwrapped_sentences(text)
     known = names(text)
     counts = word_counts(text)
+    headers = table_headers(text)
     out = []
     for i, (lo, hi) in enumerate(spans):
         sentence = text[lo:hi]
         found = cues(sentence, known)
+        # a table's row is quoted and blanked under its header, which names its cells, and alone: the next row is
+        # another record; any other sentence with the ones before it (cloze_context) and after it (quote)
+        header = headers.get(lo)
+        lead = text[header[0]:header[1]] + "\n" if header else ""
+        marker = _MARKER.match(sentence)
+        opening = marker.end() if marker else 0  # where the words start, past "- " or "4. "
         if "quote" in cfg.kinds:
-            end = spans[min(i + cfg.quote_sentences, len(spans)) - 1][1]
+            end = hi if header else spans[min(i + cfg.quote_sentences, len(spans)) - 1][1]
             # a sentence without names or numbers is still quoted, asked about by its opening words
-            for cue in found[:cfg.cues] or [" ".join(sentence.split()[:5]).rstrip(".,:;")]:
-                out.append(FactPrompt("quote", rng.choice(QUOTE).format(cue=cue), text[lo:end], (lo, end)))
-        start = spans[max(0, i - cfg.cloze_context)][0]  # a blank's context sentences, as the document has them
+            for cue in found[:cfg.cues] or [" ".join(sentence[opening:].split()[:5]).rstrip(".,:;")]:
+                out.append(FactPrompt("quote", rng.choice(QUOTE).format(cue=cue), lead + text[lo:end], (lo, end)))
+        start = lo if header else spans[max(0, i - cfg.cloze_context)][0]
         blanks = []
-        if "cloze" in cfg.kinds:  # a cue at 0 is the sentence's subject: blanking it leaves nothing to ask from
-            blanks += [("cloze", sentence.find(cue), cue) for cue in found if sentence.find(cue) > 0]
+        if "cloze" in cfg.kinds:  # a cue at 0 is the sentence's subject (after an item's "- ", its key: "- Crossing
+            # time: 35 minutes" asks for 35): blanking it leaves nothing to ask from
+            blanks += [("cloze", sentence.find(cue), cue) for cue in found if sentence.find(cue) > opening]
         if "word" in cfg.kinds:
             blanks += [("word", at, word) for at, word in plain_words(sentence, found, counts)[:cfg.words]]
         for kind, at, answer in blanks:
-            blanked = text[start:lo] + sentence[:at] + "___" + sentence[at + len(answer):]
+            if not _WORDY.search(sentence[:at] + sentence[at + len(answer):]):
+                continue
+            blanked = lead + text[start:lo] + sentence[:at] + "___" + sentence[at + len(answer):]
             out.append(FactPrompt(kind, rng.choice(CLOZE).format(blanked=blanked), answer, (start, hi)))
-        if "ask" in cfg.kinds:
+        if "ask" in cfg.kinds and not header:  # a row's cells are no clause to turn into a question
             out += [FactPrompt("ask", q, cue, (lo, hi)) for cue, q in asked(sentence, found)]
     # unwrap pads a word joined across a hyphen's wrap with the break's spaces ("red-brick  mill"): one is a space
     return [FactPrompt(p.kind, _SPACES.sub(" ", p.question), _SPACES.sub(" ", p.answer), p.span) for p in out]

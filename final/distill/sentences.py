@@ -34,6 +34,12 @@ _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # ends a sentence or is an item itself
 _NUMBERED = re.compile(r" {0,3}\d{1,3}[.)]\s")
 _ENDED = re.compile(r"[.!?:;。！？][」』\"')\]]*$")
+# A Markdown table (GitHub's): a header row and a rule row ("|---|:--:|"), then its rows, each line opening with "|".
+# A row is one record, read with its header (table_headers); the header and the rule are no sentences of their own.
+_TABLE_RULE = re.compile(r" {0,3}\|(?:[ \t]*:?-+:?[ \t]*\|)+(?:[ \t]*:?-+:?[ \t]*)?$")
+_TABLE_LINE = re.compile(r" {0,3}\|")
+# a line of three or more -, =, * or _ alone: a setext heading's underline or a thematic break, no sentence
+_RULE = re.compile(r" {0,3}([-=*_])(?:[ \t]*\1){2,}[ \t]*$")
 # A paragraph whose longest line is this long may be hard-wrapped prose (wrapped text is 60-80 columns; a list of
 # short "Key: value" lines without markers keeps one sentence a line).
 WRAPPED = 32
@@ -51,7 +57,14 @@ def sentences(text: str) -> list[tuple[int, int]]:
 def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
     """sentences() of a text already unwrapped (unwrap is not idempotent: a joined paragraph is one long line)."""
     spans = []
-    for lo, hi in _lines(flat):
+    lines = _lines(flat)
+    rows = _table_rows(flat, lines)
+    for i, (lo, hi) in enumerate(lines):
+        if i in rows:  # a table's row is one sentence, whatever its cells hold; its header and rule are none
+            spans += _cut(flat, lo, hi) if rows[i] is not None else []
+            continue
+        if _RULE.match(flat, lo, hi):
+            continue
         start = lo
         item = _NUMBERED.match(flat, lo, hi)  # "1. Moor at the quay." is one sentence, not "1." and the rest
         for m in _SENTENCE_END.finditer(flat, item.end() if item else lo, hi):
@@ -61,6 +74,37 @@ def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
             start = m.end()
         spans += _cut(flat, start, hi)
     return spans
+
+
+def table_headers(flat: str) -> dict[int, tuple[int, int]]:
+    """Where each table row of an unwrapped text starts (its sentence's start) -> its table's header row's span: a
+    row's cells are named by the header ("| Sunday | 09:30 | 17:00 |" is the last sailing at 17:00 only beside
+    "| Day | First sailing | Last sailing |"), so a row is asked about and quoted with it (facts.py)."""
+    lines = _lines(flat)
+    out = {}
+    for i, head in _table_rows(flat, lines).items():
+        if head is not None:
+            row, header = _cut(flat, *lines[i]), _cut(flat, *lines[head])
+            if row and header:
+                out[row[0][0]] = header[0]
+    return out
+
+
+def _table_rows(flat: str, lines: list[tuple[int, int]]) -> dict[int, int | None]:
+    """The lines of the text's tables, by index: a row's -> its header's index; the header's and the rule's -> None.
+    A table is a "|" line, a rule line under it, and the "|" lines after without a blank one between."""
+    out: dict[int, int | None] = {}
+    i = 0
+    while i + 1 < len(lines):
+        if not (_TABLE_LINE.match(flat, *lines[i]) and _TABLE_RULE.match(flat, *lines[i + 1])):
+            i += 1
+            continue
+        head, i = i, i + 2
+        out[head] = out[head + 1] = None
+        while i < len(lines) and _TABLE_LINE.match(flat, *lines[i]) and not _TABLE_RULE.match(flat, *lines[i]):
+            out[i] = head
+            i += 1
+    return out
 
 
 def _abbreviation(text: str, dot: int, end: int) -> bool:
