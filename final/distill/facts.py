@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from final.distill.convs import Conversation, append
-from final.distill.sentences import TITLES, table_headers, unwrap, unwrapped_sentences
+from final.distill.sentences import MARKER, TITLES, table_headers, unwrap, unwrapped_sentences
 from final.distill.synth import ChunkContext, teacher_system
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
@@ -47,8 +47,6 @@ MIN_WINDOW = 16  # the fewest tokens of a teacher's window or of a chunk a start
 DEFAULT_KINDS = ("quote", "cloze")  # what `learn` makes unless told (bench/RESULTS.md: measured on the tune halves)
 _SPACES = re.compile(r"(?<=\S) {2,}(?=\S)")
 _WORDY = re.compile(r"[^\W_]")  # a blank needs words around it: "## ___" (a heading blanked) asks nothing
-# a line's Markdown marker (heading, list item, quote): the sentence's subject or an item's key comes after it
-_MARKER = re.compile(r" {0,3}(?:#{1,6}|[-*+>]|\d{1,3}[.)])[ \t]+")
 _YEAR = re.compile(r"1\d{3}|20\d{2}")
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s|$)")
 NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
@@ -152,7 +150,7 @@ def fact_prompts(text: str, cfg: FactConfig) -> list[FactPrompt]:
         # another record; any other sentence with the ones before it (cloze_context) and after it (quote)
         header = headers.get(lo)
         lead = text[header[0]:header[1]] + "\n" if header else ""
-        marker = _MARKER.match(sentence)
+        marker = MARKER.match(sentence)
         opening = marker.end() if marker else 0  # where the words start, past "- " or "4. "
         if "quote" in cfg.kinds:
             end = hi if header else spans[min(i + cfg.quote_sentences, len(spans)) - 1][1]

@@ -29,6 +29,8 @@ _NEVER_END = frozenset("e.g i.e cf viz vs".split())  # inside a sentence whateve
 _INITIALS = re.compile(r"(?:[A-Z]\.)*[A-Z]")
 _NEXT = re.compile(r"\s*(\S?)")
 # A line that stands on its own: a heading, list item, quote, table row, code fence or indented code.
+# A line's Markdown marker (heading, list item, quote): a sentence's subject, or an item's key, comes after it
+MARKER = re.compile(r" {0,3}(?:#{1,6}|[-*+>]|\d{1,3}[.)])[ \t]+")
 _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # "6. Tickets are sold..." is wrapped prose after "...when the wind reaches force", a list item after a line that
 # ends a sentence or is an item itself
