@@ -9,7 +9,8 @@ import pytest
 
 from cartridges_helpers import TINY
 from final.distill.cli import main
-from final.distill.facts import FactConfig, cues, fact_prompts, fact_rows, names, teacher_window
+from final.distill.facts import (FactConfig, cues, fact_prompts, fact_rows, names, teacher_systems, teacher_window,
+                                 tile_start, token_offsets)
 from final.distill.sentences import sentences, unwrap
 from final.errors import CartridgeError
 
@@ -120,6 +121,34 @@ def test_the_teacher_window_holds_the_span_and_has_the_asked_length(inference):
     assert teacher_window(tok, DOC, span, 10_000) == DOC
 
 
+def test_tiles_overlap_by_half_and_each_span_gets_the_one_it_sits_nearest_the_middle_of():
+    # 100 tokens in tiles of 40: starts 0, 20, 40, 60 (the last ends at the document's end)
+    assert tile_start(100, 32, 36, 40) == 20  # 20..60 has 32..36 nearer its middle than 0..40 has
+    assert tile_start(100, 25, 30, 40) == 0
+    assert tile_start(100, 0, 3, 40) == 0 and tile_start(100, 97, 100, 40) == 60
+    assert tile_start(90, 85, 88, 40) == 50  # the last tile is cut back to end at the document's end
+    assert tile_start(100, 10, 45, 40) is None  # longer than half a tile, straddling: no tile holds it
+    assert tile_start(30, 5, 9, 40) == 0  # a document shorter than a tile is one tile
+    for first in range(0, 96):  # any span of up to half a tile is held whole by one
+        lo = tile_start(100, first, first + 4, 40)
+        assert lo is not None and lo <= first and first + 4 <= lo + 40
+
+
+def test_tiled_teachers_are_a_few_windows_each_holding_its_rows_sentence(inference):
+    tok = inference.tokenizer
+    doc = " ".join([DOC] * 4)
+    prompts = fact_prompts(doc, FactConfig())
+    offsets = token_offsets(tok, doc)
+    tiled = teacher_systems(tok, doc, prompts, FactConfig(teacher_tokens=96, teacher_tiles=True), offsets)
+    centred = teacher_systems(tok, doc, prompts, FactConfig(teacher_tokens=96), offsets)
+    assert len(set(tiled)) < len(set(centred)) / 2  # one prefill a tile, not one a sentence
+    for fp, window in zip(prompts, tiled):
+        assert doc[fp.span[0]:fp.span[1]] in window and window in doc
+        assert len(tok(window, add_special_tokens=False).input_ids) <= 98
+    with pytest.raises(CartridgeError, match="teacher_tiles"):
+        FactConfig(teacher_tiles=True).check()
+
+
 @pytest.mark.parametrize("window", [None, 16])
 def test_fact_rows_carry_the_teachers_scores_of_the_documents_answers(inference, window):
     from final.distill.synth import ChunkContext, teacher_system
@@ -214,6 +243,8 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
     assert "answer_tokens" in capsys.readouterr().err
     assert main(args + ["--hard", "-1"]) != 0
     assert "hard" in capsys.readouterr().err
+    assert main(args + ["--teacher-tiles"]) != 0  # tiles of what: refused, named
+    assert "teacher_tiles" in capsys.readouterr().err
     (tmp_path / "doc.txt").write_text(DOC + " A new sentence.")
     assert main(args) != 0
     assert "text_sha256 differ" in capsys.readouterr().err

@@ -77,6 +77,24 @@ def test_a_windowed_rows_teacher_is_its_own_window_found_again_from_the_row(stud
     assert err.value.field == "chunk"
 
 
+def test_tiled_rows_are_taught_and_matched_after_their_tile(student, tok, tmp_path):
+    doc = " ".join([DOC] * 3)
+    offsets = token_offsets(tok, doc)
+    prompts = fact_prompts(doc, FactConfig(teacher_tokens=64, teacher_tiles=True))
+    teacher = WindowTeacher(student, tok, doc, 64, tiled=True)
+    for fp in prompts:  # the hidden states' teacher finds again, from the row's chunk, the tile its KL came from
+        chunk = token_range(offsets, fp.span)
+        assert teacher._window_text(chunk) == teacher_window(tok, doc, fp.span, 64, offsets, tiled=True)
+    (tmp_path / "doc.txt").write_text(doc)
+    args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",
+            str(tmp_path / "c.pt"), "--batch", "2", "--beside", "0", "--model", TINY, "--quiet", "--steps", "2",
+            "--teacher-tokens", "64", "--teacher-tiles", "--hidden", "1"]
+    assert main(args) == 0
+    made = json.loads((tmp_path / "c.pt.facts.jsonl.json").read_text())
+    assert made["facts"]["teacher_tiles"] is True
+    assert main(args[:-5] + ["--teacher-tokens", "64", "--hidden", "1"]) != 0  # the rows were taught by tiles
+
+
 def test_a_cartridge_that_is_the_whole_document_has_no_error_and_a_shorter_one_has(student, tok):
     doc = document_ids(tok, DOC)
     theirs = HiddenTeacher(student, doc).states(ROWS, WHERE)

@@ -84,6 +84,9 @@ class FactConfig:
     cloze_context: int = 0
     words: int = 3  # word rows per sentence (its distinctive words, nouns first, at most)
     teacher_tokens: int | None = None  # None: the whole document is the teacher's system turn
+    # with teacher_tokens: each row's teacher is the fixed window (tile) of the document that holds its sentence
+    # nearest its middle, not a window centred on it: a handful of prefills a document, not one a sentence
+    teacher_tiles: bool = False
     top_k: int = 20
     seed: int = 0
     answers: str = "document"  # ANSWERS
@@ -100,6 +103,8 @@ class FactConfig:
                 raise CartridgeError(f"must be at least 1, got {getattr(self, key)}", field=key)
         if self.cloze_context < 0:
             raise CartridgeError(f"must be at least 0, got {self.cloze_context}", field="cloze_context")
+        if self.teacher_tiles and self.teacher_tokens is None:
+            raise CartridgeError("tiles are windows of teacher_tokens: give both", field="teacher_tiles")
         if self.teacher_tokens is not None and self.teacher_tokens < MIN_WINDOW:
             raise CartridgeError(f"must be at least {MIN_WINDOW}, got {self.teacher_tokens}", field="teacher_tokens")
 
@@ -229,21 +234,39 @@ def token_offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
 
 
 def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int,
-                   offsets: list[tuple[int, int]] | None = None) -> str:
+                   offsets: list[tuple[int, int]] | None = None, tiled: bool = False) -> str:
     """The `tokens`-token window of `text` centred on the character span `span`: shifted, not shrunk, at the
-    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same).
-    `offsets`: token_offsets(tokenizer, text), for callers asking many windows of one document."""
+    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same);
+    `tiled`: the tile that holds the span (window_text). `offsets`: token_offsets(tokenizer, text), for callers
+    asking many windows of one document."""
     offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
-    return window_text(text, offsets, token_range(offsets, span), tokens)
+    return window_text(text, offsets, token_range(offsets, span), tokens, tiled)
 
 
-def window_text(text: str, offsets: list[tuple[int, int]], tokens_of: Sequence[int], tokens: int) -> str:
+def window_text(text: str, offsets: list[tuple[int, int]], tokens_of: Sequence[int], tokens: int,
+                tiled: bool = False) -> str:
     """The `tokens`-token window of `text` around its tokens [first, last) (`tokens_of`; a fact row's `chunk`, so a
-    row's teacher window is found again from the row alone: final.distill.hidden.WindowTeacher)."""
+    row's teacher window is found again from the row alone: final.distill.hidden.WindowTeacher). `tiled`: the
+    window is one of the document's fixed tiles (tile_start) where one holds the whole span, the centred one
+    otherwise."""
     first, last = tokens_of
-    lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
+    lo = tile_start(len(offsets), first, last, tokens) if tiled else None
+    if lo is None:
+        lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
     hi = max(last, min(len(offsets), lo + tokens))
     return text[offsets[lo][0]:offsets[hi - 1][1]]
+
+
+def tile_start(n: int, first: int, last: int, tokens: int) -> int | None:
+    """The first token of the tile that holds tokens [first, last) nearest its middle, of a document of `n` tokens
+    cut into `tokens`-token tiles that overlap by half (the last one ends at the document's end); None where no
+    tile holds the whole span (one longer than half a tile can straddle two)."""
+    stride = max(1, tokens // 2)
+    starts = sorted({min(s, max(0, n - tokens)) for s in range(0, max(1, n - tokens + stride), stride)})
+    fits = [s for s in starts if s <= first and last <= s + tokens]
+    if not fits:
+        return None
+    return min(fits, key=lambda s: abs(2 * s + tokens - first - last))
 
 
 def token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:
@@ -294,7 +317,7 @@ def teacher_systems(tok: Any, text: str, prompts: Sequence[FactPrompt], cfg: Fac
     around the prompt's sentence (offsets: token_offsets(tok, text))."""
     if not cfg.teacher_tokens:
         return [teacher_system(text)] * len(prompts)
-    return [teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets) for fp in prompts]
+    return [teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets, cfg.teacher_tiles) for fp in prompts]
 
 
 def by_teacher(inference: Any, systems: Sequence[str], tag: str) -> Iterator[tuple[ChunkContext, list[int]]]:

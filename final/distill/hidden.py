@@ -51,13 +51,14 @@ class HiddenTeacher:
 
 class WindowTeacher:
     """The model after each row's own window of a long document (`--teacher-tokens`): the `tokens`-token window
-    around the row's sentence (its `chunk`, final.distill.facts.window_text), the teacher its KL targets were
-    scored by; each window prefilled when a row needs it, the last KEPT_WINDOWS kept."""
+    around the row's sentence, or the tile that holds it (`tiled`, `--teacher-tiles`) (its `chunk`,
+    final.distill.facts.window_text), the teacher its KL targets were scored by; each window prefilled when a row
+    needs it, the last KEPT_WINDOWS kept."""
 
-    def __init__(self, student: Any, tokenizer: Any, text: str, tokens: int):
+    def __init__(self, student: Any, tokenizer: Any, text: str, tokens: int, tiled: bool = False):
         from final.distill.facts import token_offsets
 
-        self.student, self.tokenizer, self.text, self.tokens = student, tokenizer, text, tokens
+        self.student, self.tokenizer, self.text, self.tokens, self.tiled = student, tokenizer, text, tokens, tiled
         self.offsets = token_offsets(tokenizer, text)
         self.kept: OrderedDict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
 
@@ -70,7 +71,7 @@ class WindowTeacher:
         if not 0 <= first < last <= len(self.offsets):
             raise CartridgeError(f"a row's chunk {list(chunk)} is not a span of the document's {len(self.offsets)} "
                                  "tokens: its rows were made from another document", field="chunk")
-        return window_text(self.text, self.offsets, chunk, self.tokens)
+        return window_text(self.text, self.offsets, chunk, self.tokens, self.tiled)
 
     def _kv(self, window: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from final.prompts import document_ids

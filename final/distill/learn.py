@@ -62,6 +62,10 @@ def register_learn(sub: Any) -> None:
                    help="teach each row from the N-token window of the document around its sentence instead of "
                         "the whole document (for documents longer than the model reads well: past "
                         f"{LONG_DOCUMENT:,} tokens learn prints a note; 256 measured)")
+    p.add_argument("--teacher-tiles", action="store_true",
+                   help="with --teacher-tokens: teach each row from the document's fixed N-token tile (tiles "
+                        "overlapping by half) that holds its sentence nearest its middle: a few prefills a document "
+                        "instead of one a sentence, so windows of thousands of tokens are affordable")
     p.add_argument("--fact-kinds", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
                    default=DEFAULT_KINDS, help=f"rows to make, of {', '.join(KINDS)} (default "
                                                f"{','.join(DEFAULT_KINDS)})")
@@ -150,6 +154,7 @@ def _learn(args: argparse.Namespace) -> int:
     init = _init(args, start_tokens)
     _only_with(args, ("start_tokens",), init != "prefix", "--init select or match")
     facts = FactConfig(kinds=args.fact_kinds, cloze_context=args.cloze_context, teacher_tokens=args.teacher_tokens,
+                       teacher_tiles=args.teacher_tiles,
                        top_k=args.top_k, seed=args.seed, answers=args.answers,
                        answer_tokens=FactConfig.answer_tokens if args.answer_tokens is None else args.answer_tokens)
     facts.check()
@@ -182,7 +187,7 @@ def _learn(args: argparse.Namespace) -> int:
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
                                   dtype=args.dtype, source_document=str(args.text), progress=not args.quiet,
                                   partners=texts, live=source, init=init, chunk_tokens=start_tokens,
-                                  teacher_tokens=args.teacher_tokens)
+                                  teacher_tokens=args.teacher_tokens, teacher_tiles=args.teacher_tiles)
     finally:
         if source is not None:
             source.close()
@@ -237,6 +242,8 @@ def _recorded(facts: Any) -> dict:
         del out["answers"], out["answer_tokens"]
     if "word" not in facts.kinds:
         del out["words"]
+    if not facts.teacher_tiles:
+        del out["teacher_tiles"]
     return out
 
 

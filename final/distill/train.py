@@ -242,7 +242,7 @@ def _setting_labels(cfg: TrainConfig) -> dict:
 
 
 def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConfig,
-                    windows: int | None = None) -> Any:
+                    windows: int | None = None, tiled: bool = False) -> Any:
     """The rows' teacher whose hidden states they match (cfg.hidden > 0), else None: the whole document, or each
     row's `windows`-token window of it (the rows were scored by those: `learn --teacher-tokens`)."""
     if not cfg.hidden:
@@ -253,7 +253,7 @@ def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConf
     from final.prompts import document_ids
 
     if windows:
-        return KeptStates(WindowTeacher(student, tok, text, windows))
+        return KeptStates(WindowTeacher(student, tok, text, windows, tiled))
     return KeptStates(HiddenTeacher(student, document_ids(tok, text)))
 
 
@@ -307,7 +307,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
                     save_dtype: torch.dtype | None = None, cartridge_id: str | None = None,
                     source_document: str | None = None, progress: bool = True, partners: Sequence[str] = (),
                     live: Any = None, init: str = "prefix", chunk_tokens: int | None = None,
-                    teacher_tokens: int | None = None) -> dict:
+                    teacher_tokens: int | None = None, teacher_tiles: bool = False) -> dict:
     """Conversations (synth's or traces') -> a trained cartridge at `out` (+ manifest); resumes from `out`.ckpt.
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
     conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
@@ -316,7 +316,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     `init` select / match: the KV starts as the document's own, cut from its `chunk_tokens`-token chunks by the
     attention of the rows about each (final.distill.chunks; `text` needed), computed unless a checkpoint will
     replace it. `teacher_tokens`: the rows were scored by windows of `text` this long (`learn --teacher-tokens`),
-    so their hidden states (cfg.hidden) are matched to each row's window's."""
+    so their hidden states (cfg.hidden) are matched to each row's window's (`teacher_tiles`: its tile's)."""
     from transformers import AutoTokenizer
 
     from final.distill.chunks import start
@@ -346,7 +346,7 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     kvs = [student.prefill(ids) for ids in beside]
     rows = [keep_rows(student, tok, t, kv, cfg.tokens, seed=cfg.seed) if cfg.keep or cfg.quiet else ()
             for t, kv in zip(partners, kvs)]
-    teacher = _hidden_teacher(student, tok, text, cfg, teacher_tokens)
+    teacher = _hidden_teacher(student, tok, text, cfg, teacher_tokens, teacher_tiles)
     losses = train(student, cache, convs, cfg, pad, checkpoint_path(out), progress=progress, identity=identity,
                    partners=[Partner(*kv, r) for kv, r in zip(kvs, rows)], live=live, teacher=teacher)
     cart = cache.cartridge(save_dtype or student.dtype)
