@@ -249,3 +249,26 @@ def test_the_bench_breaks_accuracy_down_by_the_kind_of_answer(capsys):
                           QARow("cartridge", 64, 2, 1.0, (0, 1), 1.0, (0, 1), 0, (0, 1), 0, 0, (0, 0), 0, ("c", "d"))]}
     bench.print_by_kind(rows, kinds)
     assert "| cartridge | 1 / 1 | 0 / 1 | 2 / 2 |" in capsys.readouterr().out
+
+
+def test_a_set_cut_to_its_first_paragraphs_keeps_the_questions_answered_there(tmp_path):
+    """bench/qa_part.py: the first N paragraphs of a set's document, and its questions whose support lies in them,
+    read back by load_qa as a set of its own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    out = tmp_path / "skq"
+    done = subprocess.run([sys.executable, str(root / "bench" / "qa_part.py"), "--set", "skarrow", "--paragraphs",
+                           "19", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = out.with_suffix(".txt").read_text()
+    whole = (root / "bench" / "qa" / "skarrow.txt").read_text()
+    assert whole.startswith(text.rstrip()) and len(text) < len(whole) / 3
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    every = [json.loads(line) for line in (root / "bench" / "qa" / "skarrow.jsonl").read_text().splitlines()]
+    assert rows == [r for r in every if r["support"] in text] and len(rows) == 28
+    assert len(load_qa(out.with_suffix(".jsonl")).questions) == 28
+    done = subprocess.run([sys.executable, str(root / "bench" / "qa_part.py"), "--set", "skarrow", "--paragraphs",
+                           "0", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode != 0 and "paragraphs" in done.stderr
