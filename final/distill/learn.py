@@ -58,14 +58,7 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=BATCH, help=f"rows per step (default {BATCH})")
     p.add_argument("--lr", type=float, default=TrainConfig.lr,
                    help=f"Adam's learning rate (default {TrainConfig.lr})")
-    p.add_argument("--teacher-tokens", type=int, metavar="N",
-                   help="teach each row from the N-token window of the document around its sentence instead of "
-                        "the whole document (for documents longer than the model reads well: past "
-                        f"{LONG_DOCUMENT:,} tokens learn prints a note; 256 measured)")
-    p.add_argument("--teacher-tiles", action="store_true",
-                   help="with --teacher-tokens: teach each row from the document's fixed N-token tile (tiles "
-                        "overlapping by half) that holds its sentence nearest its middle: a few prefills a document "
-                        "instead of one a sentence, so windows of thousands of tokens are affordable")
+    _teacher_args(p)
     p.add_argument("--fact-kinds", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
                    default=DEFAULT_KINDS, help=f"rows to make, of {', '.join(KINDS)} (default "
                                                f"{','.join(DEFAULT_KINDS)})")
@@ -104,6 +97,18 @@ def register_learn(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(p)
     p.set_defaults(cartridge_func=_learn)
+
+
+def _teacher_args(p: argparse.ArgumentParser) -> None:
+    """The flags of what each row's teacher reads: the whole document, or a window of it."""
+    p.add_argument("--teacher-tokens", type=int, metavar="N",
+                   help="teach each row from the N-token window of the document around its sentence instead of "
+                        "the whole document (for documents longer than the model reads well: past "
+                        f"{LONG_DOCUMENT:,} tokens learn prints a note; 256 measured)")
+    p.add_argument("--teacher-tiles", action="store_true",
+                   help="with --teacher-tokens: teach each row from the document's fixed N-token tile (tiles "
+                        "overlapping by half) that holds its sentence nearest its middle: a few prefills a document "
+                        "instead of one a sentence, so windows of thousands of tokens are affordable")
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:
