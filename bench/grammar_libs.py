@@ -58,26 +58,27 @@ def ms(seconds: float) -> str:
 class LLG:
     name = "llguidance"
 
-    def __init__(self, tokenizer):
+    def __init__(self, path: str, vocab: int, eos: int):
         import llguidance
-        import llguidance.hf
         import llguidance.torch
 
+        from final.engine.grammar import llg_tokenizer
+
         self.llg, self.lt = llguidance, llguidance.torch
-        backend = json.loads(tokenizer.backend_tokenizer.to_str())
-        if backend["pre_tokenizer"]["type"] == "ByteLevel":  # GGUF-converted: decoder is a Sequence
-            backend["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                                  "use_regex": True}
-        self.tok = llguidance.LLTokenizer(json.dumps(backend), eos_token=tokenizer.eos_token_id)
-        self.vocab = tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else len(tokenizer)
-        self.cache: dict[str, str] = {}
+        self.tok = llg_tokenizer(path, vocab, [eos])  # the engine's (it mends the GGUF conversion's decoder)
+        self.cache: dict[str, object] = {}
+        self.grammars: dict[str, str] = {}
 
     def compile_json(self, schema: dict):
         text = json.dumps(schema)
+        if text in self.cache:  # no cache in llguidance itself: the engine's LRU copies its compiled matcher
+            self.cache[text].deep_copy()
+            return self.grammars[text]
         grammar = self.llg.LLMatcher.grammar_from_json_schema(text)
         # llguidance compiles lazily per matcher (its lexer builds states on demand): a matcher is the compile
         matcher = self.llg.LLMatcher(self.tok, grammar)
         assert not matcher.is_error(), matcher.get_error()
+        self.cache[text], self.grammars[text] = matcher, grammar
         return grammar
 
     def compile_tag(self, tag: dict):
@@ -136,16 +137,17 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def run(lib_cls, tokenizer, vocab: int, repeat: int) -> None:
+def run(lib_cls, tokenizer, path: str, vocab: int, repeat: int) -> None:
     try:
-        lib, setup = timed(lib_cls, tokenizer, vocab) if lib_cls is XGR else timed(lib_cls, tokenizer)
+        lib, setup = timed(lib_cls, tokenizer, vocab) if lib_cls is XGR else timed(lib_cls, path, vocab,
+                                                                                     tokenizer.eos_token_id)
     except ImportError as exc:
         print(f"{lib_cls.name}: not installed ({exc})")
         return
-    print(f"{lib.name}: tokenizer set-up {ms(setup)}")
+    print(f"{lib.name}: tokenizer set-up {ms(setup)} (HF tokenizer load included for llguidance)")
     grammar, first = timed(lib.compile_json, CALL_SCHEMA)
     _, again = timed(lib.compile_json, CALL_SCHEMA)
-    print(f"  tool-call JSON schema compile: first {ms(first)}, same text again {ms(again)}")
+    print(f"  tool-call JSON schema compile: first {ms(first)}, same text again (cached) {ms(again)}")
     _, tag_first = timed(lib.compile_tag, STRUCTURAL_TAG)
     print(f"  structural tag (3 tools) compile: {ms(tag_first)}")
     ids = tokenizer.encode(OUTPUT, add_special_tokens=False)
@@ -174,7 +176,7 @@ def main() -> None:
     vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
     print(f"model {args.model}: vocab {vocab}; output under test: {len(tokenizer.encode(OUTPUT))} tokens")
     for lib in (LLG, XGR):
-        run(lib, tokenizer, vocab, args.steps_repeat)
+        run(lib, tokenizer, path, vocab, args.steps_repeat)
     print("reproduce: PYTHONPATH=$PWD .venv/bin/python bench/grammar_libs.py "
           f"--model {args.model} --steps-repeat {args.steps_repeat}")
 

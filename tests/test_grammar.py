@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from final.engine.grammar import GrammarCompiler, RowGrammar, grammar_text
+from final.engine.grammar import MAX_BYTES, GrammarCompiler, RowGrammar, grammar_text
 from final.errors import SamplingError
 from final.sampling import Limits, check_params, constraint_texts, parse_sampling
 
@@ -137,10 +137,13 @@ def test_bad_constraints_are_sampling_errors_naming_the_key(compiler, key, text,
     assert info.value.field == key and words in str(info.value)
 
 
-def test_pathological_grammar_is_refused_by_the_work_limits(compiler):
-    # a regex whose automaton explodes (the n-th character from the end is fixed): refused, not left running
-    with pytest.raises(SamplingError, match="regex"):
-        compiler.row("regex", "(a|b)*a(a|b){40}")
+def test_pathological_grammars_are_refused(compiler):
+    with pytest.raises(SamplingError, match="recursion") as info:  # 3,000 nested groups
+        compiler.row("ebnf", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000)
+    assert info.value.field == "ebnf"
+    with pytest.raises(SamplingError, match="bound") as info:  # past the engine's own bound (veRL's requests)
+        compiler.row("regex", "a" * (MAX_BYTES + 1))
+    assert info.value.field == "regex"
 
 
 @pytest.mark.parametrize("params,field", [
