@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 import torch
 
 from final.engine.core import EngineCore
+from final.engine.grammar import GrammarCompiler
 from final.engine.kv_cache import PrefixKV
 from final.engine.messages import Abort, Batch, Call, Drain, Stop, Submission, Submit
 from final.engine.model import CausalLM
@@ -69,6 +70,8 @@ class EmbeddedEngine:
                                         daemon=True)
         self._thread.start()
         self.core: EngineCore = started.result()
+        # constraints (json_schema, regex, ebnf, structural_tag) compile on the callers' threads, once per text
+        self.grammars = GrammarCompiler(model_path, self.core.spec.vocab_size, eos)
 
     def _main(self, started: concurrent.futures.Future, options: dict) -> None:
         try:
@@ -278,7 +281,8 @@ class EmbeddedEngine:
             stop_ids=frozenset() if params.ignore_eos else self.core.eos_token_ids | frozenset(params.stop_token_ids),
             generator=None if params.greedy else torch.Generator(device="cpu").manual_seed(seed),
             cartridges=cartridges, prefix_len=prefix_len, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len)
+            logprob_start_len=logprob_start_len,
+            grammar=self.grammars.row(*params.constraint) if params.constraint else None)
         if self.core.scheduler.too_big(seq):
             raise PromptError(f"needs {seq.reserved_tokens} tokens of KV memory, more than the engine's budget", index)
         return seq

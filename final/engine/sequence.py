@@ -46,6 +46,7 @@ class Sequence:
     created: float = field(default_factory=time.perf_counter)
     weight_version: int = 0  # the engine's weights when the row was admitted (it finishes on them: messages.Drain)
     on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
+    grammar: Any = None  # the row's own grammar matcher (final/engine/grammar.RowGrammar) when constrained
 
     @property
     def cached_len(self) -> int:
@@ -59,7 +60,10 @@ class Sequence:
     def append(self, token: int, logprob: float | None,
                stop_texts: Callable[[list[int], list[str]], str | None] | None,
                top: list[tuple[float, int]] | None = None) -> None:
-        """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order)."""
+        """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order).
+        A constrained row's grammar follows the token (GrammarError if it does not allow it: the row is aborted)."""
+        if self.grammar is not None and token not in self.stop_ids:
+            self.grammar.accept(token)
         self.output_ids.append(token)
         if self.return_logprob:
             self.output_logprobs.append(logprob)

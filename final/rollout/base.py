@@ -26,13 +26,21 @@ from verl.workers.rollout.base import BaseRollout
 
 from final.errors import UnsupportedError
 from final.outputs import Completion, completions_of
-from final.sampling import Sampling
+from final.sampling import CONSTRAINT_KEYS, Sampling
 
 # SGLang sampling keys every backend honours; a backend lists the others it supports in Capabilities.
 BASIC_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "n", "seed", "stop", "ignore_eos",
                         "presence_penalty", "frequency_penalty"})
 ALL_KEYS = BASIC_KEYS | {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "stop_token_ids"}
 NO_OP = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_token_ids": []}
+# what a backend that decodes under a grammar serves: every key, the constraints (json_schema, regex, ebnf,
+# structural_tag) included
+CONSTRAINED_KEYS = ALL_KEYS | frozenset(CONSTRAINT_KEYS)
+
+
+def constraint_notes(why: str) -> tuple[tuple[str, str], ...]:
+    """Capabilities.notes for a backend that cannot constrain decoding: why, and what would serve it."""
+    return tuple((key, why) for key in CONSTRAINT_KEYS)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,15 @@ from typing import Any, Iterable
 import torch
 
 from final.engine import EmbeddedEngine
-from final.rollout.base import Capabilities, CartridgeTarget
+from final.rollout.base import CONSTRAINED_KEYS, Capabilities, CartridgeTarget
 from final.rollout.engine_rollout import EngineRollout
 from final.weights import check_update, named_tensors
 
 
 class LocalRollout(EngineRollout):
     name = "local"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True,
+                                sampling_keys=CONSTRAINED_KEYS)
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, engine: EmbeddedEngine | None = None):
         local = (config.engine_kwargs or {}).get("local") or {}

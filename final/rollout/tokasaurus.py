@@ -38,12 +38,14 @@ from final.protocol.cartridge_spec import check_cartridge_specs
 from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RequestRejectedError, RetryPolicy, apost_json
 from final.protocol.weights import UPDATE_PATH, rejected, update_body, update_result
-from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities
+from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.thread import LoopThread, gather_or_cancel
 from final.weights import check_update, named_tensors, save_weights
 
 ENDPOINT = "/custom/cartridge/completions"
+NO_GRAMMAR = ("the Tokasaurus protocol (/custom/cartridge/completions) has no constrained decoding: use "
+              "rollout.name: local, or final serve's OpenAI routes")
 LACKS = ("a Tokasaurus server returns only the generated tokens' own logprobs (packed_chosen_logprobs): no prompt "
          "(echo) logprobs and no top-k alternatives, so scoring needs the local or sglang backend")
 # SGLang keys that only shape text output (the server decodes; we read token ids)
@@ -260,7 +262,8 @@ class TokasaurusRollout(EngineRollout):
     # protocol: the server reports only the chosen tokens' logprobs (in system_fingerprint)
     capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, prompt_logprobs=False,
                                 top_logprobs=False, sampling_keys=BASIC_KEYS, weights_by_path=True, notes=(
-                                    ("prompt_logprobs", LACKS), ("top_logprobs", LACKS)))
+                                    ("prompt_logprobs", LACKS), ("top_logprobs", LACKS),
+                                    *constraint_notes(NO_GRAMMAR)))
 
     def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
         engine = TokasaurusEngine(settings, config.max_num_seqs, bool(config.calculate_log_probs))

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from final.rollout.base import Capabilities
+from final.rollout.base import Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang.config import preflight, require_sglang, sglang_device, translate_config
+from final.rollout.sglang.config import NO_GRAMMAR, preflight, require_sglang, sglang_device, translate_config
 from final.rollout.sglang.engine_0512 import NO_SEED, DirectSGLangEngine
 from final.rollout.sglang.procs import survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
@@ -75,7 +75,8 @@ def server_args(config: Any, device: str) -> dict:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True,
+                                notes=constraint_notes(f"{NO_GRAMMAR['verl09']} (the verl09 lane)"))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:

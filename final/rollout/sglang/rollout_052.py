@@ -37,8 +37,8 @@ import torch
 
 from final import process_group as dist
 from final.errors import EngineError
-from final.rollout.base import Backend, Capabilities, Observer
-from final.rollout.sglang.config import check_sampling_kwargs, preflight, require_sglang, sglang_device, \
+from final.rollout.base import Backend, Capabilities, Observer, constraint_notes
+from final.rollout.sglang.config import NO_GRAMMAR, check_sampling_kwargs, preflight, require_sglang, sglang_device, \
     translate_config
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
@@ -98,7 +98,8 @@ class SGLangRollout(Backend):
     # SGLang 0.5.2 has no per-request seed; veRL's calls report no per-row progress or live tool events (the calls
     # a row made are in its metadata: engine_052 records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
-        ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),))
+        ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),
+        *constraint_notes(f"{NO_GRAMMAR['verl06']} (the verl06 lane)")))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
