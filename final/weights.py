@@ -63,17 +63,8 @@ def read_weights(path: str | Path) -> NamedTensors:
     """The tensors of an HF model folder or a `.safetensors` file, without running pickled code."""
     from safetensors.torch import load_file
 
-    where = Path(path).expanduser()
-    if where.is_file():
-        files = [where]
-    elif where.is_dir():
-        files = sorted(where.glob(WEIGHT_FILES[0])) or sorted(where.glob(WEIGHT_FILES[1]))
-    else:
-        raise WeightsError(f"no model folder or weights file at {str(path)!r}")
-    if not files:
-        raise WeightsError(f"{str(path)!r} holds no *.safetensors or pytorch_model*.bin")
     out: NamedTensors = []
-    for file in files:
+    for file in weight_files(path):
         try:
             if file.suffix == ".safetensors":
                 tensors = load_file(str(file))
@@ -85,6 +76,19 @@ def read_weights(path: str | Path) -> NamedTensors:
             raise WeightsError(f"{file.name} does not hold a state dict")
         out.extend(tensors.items())
     return out
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of an HF model folder (its *.safetensors, else pytorch_model*.bin), or the file itself."""
+    where = Path(path).expanduser()
+    if where.is_file():
+        return [where]
+    if not where.is_dir():
+        raise WeightsError(f"no model folder or weights file at {str(path)!r}")
+    files = sorted(where.glob(WEIGHT_FILES[0])) or sorted(where.glob(WEIGHT_FILES[1]))
+    if not files:
+        raise WeightsError(f"{str(path)!r} holds no *.safetensors or pytorch_model*.bin")
+    return files
 
 
 def check_update(named: NamedTensors, shapes: Mapping[str, tuple[int, ...]] | None) -> NamedTensors:
