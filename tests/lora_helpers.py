@@ -27,7 +27,7 @@ def peft_model(model_dir: str, seed: int, **config):
     with torch.no_grad():  # PEFT's random init with kaiming A and B: scaled so the adapter moves greedy tokens
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.mul_(4.0)
+                p.mul_(2.0)
     return model.eval()
 
 

@@ -144,14 +144,14 @@ def plain_name(name: str) -> str:
 
 
 def split_update(named: NamedTensors) -> tuple[NamedTensors, NamedTensors, bool]:
-    """(LoRA tensors, every other tensor under its base name, whether any name marked a base under an adapter
+    """(LoRA tensors as named, every other tensor under its base name, whether any name marked a base under an adapter
     (`.base_layer.`: veRL's first sync of a LoRA actor names its base weights so)). A `lora_` name of a kind final
     does not apply (embedding LoRA, DoRA magnitudes) is refused, naming it."""
     lora, plain, base_marked = [], [], False
     for name, tensor in named:
         short = name.removeprefix(PEFT_PREFIX)
         if _LORA.match(short):
-            lora.append((short, tensor))
+            lora.append((name, tensor))  # named as sent: errors quote it so
         elif "lora_" in short:
             raise WeightsError("is a LoRA tensor of a kind final does not apply (it applies lora_A / lora_B pairs "
                                "of a decoder layer's projections)", name)
@@ -162,12 +162,12 @@ def split_update(named: NamedTensors) -> tuple[NamedTensors, NamedTensors, bool]
 
 
 def build_adapter(lora: NamedTensors, settings: LoraSettings, shapes: Mapping[str, tuple[int, ...]]) -> Adapter:
-    """LoRA tensors (names as split_update leaves them) -> an Adapter, every tensor checked against the model's
+    """LoRA tensors (PEFT's names, split_update's first part) -> an Adapter, every tensor checked against the model's
     parameter shapes and the config's ranks; WeightsError naming the first wrong one."""
     check_update(lora, None)  # float, finite, not given twice, not empty
     parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for name, tensor in lora:
-        m = _LORA.match(name)
+        m = _LORA.match(name.removeprefix(PEFT_PREFIX))
         module, part = m["module"], m["part"]
         if part in parts.setdefault(module, {}):
             raise WeightsError(f"is given twice (also as {parts[module][part][0]!r})", name)
