@@ -82,33 +82,43 @@ def add_lora_arg(p: argparse.ArgumentParser) -> None:
                         "for several")
 
 
+def lora_specs(specs: list[str] | None) -> list[tuple[str, str]]:
+    """--lora values as (name, folder): NAME=DIR, or DIR alone (named after its folder)."""
+    from final.adapters import adapter_name
+
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        out.append((adapter_name(path, name), path) if sep else (adapter_name(spec), spec))
+    return out
+
+
 def load_adapters(engine: "InferenceEngine", specs: list[str] | None) -> list[str]:
     """A command's --lora NAME=DIR values loaded into the engine (one engine: not with --replicas); their names."""
     from final.inf import InferenceEngine
 
     if specs and not isinstance(engine, InferenceEngine):
         raise AdapterError("adapters are served by one engine: drop --replicas / --ray-address", field="--lora")
-    names = []
-    for spec in specs or []:
-        name, sep, path = spec.partition("=")
-        names.append(engine.load_adapter(path, name=name) if sep else engine.load_adapter(spec))
-    return names
+    return [engine.load_adapter(path, name=name) for name, path in lora_specs(specs)]
 
 
-def _generation_adapter(args: argparse.Namespace, names: list[str]) -> str | None:
-    """generate's adapter: --adapter NAME, else the one --lora loaded (several: --adapter says which)."""
+def _generation_adapter(args: argparse.Namespace) -> str | None:
+    """generate's adapter: --adapter NAME ('base': none), else the one --lora names (several: --adapter says
+    which), checked before any model loads."""
+    names = [name for name, _ in lora_specs(args.lora)]
     if args.adapter is not None:
         return None if args.adapter == "base" else args.adapter
     if len(names) > 1:
-        raise AdapterError(f"{len(names)} adapters loaded ({', '.join(names)}): say which with --adapter NAME",
+        raise AdapterError(f"{len(names)} adapters given ({', '.join(names)}): say which with --adapter NAME",
                            field="--adapter")
     return names[0] if names else None
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"model_path": args.model} if args.model else {}
+    adapter = _generation_adapter(args)
     with open_engine(args, **overrides) as engine:
-        adapter = _generation_adapter(args, load_adapters(engine, args.lora))
+        load_adapters(engine, args.lora)
         out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=load_cartridges(engine, args.cartridge),
                               progress=False, **({"adapter": adapter} if adapter else {}), **sampling_from_args(args))
     if args.json:
