@@ -10,8 +10,9 @@ An update is any of
   `.safetensors` file. Nothing pickled is ever executed.
 
 `check_update` refuses, naming the parameter, an unknown name, a wrong shape, a non-float dtype, a NaN or Inf, a
-name given twice, or an empty update. A subset of the parameters (one layer, LoRA-merged projections) is a valid
-update. The shapes an update is checked against come from the backend (`Backend.parameter_shapes`): the embedded
+name given twice, or an empty update. A subset of the parameters (one layer) is a valid update. A LoRA adapter
+(lora_A / lora_B tensors, a PEFT folder, a PeftModel) is turned into its modules' merged weights first, by
+final.adapters.merge, and then checked as any update. The shapes an update is checked against come from the backend (`Backend.parameter_shapes`): the embedded
 engine's own layout, or the model's HF parameters on a meta device (`hf_parameter_shapes`).
 """
 

@@ -143,11 +143,11 @@ def plain_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
-def split_update(named: NamedTensors) -> tuple[NamedTensors, NamedTensors, bool]:
-    """(LoRA tensors as named, every other tensor under its base name, whether any name marked a base under an adapter
-    (`.base_layer.`: veRL's first sync of a LoRA actor names its base weights so)). A `lora_` name of a kind final
-    does not apply (embedding LoRA, DoRA magnitudes) is refused, naming it."""
-    lora, plain, base_marked = [], [], False
+def split_update(named: NamedTensors) -> tuple[NamedTensors, NamedTensors, set[str]]:
+    """(LoRA tensors as named, every other tensor under its base name, the base names of those marked as a base
+    under an adapter: `.base_layer.`, as veRL's first sync of a LoRA actor names them). A `lora_` name of a kind
+    final does not apply (embedding LoRA, DoRA magnitudes) is refused, naming it."""
+    lora, plain, under = [], [], set()
     for name, tensor in named:
         short = name.removeprefix(PEFT_PREFIX)
         if _LORA.match(short):
@@ -156,9 +156,10 @@ def split_update(named: NamedTensors) -> tuple[NamedTensors, NamedTensors, bool]
             raise WeightsError("is a LoRA tensor of a kind final does not apply (it applies lora_A / lora_B pairs "
                                "of a decoder layer's projections)", name)
         else:
-            base_marked = base_marked or ".base_layer." in short
             plain.append((plain_name(name), tensor))
-    return lora, plain, base_marked
+            if ".base_layer." in short:
+                under.add(plain[-1][0])
+    return lora, plain, under
 
 
 def build_adapter(lora: NamedTensors, settings: LoraSettings, shapes: Mapping[str, tuple[int, ...]]) -> Adapter:

@@ -39,9 +39,9 @@ class BaseReader(Protocol):
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The current (unmerged) weights of these HF parameters."""
 
-    def written(self, names: set[str]) -> None:
-        """These parameters were just written with values the reader cannot know (remote engines: the model folder
-        no longer holds them)."""
+    def written(self, names: set[str], bases: NamedTensors = ()) -> None:
+        """These parameters were just written (a remote engine's model folder no longer holds them); `bases`, of
+        them, are a base an adapter will be merged into (veRL's `.base_layer.` sync)."""
 
 
 @dataclass
@@ -51,7 +51,6 @@ class Plan:
 
     named: NamedTensors
     commit: Callable[[], None]
-    adapter: bool  # the update held an adapter (its tensors were merged)
 
 
 class MergedAdapter:
@@ -67,22 +66,20 @@ class MergedAdapter:
         """Any update form (final.weights, a PEFT folder, a PeftModel; veRL's keywords) -> the Plan to write.
         shapes: the model's parameter shapes, or a function giving them (called only when an adapter is in play)."""
         whole = peft_update(weights)
-        if whole is not None:
-            named, settings = whole
-        else:
-            named = named_tensors(weights)
-            settings = LoraSettings.from_config(peft_config) if peft_config is not None else None
-        lora, plain, base_marked = split_update(named)
+        named, settings = whole if whole is not None else (named_tensors(weights), None)
+        lora, plain, under = split_update(named)
         if lora:
-            if settings is None:
-                raise WeightsError(f"is a LoRA tensor, and the update carries no LoRA config: pass peft_config "
-                                   f"(r, lora_alpha, ...) or a PEFT adapter folder", lora[0][0])
+            if settings is None and peft_config is None:
+                raise WeightsError("is a LoRA tensor, and the update carries no LoRA config: pass peft_config "
+                                   "(r, lora_alpha, ...) or a PEFT adapter folder", lora[0][0])
+            settings = settings or LoraSettings.from_config(peft_config)
             shapes = shapes() if callable(shapes) else shapes
             return self._merge(build_adapter(lora, settings, shapes), plain, shapes)
-        if self.adapter is not None and (base_marked or (base_sync_done is False and peft_config is not None)):
+        if self.adapter is not None and (under or (base_sync_done is False and peft_config is not None)):
             return self._merge(self.adapter, plain, shapes() if callable(shapes) else shapes)
-        if self.adapter is None:  # the common case: nothing merged, nothing kept, the update as given
-            return Plan(plain, lambda: self.reader.written({n for n, _ in plain}), adapter=False)
+        if self.adapter is None:  # nothing merged: the update as given (a base for adapters to come is kept)
+            bases = [(n, t) for n, t in plain if n in under]
+            return Plan(plain, lambda: self.reader.written({n for n, _ in plain}, bases))
         return self._drop(plain)
 
     def _merge(self, adapter: Adapter, base: NamedTensors, shapes: Shapes) -> Plan:
@@ -101,25 +98,27 @@ class MergedAdapter:
         for name in sorted(targets):
             module = adapter.modules[name.removesuffix(".weight")]
             out.append((name, (bases[name].float() + module.delta()).to(bases[name].dtype)))
-        out += [(n, bases[n]) for n in sorted(set(self.bases) - targets)]  # no longer adapted: back to base
+        restored = [(n, bases[n]) for n in sorted(set(self.bases) - targets)]  # no longer adapted: back to base
+        out += restored
         keep = {n: bases[n].detach().clone() if n in given else bases[n] for n in targets}
 
         def commit() -> None:
             self.adapter, self.bases = adapter, keep
-            self.reader.written({n for n, _ in out} - set(keep))
+            self.reader.written({n for n, _ in out}, restored)
 
-        return Plan(out, commit, adapter=True)
+        return Plan(out, commit)
 
     def _drop(self, plain: NamedTensors) -> Plan:
         """A plain update while an adapter is merged: every merged module back to its base, then the update."""
         given = {n for n, _ in plain}
-        out = [(n, t) for n, t in self.bases.items() if n not in given] + list(plain)
+        restored = [(n, t) for n, t in self.bases.items() if n not in given]
+        out = restored + list(plain)
 
         def commit() -> None:
             self.adapter, self.bases = None, {}
-            self.reader.written({n for n, _ in out})
+            self.reader.written({n for n, _ in out}, restored)
 
-        return Plan(out, commit, adapter=False)
+        return Plan(out, commit)
 
 
 def lora_keywords(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,7 +135,7 @@ class LiveBase:
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         return self.current(names)
 
-    def written(self, names: set[str]) -> None:
+    def written(self, names: set[str], bases: NamedTensors = ()) -> None:
         """Nothing to track: the engine is read again next time."""
 
 
@@ -147,18 +146,20 @@ class FolderBase:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = set()  # written since load, values unknown here
+        self.kept: dict[str, torch.Tensor] = {}  # written since load as a base under an adapter
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
+        out = {n: self.kept[n] for n in names if n in self.kept}
+        names = [n for n in names if n not in out]
         stale = [n for n in names if n in self.dirty]
         if stale:
             raise WeightsError("was changed by an earlier update whose values this backend did not keep, so the "
                                "adapter has no base to merge into: send the base with the adapter (veRL's base "
                                "sync, or `<module>.base_layer.weight` names)", stale[0])
-        out: dict[str, torch.Tensor] = {}
-        for file in weight_files(self.model_dir):
+        for file in weight_files(self.model_dir) if names else []:
             if file.suffix != ".safetensors":
                 raise WeightsError(f"{file.name}: the base of an adapter is read from *.safetensors files only")
             with safe_open(str(file), framework="pt") as f:
@@ -168,5 +169,7 @@ class FolderBase:
             raise WeightsError(f"is not in the model folder's weights ({self.model_dir})", lost[0])
         return out
 
-    def written(self, names: set[str]) -> None:
-        self.dirty |= names
+    def written(self, names: set[str], bases: NamedTensors = ()) -> None:
+        self.kept = {n: t for n, t in self.kept.items() if n not in names}
+        self.kept.update((n, t.detach().clone()) for n, t in bases)
+        self.dirty |= names - set(self.kept)
