@@ -16,8 +16,9 @@ ADAPTERS = {
 }
 
 
-def peft_model(model_dir: str, seed: int, **config):
-    """A PeftModel of the model with a LoRA adapter whose B is not zero (init_lora_weights=False: a trained one)."""
+def peft_model(model_dir: str, seed: int, b_scale: float = 2.0, **config):
+    """A PeftModel of the model with a LoRA adapter whose B is not zero (init_lora_weights=False: a trained one),
+    PEFT's random B times b_scale."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -27,13 +28,13 @@ def peft_model(model_dir: str, seed: int, **config):
     with torch.no_grad():  # PEFT's random init with kaiming A and B: scaled so the adapter moves greedy tokens
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.mul_(2.0)
+                p.mul_(b_scale)
     return model.eval()
 
 
-def write_adapter(model_dir: str, dest: Path, seed: int, **config) -> str:
+def write_adapter(model_dir: str, dest: Path, seed: int, b_scale: float = 2.0, **config) -> str:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) written by peft itself."""
-    peft_model(model_dir, seed, **config).save_pretrained(str(dest))
+    peft_model(model_dir, seed, b_scale, **config).save_pretrained(str(dest))
     return str(dest)
 
 

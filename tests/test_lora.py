@@ -191,3 +191,23 @@ def test_multi_turn_calls_refuse_per_request_adapters(tiny_dir, tmp_path):
         with pytest.raises(UnsupportedError, match="multi-turn") as err:
             eng.generate("What is 2+2?", adapter="any")
         assert err.value.field == "adapter"
+
+
+@pytest.mark.slow
+def test_a_smollm2_adapter_serves_what_hf_and_peft_generate_per_row_and_merged(smol_dir, tmp_path):
+    """SmolLM2-135M (30 layers, GQA 9/3 heads, tied embeddings) with an all-linear r=16 adapter of a trained size:
+    per row from disk, then merged by update_weights, each against PeftModel."""
+    from final.inf import InferenceEngine
+
+    folder = write_adapter(smol_dir, tmp_path / "smol", 21, b_scale=0.05, r=16, lora_alpha=32,
+                           target_modules="all-linear")
+    config = {"model_path": "builtin:smollm2-135m-instruct", "progress": False,
+              "rollout": {"name": "local", "prompt_length": 128, "response_length": 16}}
+    with InferenceEngine(config) as eng:
+        want = hf_rows(load_peft(smol_dir, folder), eng.prepare(PROMPTS).ids, MAX, eng.eos_token_ids[0])
+        base = rows(eng)
+        eng.load_adapter(folder)
+        assert_rows_equal(rows(eng, adapter="smol"), want)
+        eng.update_weights(folder)
+        assert_rows_equal(rows(eng), want)
+        assert rows(eng) != base
