@@ -30,7 +30,10 @@ from final.errors import AdapterError
 
 KINDS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-STACKS = 4  # adapter combinations whose stacks are kept (the running batch's, and a few it moved between)
+# adapter combinations whose stacks are kept: the running batch's and those it moved between as rows came and went.
+# One adapter's stack is its own tensors (no copy); a combination of several is a copy of them (SmolLM2, 4 adapters of
+# r=16 on every projection: 78 MB, made once per new combination)
+STACKS = 8
 _uids = itertools.count(1)
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B [out, R]) of one fused matrix
