@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from final.adapters import adapters_per_prompt, check_adapters
 from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
 from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY, Score, scores_of
 from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
@@ -32,6 +33,7 @@ class Request:
     show_progress: bool = False
     continuation_starts: list[int] | None = None  # scoring: where each prompt's continuation begins in ids
     score_top_logprobs: int = 0  # scoring: the alternatives the caller asked for (the call asks for >= 1)
+    adapters: list[str | None] | None = None  # per prompt: a LoRA adapter's name (None: the base)
 
     @property
     def n(self) -> int:
@@ -58,7 +60,7 @@ class Request:
         cut = (lambda values: None if values is None else values[p0:p1])  # noqa: E731
         return Request(self.prompts[p0:p1], self.ids[p0:p1], dataclasses.replace(self.sampling, params=params, n=k),
                        cut(self.cartridges), cut(self.tools_kwargs), False, cut(self.continuation_starts),
-                       self.score_top_logprobs)
+                       self.score_top_logprobs, cut(self.adapters))
 
     def dataproto(self, pad_token_id: int, eos_token_ids: list[int], cartridge_ids: list[tuple[str, ...]] | None):
         """The veRL DataProto of this request: rows prompt-major (prompt i's samples are rows i*n .. i*n+n-1)."""
@@ -69,6 +71,8 @@ class Request:
             non_tensor["cartridges"] = rep(cartridge_ids)
         if self.tools_kwargs is not None:
             non_tensor["tools_kwargs"] = rep(self.tools_kwargs)
+        if self.adapters is not None:
+            non_tensor["adapters"] = rep(self.adapters)
         meta = {"do_sample": self.sampling.do_sample, ROW_INFO: True, TRACE_KEY: self.tools_kwargs is not None}
         if self.sampling.prompt_logprobs:
             meta[PROMPT_LOGPROBS] = True
@@ -96,10 +100,12 @@ class CallRules:
     known_ids: Callable[[], list[str] | None]  # ids a request may name (the store's, or the backend's)
     progress: bool = True
     progress_min_rows: int = 32
+    adapter_names: Callable[[], list[str]] = list  # the LoRA adapters a call may name
 
 
 def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bool = False, cartridge: Any = None,
-            tools_kwargs: Any = None, progress: bool | None = None, continuations: Any = None) -> Request:
+            tools_kwargs: Any = None, progress: bool | None = None, continuations: Any = None,
+            adapter: Any = None) -> Request:
     """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does.
     continuations (scoring): token ids or text appended to each prompt's tokens."""
     limits = rules.limits
@@ -121,8 +127,11 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
                                                                   rules.response_length))]
     # a scoring call is no conversation: it takes the batch path even where tools are on
     kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else rules.tool_names)
-    rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None)
-    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts)
+    adapters = adapters_per_prompt(adapter, len(items))
+    rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
+                             adapters=adapters is not None)
+    check_adapters(adapters, rules.adapter_names, rules.backend, tools=kwargs is not None)
+    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts, adapters=adapters)
     _check_cartridges(request, rules)
     show = rules.progress if progress is None else progress
     request.show_progress = bool(show) and request.rows >= rules.progress_min_rows

@@ -30,6 +30,8 @@ class Sequence:
     cartridges: tuple[str, ...] = ()  # composed in order into `prefix` when the engine admits the request
     prefix: PrefixKV | None = None
     prefix_len: int = 0  # known before admission, so the context check happens where the request is made
+    adapter: str | None = None  # the LoRA adapter it runs with (a name), resolved into `lora` at admission
+    lora: Any = None  # engine.lora.EngineAdapter: held by the row, so an unload lets it finish with it
     batch: Any = None  # the engine.messages.Batch it reports to, and its row there
     row: int = 0
     return_logprob: bool = False

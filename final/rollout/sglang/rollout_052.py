@@ -36,6 +36,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from final import process_group as dist
+from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.errors import EngineError
 from final.rollout.base import Backend, Capabilities, Observer, constraint_notes
 from final.rollout.sglang.config import NO_GRAMMAR, check_sampling_kwargs, preflight, require_sglang, sglang_device, \
@@ -43,11 +44,13 @@ from final.rollout.sglang.config import NO_GRAMMAR, check_sampling_kwargs, prefl
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
 from final.rollout.thread import RolloutThread
-from final.weights import check_update, hf_parameter_shapes, named_tensors
+from final.weights import check_update, hf_parameter_shapes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+ADAPTERS_052 = ("SGLang 0.5.2's LoRA runs on its triton kernels (CUDA) only and veRL 0.6.0's SGLangRollout sends no "
+                "lora_path: serve an adapter merged (update_weights with the adapter) or on the local backend")
 SPAWN_GUARD = ("SGLang starts its scheduler with multiprocessing 'spawn', which re-imports your main script; this "
                "process is that re-import. Create the engine under `if __name__ == \"__main__\":`.")
 
@@ -99,7 +102,8 @@ class SGLangRollout(Backend):
     # a row made are in its metadata: engine_052 records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),
-        *constraint_notes(f"{NO_GRAMMAR['verl06']} (the verl06 lane)")))
+        *constraint_notes(f"{NO_GRAMMAR['verl06']} (the verl06 lane)"),
+        ("adapter", ADAPTERS_052)))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
@@ -117,6 +121,7 @@ class SGLangRollout(Backend):
         self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer, gpus)
         self.device = device
         self._model_dir = model_config.local_path
+        self.merged = MergedAdapter(FolderBase(self._model_dir))  # a trainer's adapter, sent as merged weights
         self._dead: str | None = None
         self._closed = False
         self._rollout = None
@@ -166,10 +171,16 @@ class SGLangRollout(Backend):
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
         """veRL's own SGLangRollout.update_weights (buckets through SGLang's update_weights_from_tensor, then a
         radix-cache flush, which re-injects loaded cartridges), after the whole update is checked against the
-        model's HF parameters: a refused update reaches SGLang not at all."""
-        named = contiguous(check_update(named_tensors(weights), hf_parameter_shapes(self._model_dir)), self.device)
+        model's HF parameters: a refused update reaches SGLang not at all. LoRA tensors are merged here into their
+        modules' bases (final/adapters/merge.py) and sent as those modules' weights: veRL 0.6.0's class would
+        pass them to SGLang under names it does not know."""
+        shapes = hf_parameter_shapes(self._model_dir)
+        plan = self.merged.plan(weights, shapes, **lora_keywords(kwargs))
+        named = contiguous(check_update(plan.named, shapes), self.device)
         share_tensors_safely()
-        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(iter(named), **kwargs)))
+        rest = {k: v for k, v in kwargs.items() if k not in ("peft_config", "base_sync_done")}
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(iter(named), **rest)))
+        plan.commit()
 
     # ---- cartridges (EmbeddedEngine's interface) --------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
