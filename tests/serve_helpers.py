@@ -121,13 +121,15 @@ class FlakyServer:
     connection without answering); later requests are proxied to `upstream`. Modes "stale" and "stale-rst" are a
     keep-alive server closing an idle connection just as a request arrives on it (uvicorn's idle timeout racing the
     client): the first `failures` requests that come on a connection already used are read and the connection
-    closed without a byte of answer (a FIN; an RST with "stale-rst"); `dropped` counts them."""
+    closed without a byte of answer (a FIN; an RST with "stale-rst"); `dropped` counts them. Answers relayed keep
+    their status and Retry-After."""
 
     def __init__(self, upstream: str, failures: int, mode: str = "503"):
         self.upstream = upstream.rstrip("/")
         self.failures = failures
         self.mode = mode
         self.calls = self.dropped = 0
+        self.relayed: list[int] = []  # the upstream's statuses, in the order relayed
         self._lock = threading.Lock()
         flaky = self
 
@@ -170,10 +172,14 @@ class FlakyServer:
                 self.connection.close()
 
             def _relay(self, resp: httpx.Response) -> None:
-                self._send(resp.status_code, resp.content)
+                with flaky._lock:
+                    flaky.relayed.append(resp.status_code)
+                self._send(resp.status_code, resp.content, resp.headers.get("retry-after"))
 
-            def _send(self, status: int, content: bytes) -> None:
+            def _send(self, status: int, content: bytes, retry_after: str | None = None) -> None:
                 self.send_response(status)
+                if retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
