@@ -242,7 +242,7 @@ def refusing(capabilities: Capabilities, unserved: Mapping[str, str]) -> Capabil
                                notes=capabilities.notes + tuple(unserved.items()))
 
 
-def check_sampling_kwargs(kwargs: dict, unserved: Mapping[str, str]) -> None:
+def check_sampling_kwargs(kwargs: dict, unserved: Mapping[str, str] | None = None) -> None:
     """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject or not serve as
     the embedded engine does, by name (no-op values pass: veRL sends them)."""
     for key, value in kwargs.items():
@@ -250,7 +250,7 @@ def check_sampling_kwargs(kwargs: dict, unserved: Mapping[str, str]) -> None:
             raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",
                                 key)
         check_sampling_key(key)
-        if key in unserved and value != NO_OP.get(key, object()):
+        if key in (unserved or {}) and value != NO_OP.get(key, object()):
             raise UnsupportedError("sglang", key, unserved[key])
 
 
