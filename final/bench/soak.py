@@ -96,25 +96,31 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
     return names, nbytes
 
 
-def _start(config: Path, folder: str) -> tuple[subprocess.Popen, str]:
+def _start(config: Path, folder: str, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """`final serve` on a free port; a port taken between the choice and the bind (another process under load)
+    makes the server exit at once: then another port."""
     import httpx
 
     from final.process_group import free_port
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port", str(port),
-                             "--cartridge-dir", folder, "--weights-dir", str(Path(folder) / "weights"),
-                             "--log-level", "warning", "--grace", "30"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 300
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/ping", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    _stop(proc)
+    for _ in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port",
+                                 str(port), "--cartridge-dir", folder, "--weights-dir", str(Path(folder) / "weights"),
+                                 "--log-level", "warning", "--grace", "30"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 300
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/ping", timeout=5).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        exited = proc.poll() is not None  # at once (the port was taken), not after the wait
+        _stop(proc)
+        if not exited:
+            break
     raise RuntimeError("final serve did not start for the soak")
 
 
