@@ -9,8 +9,11 @@ Model strings with the `toka:` prefix route to a Tokasaurus-protocol server (a r
 protocol "openai": POST /v1/chat/completions (with cartridges: /custom/cartridge/chat/completions, same body plus
 `cartridges`). protocol "toka": seed 001's native POST /generate {model, system, prompt, temperature, max_tokens,
 stop} -> {text, finish_reason, usage}; `final serve` answers it, real Tokasaurus has no /generate.
-Connection errors, timeouts and 5xx are retried with exponential backoff; 4xx are not (RequestRejectedError);
-after the last retry BackendUnavailableError says what failed. Each call logs its latency and token counts on
+Connection errors, timeouts and 5xx are retried with exponential backoff, and a busy server's 429/503 after its
+Retry-After, each wait stretched by up to `jitter` (a fraction, random); other 4xx are not retried
+(RequestRejectedError). After `max_retries` retries a 429 is OverloadedError, anything else BackendUnavailableError
+saying what failed. A request that meets a keep-alive connection the server closed while idle is sent again at once
+(final.protocol.http). Each call logs its latency and token counts on
 the `final.client` logger (and the prompt and reply with log_calls).
 """
 
@@ -26,7 +29,7 @@ import httpx
 
 from final.errors import BackendUnavailableError, ConfigError, PromptError
 from final.protocol.fingerprint import read_fingerprint
-from final.protocol.http import RequestRejectedError, RetryPolicy, post_json
+from final.protocol.http import RequestRejectedError, RetryPolicy, client, post_json, request_json
 from final.protocol.weights import UPDATE_PATH, VERSION_PATH, rejected, update_body, update_result
 
 __all__ = ["LMConfig", "LMResponse", "RequestRejectedError", "TokasaurusClient", "get_lm_client"]
@@ -55,6 +58,7 @@ class LMConfig:
     starting_delay: float = 1.0
     backoff_factor: float = 2.0
     max_delay: float = 60.0
+    jitter: float = 0.2  # ours: each wait between retries is stretched by a random fraction in [0, jitter)
     enable_health_check: bool = False
     cartridges: list[dict] = field(default_factory=list)  # ours: Tokasaurus specs sent with every call
 
@@ -79,7 +83,7 @@ class LMConfig:
             raise bad("protocol", f"must be one of {', '.join(PROTOCOLS)}")
         if not self.base_url.startswith(("http://", "https://")):
             raise bad("base_url", "must be an http(s) URL")
-        for key in ("temperature", "timeout_s", "starting_delay", "backoff_factor", "max_delay"):
+        for key in ("temperature", "timeout_s", "starting_delay", "backoff_factor", "max_delay", "jitter"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise bad(key, "must be a number >= 0")
@@ -115,9 +119,9 @@ class TokasaurusClient:
         self.model = self.config.model[len(PREFIX):] or "default"
         self.base_url = self.config.base_url.rstrip("/")
         self.policy = RetryPolicy(self.config.max_retries, self.config.starting_delay, self.config.backoff_factor,
-                                  self.config.max_delay)
+                                  self.config.max_delay, self.config.jitter)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        self._http = httpx.Client(timeout=self.config.timeout_s, headers=headers)
+        self._http = client(self.config.timeout_s, headers)
 
     def ping(self) -> bool:
         """Whether the server answers GET /ping with pong (within 5 s)."""
@@ -158,10 +162,9 @@ class TokasaurusClient:
         return update_result(data)
 
     def weights_version(self) -> int:
-        """The server's weights version (GET /get_weight_version)."""
-        r = self._http.get(f"{self.base_url}{VERSION_PATH}")
-        r.raise_for_status()
-        return int(r.json()["weight_version"])
+        """The server's weights version (GET /get_weight_version), retried as the config says."""
+        return int(request_json(self._http, "GET", f"{self.base_url}{VERSION_PATH}", None, self.policy)
+                   ["weight_version"])
 
     def close(self) -> None:
         """Close the HTTP connection pool."""

@@ -10,6 +10,8 @@ import http.server
 import json
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -116,13 +118,18 @@ def spec(path: Path, force: bool = False) -> dict:
 
 class FlakyServer:
     """A real HTTP server on 127.0.0.1: its first `failures` POSTs fail (`mode` "503", "400" or "drop": close the
-    connection without answering); later requests are proxied to `upstream`."""
+    connection without answering); later requests are proxied to `upstream`. Modes "stale" and "stale-rst" are a
+    keep-alive server closing an idle connection just as a request arrives on it (uvicorn's idle timeout racing the
+    client): the first `failures` requests that come on a connection already used are read and the connection
+    closed without a byte of answer (a FIN; an RST with "stale-rst"); `dropped` counts them. Answers relayed keep
+    their status and Retry-After."""
 
     def __init__(self, upstream: str, failures: int, mode: str = "503"):
         self.upstream = upstream.rstrip("/")
         self.failures = failures
         self.mode = mode
-        self.calls = 0
+        self.calls = self.dropped = 0
+        self.relayed: list[int] = []  # the upstream's statuses, in the order relayed
         self._lock = threading.Lock()
         flaky = self
 
@@ -137,13 +144,18 @@ class FlakyServer:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                reused, self.used = getattr(self, "used", False), True  # one handler per connection
                 with flaky._lock:
                     n = flaky.calls
                     flaky.calls += 1
-                if n < flaky.failures:
+                    stale = flaky.mode.startswith("stale") and reused and flaky.dropped < flaky.failures
+                    flaky.dropped += stale
+                if stale:
+                    self._close(rst=flaky.mode == "stale-rst")
+                    return
+                if n < flaky.failures and not flaky.mode.startswith("stale"):
                     if flaky.mode == "drop":
-                        self.close_connection = True
-                        self.connection.close()
+                        self._close(rst=False)
                         return
                     status = int(flaky.mode)
                     self._send(status, json.dumps({"error": {"message": f"injected failure {n}", "type": "x",
@@ -153,11 +165,21 @@ class FlakyServer:
                                   headers={"content-type": "application/json"})
                 self._relay(resp)
 
-            def _relay(self, resp: httpx.Response) -> None:
-                self._send(resp.status_code, resp.content)
+            def _close(self, rst: bool) -> None:
+                if rst:  # SO_LINGER 0: close() sends an RST, which the client reads as ECONNRESET
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
 
-            def _send(self, status: int, content: bytes) -> None:
+            def _relay(self, resp: httpx.Response) -> None:
+                with flaky._lock:
+                    flaky.relayed.append(resp.status_code)
+                self._send(resp.status_code, resp.content, resp.headers.get("retry-after"))
+
+            def _send(self, status: int, content: bytes, retry_after: str | None = None) -> None:
                 self.send_response(status)
+                if retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()

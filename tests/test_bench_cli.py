@@ -80,15 +80,18 @@ def test_table_output_has_the_dp_line():
 
 def test_soak_smoke():
     """`final bench --only soak` end to end on a few requests: a real `final serve` subprocess, every request
-    answered as it should be, no cartridge reference left behind, the server alive and exiting 0 on SIGTERM.
+    answered as it should be (weight updates among cartridge loads and evictions), no cartridge reference left
+    behind, the server alive and exiting 0 on SIGTERM.
     (The 2,000-request figures are bench/RESULTS.md's; RSS drift and latency are not asserted.)"""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "final.cli", "bench", "--only", "soak", "--quick", "--json",
-                           "--soak-requests", "40", "--soak-concurrency", "4"], cwd=ROOT, env=env,
+                           "--soak-requests", "60", "--soak-concurrency", "4"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     soak = json.loads(proc.stdout.strip().splitlines()[-1])["soak"]
-    assert soak["requests"] == 40 and sum(soak["kinds"].values()) == 40
+    assert soak["requests"] == 60 and sum(soak["kinds"].values()) == 60
+    # weight updates interleaved with the cartridge traffic, each answered with the next version
+    assert soak["weight_updates"] == soak["kinds"]["weights"] >= 1
     assert soak["unexpected"] == 0, soak["unexpected_examples"]
     assert soak["cartridge_refs_end"] == 0 and soak["alive"] and soak["exit_code_after_sigterm"] == 0
     assert soak["p50_ms"] > 0 and soak["rss_end_mb"] > 0

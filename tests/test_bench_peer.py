@@ -20,7 +20,7 @@ def test_without_llama_cpp_the_peer_is_skipped_with_install_hint(monkeypatch, ca
     res = run_peer("builtin:smollm2-135m-instruct", tiny_dir, [1], 4, 1)
     assert "not importable" in res["peer"]["skipped"] and res["peer"]["install"] == INSTALL
     assert "final[bench]" in INSTALL
-    assert cli.main(["--quick", "--json", "--only", "peer"]) == 0
+    assert cli.main(["--quick", "--json", "--only", "peer", "--in-process"]) == 0  # where the monkeypatch holds
     out = json.loads(capsys.readouterr().out)
     assert out["peer"] == res["peer"]
     assert isinstance(out["machine"]["cpu_flags"], list)

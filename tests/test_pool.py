@@ -232,6 +232,20 @@ def test_the_pool_applies_the_queue_bound_and_the_deadline(pool):
     assert pool.generate("Hi", max_tokens=2).completions  # still serving
 
 
+def test_open_engine_with_no_config_reads_the_default_one_as_inference_engine_does(ray_cluster, pool, tmp_path,
+                                                                                  monkeypatch, tiny_inference):
+    """open_engine(replicas=2) with no config: the config InferenceEngine() would read ($FINAL_CONFIG here, so the
+    tiny model), sent to the replicas as a dict. Pool options (num_cpus) go to the pool, not the config."""
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_config()))
+    monkeypatch.setenv("FINAL_CONFIG", str(tmp_path / "c.yaml"))
+    greedy = dict(prompts=PROMPTS[:4], temperature=0, max_tokens=6)
+    with open_engine(replicas=2, num_cpus=0) as engine:  # the shared pool holds both CPUs
+        assert isinstance(engine, ReplicaPool) and engine.alive == [0, 1]
+        assert rows(engine.generate(**greedy)) == rows(tiny_inference.generate(**greedy))
+
+
 def test_open_engine_with_one_replica_never_starts_ray(monkeypatch):
     import ray
 
@@ -246,6 +260,31 @@ def test_open_engine_with_one_replica_never_starts_ray(monkeypatch):
     with pytest.raises(ConfigError) as err:
         open_engine(tiny_config(), ray_address="")
     assert err.value.key == "ray_address"
+
+
+def test_a_pool_over_a_busy_server_waits_out_its_429s(ray_cluster, pool):
+    """Replicas on the tokasaurus backend against a real final serve whose one-row queue is full: the rows wait
+    (429, Retry-After) instead of failing, and come back as the server's own answers once it drains."""
+    from final.server.app import ServerThread, create_app
+    from serve_helpers import FlakyServer
+
+    with InferenceEngine({**tiny_config(prompt_length=256, response_length=32),
+                          "limits": {"max_queued_rows": 1}}) as served, \
+            ServerThread(create_app(served)) as server, FlakyServer(server.url, failures=0) as proxy:
+        cfg = tiny_config(prompt_length=256, response_length=32)
+        cfg["rollout"].update(name="tokasaurus", custom={"tokasaurus_url": proxy.url, "retry_delay": 0.01,
+                                                         "max_retries": 8})
+        want = [served.generate(p, temperature=0, max_tokens=6).token_ids[0] for p in PROMPTS[:2]]
+        with ReplicaPool(cfg, replicas=2, num_cpus=0, chunk_rows=1) as toka_pool:
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                with served._admission.hold(1):  # the queue is full until a 429 has been answered
+                    call = ex.submit(toka_pool.generate, PROMPTS[:2], temperature=0, max_tokens=6)
+                    deadline = time.monotonic() + 120  # a guard against a broken test, not a measurement
+                    while 429 not in proxy.relayed and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                assert 429 in proxy.relayed
+                out = call.result(timeout=240)
+    assert out.token_ids == want
 
 
 @pytest.fixture(scope="module")
@@ -399,19 +438,79 @@ def test_weight_updates_reach_every_replica_under_one_version(pool, tiny_dir):
     assert rows()[0] == before
 
 
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a measurement
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert path.exists(), "the replica never received a chunk"
+
+
+def test_a_replica_killed_mid_generate_is_restarted_with_the_pools_weights_and_cartridges(pool, tiny_dir, tmp_path):
+    """os.kill of replica 0's process while it holds a chunk: the call completes with one engine's greedy rows (the
+    chunk runs again on the other replica), replica 0 comes back as a new process, and before it takes rows it
+    serves the pool's current weights and cartridges. The original weights go back at the end (later tests)."""
+    import signal
+
+    from weights_helpers import perturbed
+
+    trained, original = perturbed(tiny_dir, scale=0.5, seed=31), perturbed(tiny_dir, scale=0.0)
+    cart = save_cartridge(random_cart(tokens=8, seed=5), tmp_path / "doc.pt")
+    prompts, q = [f"prompt {i}" for i in range(8)], ["Who keeps the lighthouse?", "Name a cat."]
+    with InferenceEngine(tiny_config()) as one:
+        one.update_weights(trained)
+        cid = one.load_cartridge(path=str(cart))
+        greedy, with_cart = dict(temperature=0, max_tokens=8), dict(cartridge=cid, temperature=0, max_tokens=8)
+        want, want_cart = one.generate(prompts, **greedy), one.generate(q, **with_cart)
+    version = pool.update_weights(trained)
+    assert pool.load_cartridge(path=str(cart)) == cid
+    started, pid = tmp_path / "started", pool.info[0]["pid"]
+    pool.call(functools.partial(_hang_when_generating, started=str(started)), replica=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        call = ex.submit(with_chunk_rows, pool, 2, prompts=prompts, **greedy)
+        _wait_for(started)
+        os.kill(pid, signal.SIGKILL)  # mid-call: replica 0 holds a chunk it will never return
+        out = call.result(timeout=240)
+    assert out.token_ids == want.token_ids and out.completions == want.completions
+    assert {m["weights_version"] for m in out.metadata} == {version}
+    assert pool.wait_for_replicas(240) == [0, 1] and pool.dead == {}  # back to two replicas
+    assert pool.restarts == [1, 0] and pool.info[0]["pid"] != pid
+    # the restarted replica's own engine: the current weights and the cartridge, before any row reached it
+    assert pool.call(lambda e: e.generate(prompts, temperature=0, max_tokens=8).token_ids, replica=0) == \
+        want.token_ids
+    assert pool.call(lambda e: e.cartridges.ids(), replica=0) == [cid]
+    assert pool.call(lambda e: e.generate(q, cartridge=cid, temperature=0, max_tokens=8).token_ids, replica=0) == \
+        want_cart.token_ids
+    out = with_chunk_rows(pool, 1, prompts=q, **with_cart)
+    assert out.token_ids == want_cart.token_ids and {m["replica"] for m in out.metadata} == {0, 1}
+    pool.unload_cartridge(cid)
+    pool.update_weights(original)
+
+
+def test_rows_that_kill_every_replica_fail_typed_naming_both_and_the_pool_recovers(pool, tiny_inference):
+    """A chunk is retried once: when the second replica running it dies too, the call fails (never hangs) with
+    ReplicaError naming both, and both replicas come back."""
+    restarts = pool.restarts
+    pool.call(_crash_when_generating)
+    with pytest.raises(ReplicaError, match="lost twice") as err:
+        pool.generate("Hi", max_tokens=4)  # one chunk: replica 0 dies running it, then replica 1
+    assert set(err.value.replicas) == {0, 1}
+    assert pool.wait_for_replicas(240) == [0, 1]
+    assert pool.restarts == [n + 1 for n in restarts]
+    greedy = dict(prompts=PROMPTS, temperature=0, max_tokens=8)
+    assert rows(pool.generate(**greedy)) == rows(tiny_inference.generate(**greedy))
+
+
 def test_a_killed_replica_has_its_rows_retried_and_none_left_is_a_typed_error(pool, tiny_inference, tmp_path):
-    """Runs last: the shared pool ends with both replicas dead."""
+    """Runs last: the shared pool ends with both replicas dead (no restarts left)."""
     import ray
 
+    pool.max_restarts = 0
     started = tmp_path / "started"
     pool.call(functools.partial(_hang_when_generating, started=str(started)), replica=0)
     seeded = dict(prompts=PROMPTS, temperature=1.0, seed=3, n=2, max_tokens=10)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         call = ex.submit(with_chunk_rows, pool, 2, **seeded)
-        deadline = time.monotonic() + 120  # a guard against a broken test, not a measurement
-        while not started.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert started.exists(), "replica 0 never received a chunk"
+        _wait_for(started)
         ray.kill(pool.actors[0])  # mid-call: replica 0 holds a chunk it will never return
         out = call.result(timeout=240)
     assert rows(out) == rows(tiny_inference.generate(**seeded))  # every row exactly once, with its own seed
@@ -423,7 +522,7 @@ def test_a_killed_replica_has_its_rows_retried_and_none_left_is_a_typed_error(po
     pool.call(_crash_when_generating, replica=1)
     with pytest.raises(ReplicaError) as err:
         pool.generate(PROMPTS, max_tokens=4)
-    assert set(err.value.replicas) == {0, 1}
+    assert set(err.value.replicas) == {0, 1} and pool.alive == []
     assert "ray.kill" in err.value.replicas[0] and "replica 1" in str(err.value)
     with pytest.raises(ReplicaError, match="no replica is left"):
         pool.generate("Hi")

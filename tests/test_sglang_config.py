@@ -222,8 +222,8 @@ def test_dummy_weights_are_warned_about(caplog):
 
 
 def test_sampling_overrides_are_checked_against_sglang():
-    from final.errors import SamplingError
-    from final.rollout.sglang.config import check_sampling_kwargs
+    from final.errors import SamplingError, UnsupportedError
+    from final.rollout.sglang.config import UNSERVED_BY_052, check_sampling_kwargs, unserved_keys
 
     check_sampling_kwargs({"temperature": 0.5, "top_k": 5, "stop_token_ids": [2], "max_new_tokens": 3, "stop": "x"})
     with pytest.raises(SamplingError, match="random_seed") as err:
@@ -232,3 +232,10 @@ def test_sampling_overrides_are_checked_against_sglang():
     with pytest.raises(SamplingError) as err:
         check_sampling_kwargs({"logprobs": True})
     assert err.value.field == "logprobs"
+    # what SGLang 0.5.2 takes and would not serve as the embedded engine does (veRL's no-op values pass)
+    unserved = unserved_keys(None, UNSERVED_BY_052)
+    check_sampling_kwargs({"repetition_penalty": 1.0, "presence_penalty": 0.0, "min_new_tokens": 0}, unserved)
+    for key, value in (("repetition_penalty", 1.1), ("min_new_tokens", 2), ("frequency_penalty", 0.3)):
+        with pytest.raises(UnsupportedError) as err:
+            check_sampling_kwargs({key: value}, unserved)
+        assert err.value.field == key

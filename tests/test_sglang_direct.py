@@ -16,9 +16,10 @@ from final import compat
 from sglang_helpers import STUBS, STUBS_09
 
 HERE = Path(__file__).parent
-# the backend's differential, tools, scoring and lifecycle cases; cartridges and token streams; weight updates
-# (one engine each)
-CASES = ["sglang_direct_cases.py", "sglang_direct_cartridge_cases.py", "sglang_direct_weight_cases.py"]
+# the backend's differential, tools, scoring and lifecycle cases; cartridges and token streams; weight updates;
+# one meaning per sampling key (one engine each)
+CASES = ["sglang_direct_cases.py", "sglang_direct_cartridge_cases.py", "sglang_direct_weight_cases.py",
+         "sglang_direct_sampling_cases.py"]
 
 
 @pytest.mark.parametrize("cases", CASES)

@@ -4,6 +4,7 @@ and without cartridges; retries with backoff proven by a real HTTP server that f
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 import pytest
@@ -13,7 +14,6 @@ from conftest import tiny_config
 from serve_helpers import FlakyServer, spec
 from final.cartridges.build import continuation_ids
 from final.client import RequestRejectedError
-from final.process_group import free_port
 from final.errors import BackendUnavailableError, CartridgeError, ConfigError, SamplingError, UnsupportedError
 from final.inf import InferenceEngine
 from final.rollout.tokasaurus import TokasaurusSettings
@@ -88,10 +88,12 @@ def test_clear_error_after_the_last_retry(served):
         with pytest.raises(BackendUnavailableError, match=r"after 3 attempt\(s\).*HTTP 503"):
             eng.generate("hi", max_tokens=2)
         assert flaky.calls == 3
-    port = free_port()  # nothing listens there
-    with toka_engine(f"http://127.0.0.1:{port}", max_retries=1) as eng:
-        with pytest.raises(BackendUnavailableError, match=r"after 2 attempt\(s\).*Connect"):
-            eng.generate("hi", max_tokens=2)
+    with socket.socket() as bound:  # a port bound and never listened on: refused, and no one else can take it
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        with toka_engine(f"http://127.0.0.1:{port}", max_retries=1) as eng:
+            with pytest.raises(BackendUnavailableError, match=r"after 2 attempt\(s\).*Connect"):
+                eng.generate("hi", max_tokens=2)
 
 
 def test_4xx_is_not_retried(served):

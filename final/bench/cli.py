@@ -9,6 +9,8 @@
                               install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0,
                               --peer-bf16 our bf16 weights vs its BF16
 Figures are medians of interleaved repeats; the goals are the issue's and are printed, never asserted.
+Each measurement runs in its own process (final.bench.isolate; --in-process: this one), so a peer that crashes
+(llama.cpp's SIGILL on a CPU its build does not fit, an abort in HF's kernels) is reported and the others run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import argparse
 import json
 import sys
 from typing import Any, Sequence
+
+from final.bench.isolate import isolated
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 QUICK_MODEL = "builtin:tiny-random-llama"
@@ -48,6 +52,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--soak-requests", type=int, help="soak: requests (default 2000; --quick 200)")
     p.add_argument("--soak-seconds", type=float, default=1200.0, help="soak: stop sending after this long (default 1200)")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every measurement in this process (a crash then ends the run; default: one process each)")
     p.set_defaults(func=_main, argv=[])
     return p
 
@@ -70,10 +76,21 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     out: dict[str, Any] = {"machine": machine(args.device), "command": " ".join(["final bench", *args.argv]),
                            "model": name}
-    for key, measure in MEASUREMENTS.items():
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    for key, target in MEASUREMENTS.items():
         if key in only:
-            out.update(measure(args, model, repeats))
+            kwargs = {"target": target, "args": options, "model": model, "repeats": repeats}
+            result = section(**kwargs) if args.in_process else isolated("final.bench.cli:section", kwargs)
+            out.update(result if not ({"crashed", "failed"} & set(result)) else {key: result})
     return out
+
+
+def section(target: str, args: dict, model: str, repeats: int) -> dict:
+    """One measurement (`module:function` of MEASUREMENTS) with the run's options: its part of the result."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(argparse.Namespace(**args), model, repeats)
 
 
 def _p1(args: argparse.Namespace, model: str, repeats: int) -> dict:
@@ -157,11 +174,20 @@ def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
     return {"soak": {"model": soak_model, **soak}}
 
 
-MEASUREMENTS = {"p1": _p1, "p2": _p2, "p3": _p3, "p4": _p4, "peer": _peer, "dp": _dp, "soak": _soak}
+MEASUREMENTS = {key: f"final.bench.cli:_{key}" for key in ("p1", "p2", "p3", "p4", "peer", "dp", "soak")}
 
 
 def report(res: dict) -> str:
     """The human-readable table."""
+    broken = {k: v for k, v in res.items() if isinstance(v, dict) and {"crashed", "failed"} & set(v)}
+    lines = _table({k: v for k, v in res.items() if k not in broken})
+    for key, v in broken.items():
+        lines += ["", f"{key}: {'crashed' if 'crashed' in v else 'failed'}: {v.get('crashed') or v.get('failed')}"]
+        lines += [f"  | {line}" for line in (v.get("output") or "").strip().splitlines()[-8:]]
+    return "\n".join(lines)
+
+
+def _table(res: dict) -> list[str]:
     m = res["machine"]
     lines = [f"final bench: {m['date']}, {m['cpu']} ({m['cores']} cores, flags {' '.join(m.get('cpu_flags') or ['?'])}, "
              f"torch {m['torch']}, "
@@ -219,7 +245,7 @@ def report(res: dict) -> str:
         s = res["soak"]
         lines += ["", f"Soak: final serve under mixed load (goals: 0 unexpected statuses, RSS drift < 5%, 0 cartridge "
                       f"references held, alive: {'met' if s['met'] else 'NOT met'})", "  " + describe_soak(s)]
-    return "\n".join(lines)
+    return lines
 
 
 def _main(args: argparse.Namespace) -> int:

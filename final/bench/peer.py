@@ -4,10 +4,11 @@ A CPU user who wants speed picks llama.cpp, so that is the figure to stand besid
 the model's GGUF (what builtin:smollm2-135m-instruct is converted from, or a .gguf model path) dequantized to an
 F32 GGUF with the `gguf` package, which is exactly what the engine loads (its HF folder holds the same dequantized
 fp32 values). Same chat prompts as token ids, greedy, a fixed number of new tokens (no early stop), the same
-number of threads, runs alternating in one process. Batch 1 is llama.cpp's plain decode; batch B decodes B
-parallel sequences in one `llama_decode` per step through its low-level API (one llama_batch with B seq ids: the
-same continuous batching its server's slots run). With --peer-int8, our int8 weight-only mode runs beside
-llama.cpp's Q8_0 of the same F32 GGUF (quantized by llama.cpp itself); with --peer-bf16, our bf16 weight-only mode
+number of threads, runs alternating in one process - one process per row (final.bench.isolate), so a crash of
+llama.cpp (SIGILL in its Q8_0 kernels on some CPUs) is reported in that row and the other rows are measured.
+Batch 1 is llama.cpp's plain decode; batch B decodes B parallel sequences in one `llama_decode` per step through
+its low-level API (one llama_batch with B seq ids: the same continuous batching its server's slots run). With
+--peer-int8, our int8 weight-only mode runs beside llama.cpp's Q8_0 of the same F32 GGUF (quantized by llama.cpp itself); with --peer-bf16, our bf16 weight-only mode
 beside llama.cpp's BF16 of it.
 
 llama-cpp-python is the `bench` extra and compiles from source (~10 min on 2 cores), so it is never part of the
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from final.bench.isolate import isolated
 
 INSTALL = ('pip install "final[bench]"  (llama-cpp-python, compiled from source: about 10 minutes on 2 cores; '
            'CMAKE_ARGS="-DGGML_NATIVE=ON" builds for this CPU)')
@@ -203,26 +206,41 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
 
     threads = torch.get_num_threads()
     f32 = f32_gguf(src)
-    modes = [("fp32", None, f32)] + [(m, m, quantized_gguf(f32, m, threads))
-                                     for m, on in (("int8", int8), ("bf16", bf16)) if on]
+    modes = ["fp32"] + [m for m, on in (("int8", int8), ("bf16", bf16)) if on]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows, fp32_ids, fp32_theirs = [], {}, {}
-    for mode, quantization, weights in modes:
+    for mode in modes:
         for batch in batches:
-            prompts = chat_prompts(tokenizer, batch)
-            row = _measure(model_dir, weights, prompts, new_tokens, repeats, threads, quantization)
-            row.update(mode=mode, peer_weights=weights.name, batch=batch)
-            if mode == "fp32":
+            # each row in its own process: llama.cpp's crash (SIGILL in a Q8_0 kernel) is that row's report
+            row = isolated("final.bench.peer:measure_row", dict(
+                model_dir=model_dir, f32=str(f32), mode=mode, prompts=chat_prompts(tokenizer, batch),
+                new_tokens=new_tokens, repeats=repeats, threads=threads))
+            row.update(mode=mode, batch=batch)
+            if "_ours" not in row:
+                pass  # crashed or failed: reported as such
+            elif mode == "fp32":
                 fp32_ids[batch], fp32_theirs[batch] = row.pop("_ours"), row.pop("_theirs")
-            else:  # how far each side's smaller weights stray from its own fp32 tokens
+            elif batch in fp32_ids:  # how far each side's smaller weights stray from its own fp32 tokens
                 row["ours_vs_our_fp32"] = agreement(row.pop("_ours"), fp32_ids[batch])
                 row["llama_cpp_vs_its_f32"] = agreement(row.pop("_theirs"), fp32_theirs[batch])
-            rows.append(row)
+            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
     return {"peer": {"engine": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}", "threads": threads,
                      "new_tokens": new_tokens, "source_gguf": src.name, "rows": rows,
                      "batched": "batch B: B parallel sequences, one llama_decode per step (low-level llama_batch)",
                      "timing": "whole call (prefill + all new tokens) on both sides, medians of alternating runs; "
                                "llama_cpp_decode_tok_s counts decode steps only"}}
+
+
+def measure_row(model_dir: str, f32: str, mode: str, prompts: list[list[int]], new_tokens: int, repeats: int,
+                threads: int) -> dict:
+    """One row of the section, run by final.bench.isolate in its own process: `mode` fp32 (the F32 GGUF), int8
+    (llama.cpp's Q8_0 of it) or bf16 (its BF16)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    weights = Path(f32) if mode == "fp32" else quantized_gguf(Path(f32), mode, threads)
+    row = _measure(model_dir, weights, prompts, new_tokens, repeats, threads, None if mode == "fp32" else mode)
+    return {**row, "peer_weights": weights.name}
 
 
 def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,
@@ -267,6 +285,10 @@ def describe(peer: dict) -> list[str]:
              f"  {'mode':5} {'batch':>5} {'ours':>8} {'llama.cpp':>10} {'(decode)':>9} {'ratio':>7} "
              f"{'rows identical':>15} {'common prefix':>14}"]
     for r in peer["rows"]:
+        if "crashed" in r or "failed" in r:
+            lines.append(f"  {r['mode']:5} {r['batch']:>5} {'crashed' if 'crashed' in r else 'failed'}: "
+                         f"{r.get('crashed') or r.get('failed')}")
+            continue
         a = r["agreement"]
         lines.append(f"  {r['mode']:5} {r['batch']:>5} {r['ours_tok_s']:>8.1f} {r['llama_cpp_tok_s']:>10.1f} "
                      f"{r['llama_cpp_decode_tok_s']:>9.1f} {r['ratio']:>6.2f}x {a['rows_identical']:>15} "

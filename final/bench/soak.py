@@ -2,9 +2,11 @@
 
 The server is a subprocess (`python -m final.cli serve`), driven over HTTP by `concurrency` clients with a seeded
 mix: plain completions, chats with n > 1, streams read to the end, streams cut after their first token, bad
-bodies (NaN, huge n, wrong types, invalid JSON, a form post, a body past the limit) and cartridge requests that
+bodies (NaN, huge n, wrong types, invalid JSON, a form post, a body past the limit), cartridge requests that
 cycle through more cartridge files than the cartridge budget holds, some forcing a reload, so cartridges are
-loaded and evicted while others are in use. Reported: latency p50/p99 of answered requests, statuses that differ
+loaded and evicted while others are in use, and weight updates (POST /update_weights_from_disk, keeping the
+cartridges) that alternate between a perturbed copy of one layer and the model's own weights while the rest runs:
+each must answer with the next weights version, and GET /get_weight_version must agree. Reported: latency p50/p99 of answered requests, statuses that differ
 from what each request should get (goal 0), the server's RSS from the end of warm-up to the end (goal < 5%), the
 references held on cartridges once idle (goal 0), whether it is alive, and its exit status after SIGTERM.
 """
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 GOALS = {"unexpected": 0, "rss_drift": 0.05, "cartridge_refs": 0}
-MIX = {"complete": 30, "chat_n": 15, "stream_full": 10, "stream_cut": 15, "bad": 15, "cartridge": 15}
+MIX = {"complete": 30, "chat_n": 15, "stream_full": 10, "stream_cut": 15, "bad": 15, "cartridge": 15, "weights": 3}
+UPDATES = ("tweak.safetensors", "base.safetensors")  # alternately: one layer perturbed, then the model's own
 CARTRIDGE_FILES, CARTRIDGE_TOKENS, BUDGET_CARTRIDGES = 6, 32, 3  # more files than the budget holds
 WORDS = "the a lighthouse keeper river ferry stone cat red blue north tide lamp road seven quiet".split()
 
@@ -38,6 +41,7 @@ class Tally:
     unexpected: int = 0  # requests whose status (or body) is not what they should get
     examples: list[str] = field(default_factory=list)
     done: int = 0
+    weights_version: int = 0  # the server's, as its last update answered
 
     def wrong(self, what: str) -> None:
         self.unexpected += 1
@@ -51,6 +55,7 @@ def run_soak(model: str, requests: int, seconds: float, concurrency: int, seed: 
 
     with tempfile.TemporaryDirectory(prefix="final-soak-") as tmp:
         files, one = _cartridge_files(model, Path(tmp))
+        _weight_files(model, Path(tmp) / "weights")
         config = Path(tmp) / "config.yaml"
         config.write_text(json.dumps({"model_path": model, "progress": False,
                                       "rollout": {"name": "local", "prompt_length": 256, "response_length": 32,
@@ -91,24 +96,31 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
     return names, nbytes
 
 
-def _start(config: Path, folder: str) -> tuple[subprocess.Popen, str]:
+def _start(config: Path, folder: str, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """`final serve` on a free port; a port taken between the choice and the bind (another process under load)
+    makes the server exit at once: then another port."""
     import httpx
 
     from final.process_group import free_port
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port", str(port),
-                             "--cartridge-dir", folder, "--log-level", "warning", "--grace", "30"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 300
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/ping", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    _stop(proc)
+    for _ in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port",
+                                 str(port), "--cartridge-dir", folder, "--weights-dir", str(Path(folder) / "weights"),
+                                 "--log-level", "warning", "--grace", "30"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 300
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/ping", timeout=5).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        exited = proc.poll() is not None  # at once (the port was taken), not after the wait
+        _stop(proc)
+        if not exited:
+            break
     raise RuntimeError("final serve did not start for the soak")
 
 
@@ -126,14 +138,16 @@ def _stop(proc: subprocess.Popen) -> int | None:
 async def _drive(url: str, files: list[str], requests: int, seconds: float, concurrency: int, seed: int,
                  tally: Tally, server: Any, rss: dict) -> None:
     """Workers take the seeded plan in order; two of them take the cartridge requests (so at most two cartridges
-    are in use at once and the budget always has room), the rest everything else."""
+    are in use at once and the budget always has room), one the weight updates (so versions follow each other),
+    the rest everything else."""
     import httpx
 
     rng = random.Random(seed)
     kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=requests)
-    plain = [(i, k) for i, k in enumerate(kinds) if k != "cartridge"]
+    plain = [(i, k) for i, k in enumerate(kinds) if k not in ("cartridge", "weights")]
     carts = [(i, k) for i, k in enumerate(kinds) if k == "cartridge"]
-    queues = (collections.deque(plain), collections.deque(carts))
+    updates = [(i, k) for i, k in enumerate(kinds) if k == "weights"]
+    queues = (collections.deque(plain), collections.deque(carts), collections.deque(updates))
     warm_at = max(requests // 10, 1)
     stop_at = time.monotonic() + seconds
 
@@ -147,8 +161,8 @@ async def _drive(url: str, files: list[str], requests: int, seconds: float, conc
 
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        workers = [worker(queues[1], client) for _ in range(2)] + \
-                  [worker(queues[0], client) for _ in range(max(concurrency - 2, 1))]
+        workers = [worker(queues[1], client) for _ in range(2)] + [worker(queues[2], client)] + \
+                  [worker(queues[0], client) for _ in range(max(concurrency - 3, 1))]
         await asyncio.gather(*workers)
     rss["end"] = server.memory_info().rss
 
@@ -169,6 +183,8 @@ async def _one(client: Any, kind: str, rng: random.Random, files: list[str], tal
     elif kind in ("stream_full", "stream_cut"):
         await _stream(client, kind, {**body, "stream": True, "max_tokens": 32 if kind == "stream_cut" else 16},
                       tally, start)
+    elif kind == "weights":
+        await _update(client, tally, start)
     elif kind == "bad":
         content, headers, want = _bad(rng, body)
         resp = await client.post("/v1/completions", content=content, headers=headers)
@@ -197,6 +213,37 @@ async def _stream(client: Any, kind: str, body: dict, tally: Tally, start: float
         lines = [line async for line in resp.aiter_lines() if line]
     ok = resp.status_code == 200 and lines[-1:] == ["data: [DONE]"] and not any('"error"' in x for x in lines)
     _record(tally, kind, resp, ok, start)
+
+
+async def _update(client: Any, tally: Tally, start: float) -> None:
+    """The next weight update (keeping the cartridges): its answer and the version route must say version + 1."""
+    want = tally.weights_version + 1
+    body = {"model_path": UPDATES[tally.weights_version % 2], "keep_cartridges": True}
+    resp = await client.post("/update_weights_from_disk", json=body)
+    ok = resp.status_code == 200 and resp.json().get("weights_version") == want
+    if ok:
+        tally.weights_version = want
+        version = await client.get("/get_weight_version")
+        ok = version.status_code == 200 and version.json() == {"weight_version": want}
+    _record(tally, "weights", resp, ok, start)
+
+
+def _weight_files(model: str, folder: Path) -> None:
+    """The model's own weights (base) and a copy of one matrix perturbed (tweak): updates to and fro."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from final.models import resolve_model_path
+
+    folder.mkdir()
+    state: dict = {}
+    for file in sorted(Path(resolve_model_path(model)).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / UPDATES[1]))
+    name = next(k for k in state if k.endswith("layers.0.mlp.down_proj.weight"))
+    g = torch.Generator().manual_seed(0)
+    tweak = state[name] + 0.01 * torch.randn(state[name].shape, generator=g).to(state[name].dtype)
+    save_file({name: tweak.contiguous()}, str(folder / UPDATES[0]))
 
 
 def _bad(rng: random.Random, body: dict) -> tuple[bytes, dict, int]:
@@ -244,7 +291,8 @@ def _result(url: str, proc: subprocess.Popen, server: Any, tally: Tally, rss: di
         "rss_warm_mb": round(rss.get("warm", 0) / 2**20, 1), "rss_end_mb": round(rss["end"] / 2**20, 1),
         "rss_drift": None if drift is None else round(drift, 4), "cartridge_refs_end": refs,
         "cartridges_loaded_end": len(usage["cartridges"] or []), "cartridge_metrics": usage["metrics"],
-        "alive": alive, "exit_code_after_sigterm": exit_code, "goals": GOALS,
+        "weight_updates": tally.weights_version, "alive": alive, "exit_code_after_sigterm": exit_code,
+        "goals": GOALS,
         "met": unexpected == 0 and drift is not None and drift < GOALS["rss_drift"] and refs == 0 and alive}}
 
 
@@ -253,6 +301,7 @@ def describe(s: dict) -> str:
     return (f"{s['requests']} requests in {s['seconds']} s ({s['requests_per_s']}/s, {s['concurrency']} clients): "
             f"p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms; unexpected statuses {s['unexpected']}; RSS "
             f"{s['rss_warm_mb']} -> {s['rss_end_mb']} MB ({s['rss_drift']:+.2%}); cartridge references held at the "
-            f"end {s['cartridge_refs_end']} (loads {m.get('loads')}, evictions {m.get('evictions')}); alive "
+            f"end {s['cartridge_refs_end']} (loads {m.get('loads')}, evictions {m.get('evictions')}); weight updates "
+            f"{s['weight_updates']}; alive "
             f"{s['alive']}; exit after SIGTERM {s['exit_code_after_sigterm']}")
 

@@ -19,18 +19,22 @@ from final.engine.sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Presence/frequency penalties over output tokens, repetition penalty over prompt+output (in place)."""
+    """SGLang's penalties (sglang/srt/sampling/penaltylib), in place, on the logits before temperature: presence
+    and frequency over the output tokens (subtracted: presence once per token seen, frequency per occurrence), then
+    repetition over the output tokens only (a seen token's logit divided by the penalty if positive, multiplied if
+    negative), as SGLang 0.5.12's BatchedRepetitionPenalizer does - not HF's prompt+output. SGLang 0.5.2 has no
+    repetition penalizer: its backend refuses the key (final/rollout/sglang/rollout_052.py)."""
     for row, seq in enumerate(seqs):
         p = seq.params
-        if not p.has_penalties:
+        if not p.has_penalties or not seq.output_ids:
             continue
-        if seq.output_ids and (p.presence_penalty or p.frequency_penalty):
+        if p.presence_penalty or p.frequency_penalty:
             counts = torch.bincount(torch.tensor(seq.output_ids), minlength=logits.shape[1]).to(logits)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), device=logits.device)
+            seen = torch.tensor(sorted(set(seq.output_ids)), device=logits.device)
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            logits[row, seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
 
 
 def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> None:

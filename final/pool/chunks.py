@@ -45,8 +45,10 @@ def plan_chunks(prompts: int, n: int, replicas: int, max_rows: int, chunk_rows: 
     return [Chunk(p, min(p + per, prompts), 0, n) for p in range(0, prompts, per)]
 
 
-def assemble(chunks: list[Chunk], done: dict[int, tuple[int, Any]], n: int) -> GenerationOutput:
-    """Chunk outputs -> one GenerationOutput, rows prompt-major as InferenceEngine returns them."""
+def assemble(chunks: list[Chunk], done: dict[int, tuple[int, Any]], n: int, version: int) -> GenerationOutput:
+    """Chunk outputs -> one GenerationOutput, rows prompt-major as InferenceEngine returns them; each row says the
+    replica that ran it and the pool's weights version (a restarted replica replays the updates: its own count
+    can differ)."""
     total = sum(len(c.rows()) for c in chunks)
     completions: list = [None] * total
     token_ids: list = [None] * total
@@ -59,5 +61,5 @@ def assemble(chunks: list[Chunk], done: dict[int, tuple[int, Any]], n: int) -> G
             g = p * n + s
             completions[g], token_ids[g] = out.completions[j], out.token_ids[j]
             meta = out.metadata[j] if j < len(out.metadata) else {}
-            metadata[g] = {**meta, "prompt_index": p, "sample_index": s, "replica": replica}
+            metadata[g] = {**meta, "prompt_index": p, "sample_index": s, "replica": replica, "weights_version": version}
     return GenerationOutput(completions, token_ids, metadata, n)

@@ -14,9 +14,12 @@
   on one engine.
 - Cartridges are loaded on every replica: any row can then run anywhere, so load sharing and retries need no
   routing, at the cost of one copy per replica (small next to the model).
-- A replica that dies (killed, crashed, out of memory) is dropped for good and its unfinished chunk goes back to
-  the front of the queue; results are taken once per chunk, so no row is lost or duplicated. With none left,
-  ReplicaError names every dead replica and why.
+- A replica that dies (killed, crashed, out of memory) is restarted in the background (up to max_restarts times,
+  then dropped for good) and brought to the pool's weights and cartridges before it takes rows (replicas.py).
+  Its unfinished chunk goes back to the front of the queue, once: a chunk whose second replica dies too fails the
+  call with ReplicaError naming both (a row that kills every replica must not kill the pool). Results are taken
+  once per chunk, so no row is lost or duplicated; each row reports the pool's weights version. With no replica
+  serving and none being restarted, ReplicaError names every dead replica and why.
 - limits.max_queued_rows and limits.deadline_s hold at the pool's door as on one engine (OverloadedError,
   DeadlineError); a call cancelled or past its deadline stops handing out chunks, and the chunks already on a
   replica finish there (Ray cannot interrupt a running actor call), their rows dropped.
@@ -26,8 +29,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -40,14 +41,20 @@ from final.request import CallRules, Request, prepare, prepare_score
 from final.versions import PolicyVersions
 from final.weights import named_tensors
 from final.pool.chunks import Chunk, assemble, plan_chunks
-from final.pool.replica import (acquire_ray, cause, config_dict, deaths, forget_pool, raise_cause, reason,
-                                release_ray, start_replicas, stop_actors, watch_pool)
+from final.pool.dispatch import dispatch
+from final.pool.replica import (acquire_ray, config_dict, forget_pool, release_ray, replica_spec, start_replicas,
+                                stop_actors, watch_pool)
+from final.pool.replicas import Replicas
+
+POOL_OPTIONS = ("num_gpus", "num_cpus", "runtime_env", "chunk_rows", "start_timeout_s", "max_restarts")
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
     """An InferenceEngine when one replica in this process will do (Ray is never started), else a ReplicaPool.
 
-    replicas / ray_address default to the config's `replicas:` / `ray_address:` keys."""
+    replicas / ray_address default to the config's `replicas:` / `ray_address:` keys; ReplicaPool's own options
+    (num_cpus, max_restarts, ...) go to the pool, the rest are config overrides."""
+    options = {k: overrides.pop(k) for k in POOL_OPTIONS if k in overrides}
     cfg = load_config(config, overrides)
     replicas = check_replicas(cfg.replicas if replicas is None else replicas)
     ray_address = check_ray_address(cfg.ray_address if ray_address is None else ray_address)
@@ -55,7 +62,7 @@ def open_engine(config: str | Path | dict | None = None, *, replicas: int | None
         from final.inf import InferenceEngine
 
         return InferenceEngine(config, **overrides)
-    return ReplicaPool(config, replicas=replicas, ray_address=ray_address, **overrides)
+    return ReplicaPool(config, replicas=replicas, ray_address=ray_address, **options, **overrides)
 
 
 class ReplicaPool:
@@ -65,22 +72,23 @@ class ReplicaPool:
     def __init__(self, config: str | Path | dict | None = None, *, replicas: int | None = None,
                  ray_address: str | None = None, num_gpus: float | None = None, num_cpus: float | None = None,
                  runtime_env: dict | None = None, chunk_rows: int | None = None, start_timeout_s: float = 600.0,
-                 **overrides: Any):
+                 max_restarts: int = 3, **overrides: Any):
         """num_gpus / num_cpus per replica default to one GPU when the cluster has GPUs, else an equal share of
         its CPUs; runtime_env is Ray's (e.g. a working_dir for a multi-node cluster); chunk_rows overrides the
-        chunk size (rows per generate call on a replica)."""
+        chunk size (rows per generate call on a replica); max_restarts: how often each replica is restarted after
+        its process died before it is dropped for good (0: never)."""
         self.config = load_config(config, overrides)  # a bad config fails here, before Ray starts
         self.replicas = check_replicas(self.config.replicas if replicas is None else replicas)
         address = check_ray_address(self.config.ray_address if ray_address is None else ray_address)
         self.chunk_rows = chunk_rows
-        self._dead: dict[int, str] = {}
         self._closed = False
         self._admission = Admission(self.config.limits.max_queued_rows)
         self._versions = PolicyVersions()  # one version for every replica: no call sees two
         self._owns_ray = acquire_ray(address, self.replicas)
         try:
-            self._actors, self.info = start_replicas(self.replicas, config_dict(config), overrides, num_gpus,
-                                                     num_cpus, runtime_env, start_timeout_s)
+            spec = replica_spec(self.replicas, config_dict(config), overrides, num_gpus, num_cpus, runtime_env)
+            self._replicas = Replicas(spec, *start_replicas(self.replicas, spec, start_timeout_s), max_restarts,
+                                      start_timeout_s)
         except BaseException:
             release_ray(self._owns_ray)
             raise
@@ -99,18 +107,42 @@ class ReplicaPool:
     # ---- public API ----------------------------------------------------------------------------------
     @property
     def alive(self) -> list[int]:
-        """Indices of the replicas still serving."""
-        return [i for i in range(self.replicas) if i not in self._dead]
+        """Indices of the replicas serving (neither dead for good nor being restarted)."""
+        return self._replicas.alive
 
     @property
     def actors(self) -> list:
-        """The Ray actor handles, by replica index (dead ones included)."""
-        return list(self._actors)
+        """The Ray actor handles, by replica index (each replica's latest start)."""
+        return list(self._replicas.actors)
+
+    @property
+    def info(self) -> list[dict]:
+        """Each replica's node, pid, GPUs and threads (its latest start)."""
+        return list(self._replicas.info)
 
     @property
     def dead(self) -> dict[int, str]:
-        """Dead replicas: index -> why Ray says it died."""
-        return dict(self._dead)
+        """Replicas dropped for good: index -> why Ray says it died (and why its restart failed, if it did)."""
+        return dict(self._replicas.dead)
+
+    @property
+    def restarts(self) -> list[int]:
+        """How many times each replica has been restarted after its process died."""
+        return list(self._replicas.restarts)
+
+    @property
+    def max_restarts(self) -> int:
+        """Restarts allowed per replica before it is dropped for good."""
+        return self._replicas.max_restarts
+
+    @max_restarts.setter
+    def max_restarts(self, value: int) -> None:
+        self._replicas.max_restarts = value
+
+    def wait_for_replicas(self, timeout: float | None = None) -> list[int]:
+        """Wait until no replica is being restarted (each then serves the pool's weights and cartridges, or is
+        dead for good); returns the replicas serving."""
+        return self._replicas.wait(timeout)
 
     @property
     def rules(self) -> CallRules:
@@ -155,16 +187,16 @@ class ReplicaPool:
     async def arun(self, request: Request) -> GenerationOutput:
         """Run a prepared request: its chunks go to whichever replica is free (see the module doc)."""
         self._require_open()
-        if not self.alive:
-            raise self._no_replica_left()
+        if not self.alive and not self._replicas.restarting:
+            raise self._replicas.none_left()
         with self._admission.hold(request.rows):
             return await within_deadline(self._arun(request), self.config.limits.deadline_s)
 
     async def _arun(self, request: Request) -> GenerationOutput:
-        async with self._versions.areading():
-            return await self._arun_chunks(request)
+        async with self._versions.areading() as version:
+            return await self._arun_chunks(request, version)
 
-    async def _arun_chunks(self, request: Request) -> GenerationOutput:
+    async def _arun_chunks(self, request: Request, version: int) -> GenerationOutput:
         n = request.n
         chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
         bar = progress_bar(request.rows) if request.show_progress else None
@@ -173,7 +205,7 @@ class ReplicaPool:
         finally:
             if bar is not None:
                 bar.close()
-        return assemble(chunks, done, n)
+        return assemble(chunks, done, n, version)
 
     async def astream(self, request: Request) -> AsyncIterator[Completion]:
         """InferenceEngine.astream: replicas return whole rows, so each arrives once, complete."""
@@ -202,17 +234,19 @@ class ReplicaPool:
         self._require_open()
         kwargs = {"id": id, "source": source, "path": path, "force_redownload": force_redownload, "pin": pin,
                   "positions": positions}
-        results = self._on_all("load_cartridge", kwargs)
-        loaded = [r for r, v in results.items() if not isinstance(v, BaseException)]
-        failed = [v for v in results.values() if isinstance(v, BaseException)]
-        if failed:
-            if loaded:
-                self._on_all("unload_cartridge", results[loaded[0]], only=loaded)
-            raise failed[0]
-        ids = set(results.values())
-        if len(ids) != 1:
-            raise EngineError(f"replicas loaded the cartridge under different ids {sorted(ids)}")
-        cid = ids.pop()
+        with self._replicas.lock:  # a replica restarted meanwhile loads it from the record
+            results = self._on_all("load_cartridge", kwargs)
+            loaded = [r for r, v in results.items() if not isinstance(v, BaseException)]
+            failed = [v for v in results.values() if isinstance(v, BaseException)]
+            if failed:
+                if loaded:
+                    self._on_all("unload_cartridge", results[loaded[0]], only=loaded)
+                raise failed[0]
+            ids = set(results.values())
+            if len(ids) != 1:
+                raise EngineError(f"replicas loaded the cartridge under different ids {sorted(ids)}")
+            cid = ids.pop()
+            self._replicas.loaded(cid, kwargs)
         if self._cartridges is not None and cid not in self._cartridges:
             self._cartridges.append(cid)
         return cid
@@ -220,7 +254,9 @@ class ReplicaPool:
     def unload_cartridge(self, cartridge_id: str) -> bool:
         """Forget a cartridge on every replica; True if a replica had it."""
         self._require_open()
-        results = self._on_all_or_raise("unload_cartridge", cartridge_id)
+        with self._replicas.lock:
+            results = self._on_all_or_raise("unload_cartridge", cartridge_id)
+            self._replicas.unloaded(cartridge_id)
         if self._cartridges is not None and cartridge_id in self._cartridges:
             self._cartridges.remove(cartridge_id)
         return any(results.values())
@@ -237,8 +273,9 @@ class ReplicaPool:
         in replica order (or the one result). fn must be picklable by Ray (cloudpickle)."""
         self._require_open()
         if replica is not None and replica not in self.alive:
+            dead = self._replicas.dead
             raise ReplicaError(f"replica {replica} is not serving; alive: {self.alive}",
-                               {replica: self._dead[replica]} if replica in self._dead else None)
+                               {replica: dead[replica]} if replica in dead else None)
         results = self._on_all_or_raise("call", fn, only=None if replica is None else [replica])
         return results[replica] if replica is not None else [results[r] for r in sorted(results)]
 
@@ -251,8 +288,10 @@ class ReplicaPool:
 
         self._require_open()
         named = [(name, t.detach().to("cpu")) for name, t in named_tensors(weights)]
-        with self._versions.writing() as version:
-            self._on_all_or_raise("update_weights", ray.put(named), keep_cartridges)
+        with self._versions.writing() as version, self._replicas.lock:
+            ref = ray.put(named)
+            self._on_all_or_raise("update_weights", ref, keep_cartridges)
+            self._replicas.updated(ref, [name for name, _ in named], keep_cartridges)  # what a restart replays
         return version
 
     async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
@@ -284,7 +323,7 @@ class ReplicaPool:
         self._closed = True
         forget_pool(self)
         try:
-            stop_actors(self._actors, self.alive)
+            stop_actors(self._replicas.actors, self._replicas.close())
         finally:
             release_ray(self._owns_ray)
 
@@ -296,71 +335,11 @@ class ReplicaPool:
 
     # ---- internals -----------------------------------------------------------------------------------
     async def _dispatch(self, chunks: list[Chunk], args_for: Any, bar: Any) -> dict[int, tuple[int, Any]]:
-        """The work queue: each idle replica takes the next chunk; a dead replica's chunk goes back in front."""
-        queue, idle = deque(range(len(chunks))), deque(self.alive)
-        running: dict[asyncio.Future, tuple[int, int]] = {}
-        done: dict[int, tuple[int, Any]] = {}
-        try:
-            while queue or running:
-                while queue and idle:
-                    r = idle.popleft()
-                    if r not in self._dead:  # another call may have seen it die
-                        c = queue.popleft()
-                        running[self._submit(r, "run", args_for(chunks[c]))] = (r, c)
-                if not running:
-                    raise self._no_replica_left()
-                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for fut in finished:
-                    r, c = running.pop(fut)
-                    if self._take(fut, r):
-                        done[c] = (r, fut.result())
-                        idle.append(r)
-                        if bar is not None:
-                            bar.update(len(chunks[c].rows()))
-                    else:
-                        queue.appendleft(c)
-        finally:
-            for fut in running:  # an error or a cancelled call: drop what is still out (replicas finish it)
-                fut.cancel()
-        return done
-
-    def _take(self, fut: asyncio.Future, replica: int) -> bool:
-        """True if fut holds a result; False if its replica died (now recorded); raises the replica's error."""
-        import ray
-
-        try:
-            fut.result()
-        except deaths() as exc:
-            self._bury(replica, exc)
-            return False
-        except ray.exceptions.RayTaskError as exc:
-            raise_cause(exc)
-        return True
-
-    def _submit(self, replica: int, method: str, *args: Any) -> asyncio.Future:
-        ref = getattr(self._actors[replica], method).remote(*args)
-        return asyncio.wrap_future(ref.future())
+        return await dispatch(self._replicas, chunks, args_for, bar)
 
     def _on_all(self, method: str, *args: Any, only: list[int] | None = None) -> dict[int, Any]:
-        """Run a method on every live replica (or those in `only`): replica -> result or its exception."""
-        import ray
-
-        targets = [r for r in (only or self.alive) if r not in self._dead]
-        refs = {r: getattr(self._actors[r], method).remote(*args) for r in targets}
-        results: dict[int, Any] = {}
-        for r, ref in refs.items():
-            try:
-                results[r] = ray.get(ref)
-            except deaths() as exc:
-                self._bury(r, exc)
-            except ray.exceptions.RayTaskError as exc:
-                results[r] = cause(exc)
-        if not results:
-            if not self.alive:
-                raise self._no_replica_left()
-            raise ReplicaError(f"replicas {targets} died while running {method}",
-                               {r: self._dead[r] for r in targets if r in self._dead})
-        return results
+        """Run a method on every serving replica (or those in `only`): replica -> result or its exception."""
+        return self._replicas.on_all(method, *args, only=only)
 
     def _on_all_or_raise(self, method: str, *args: Any, only: list[int] | None = None) -> dict[int, Any]:
         """_on_all, raising the first replica's error (a typed error, as the replica's engine raised it)."""
@@ -369,18 +348,6 @@ class ReplicaPool:
             if isinstance(value, BaseException):
                 raise value
         return results
-
-    def _bury(self, replica: int, exc: BaseException) -> None:
-        import ray
-
-        self._dead.setdefault(replica, reason(exc))
-        try:  # an unreachable actor could come back: make its death final, so it never returns a row twice
-            ray.kill(self._actors[replica])
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
-    def _no_replica_left(self) -> ReplicaError:
-        return ReplicaError(f"no replica is left: all {self.replicas} replicas of the pool died", self._dead)
 
     def _require_open(self) -> None:
         if self._closed:

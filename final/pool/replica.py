@@ -13,9 +13,11 @@ import os
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from final.config import default_config_path, read_yaml
 from final.errors import ConfigError, FinalError, ReplicaError
 
 
@@ -73,35 +75,73 @@ class Replica:
             self.engine.shutdown()
 
 
-def start_replicas(replicas: int, config: dict, overrides: dict, num_gpus: float | None, num_cpus: float | None,
-                   runtime_env: dict | None, timeout: float) -> tuple[list, list[dict]]:
+@dataclass
+class ReplicaSpec:
+    """What starts a replica (the first time and after a death): the config, the caller's overrides, where it runs
+    (cwd, sys.path) and its share of the cluster."""
+
+    config: dict
+    overrides: dict
+    gpus: float
+    cpus: float
+    runtime_env: dict | None
+    cwd: str
+    sys_path: list[str]
+
+    def start(self, index: int) -> Any:
+        """A new Replica actor (building its engine); its ready() says when it serves."""
+        import ray
+
+        actor = ray.remote(Replica).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0,
+                                            runtime_env=self.runtime_env)
+        return actor.remote(index, self.config, self.overrides, self.cwd, self.sys_path, max(1, int(self.cpus)))
+
+
+def replica_spec(replicas: int, config: dict, overrides: dict, num_gpus: float | None, num_cpus: float | None,
+                 runtime_env: dict | None) -> ReplicaSpec:
+    gpus, cpus = resources(replicas, num_gpus, num_cpus)
+    return ReplicaSpec(config, overrides, gpus, cpus, runtime_env, os.getcwd(), list(sys.path))
+
+
+def start_replicas(replicas: int, spec: ReplicaSpec, timeout: float) -> tuple[list, list[dict]]:
     """Start `replicas` Replica actors and wait until each has built its engine: (actor handles, their info).
     A replica's start-up error (a bad model, a bad tools.yaml) is raised as the InferenceEngine raised it."""
-    import ray
-
-    gpus, cpus = resources(replicas, num_gpus, num_cpus)
-    actor = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env)
-    actors = [actor.remote(i, config, overrides, os.getcwd(), list(sys.path), max(1, int(cpus)))
-              for i in range(replicas)]
-    refs = [a.ready.remote() for a in actors]
+    actors = [spec.start(i) for i in range(replicas)]
     try:
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if pending:
-            raise ReplicaError(f"{len(pending)} of {replicas} replicas did not start within {timeout:g} s "
-                               f"(each asks the Ray cluster for {cpus:g} CPU and {gpus:g} GPU)",
-                               {refs.index(r): "not started" for r in pending})
-        info = []
-        for i, ref in enumerate(refs):
-            try:
-                info.append(ray.get(ref))
-            except deaths() as exc:
-                raise ReplicaError("a replica died while starting", {i: reason(exc)}) from None
-            except ray.exceptions.RayTaskError as exc:  # the InferenceEngine's own (typed) error
-                raise_cause(exc)
-        return actors, info
+        return actors, wait_ready(actors, spec, timeout)
     except BaseException:
         stop_actors(actors, [])
         raise
+
+
+def start_one(spec: ReplicaSpec, index: int, timeout: float) -> tuple[Any, dict]:
+    """One replica (a restart): its actor and info, or the start's error (its actor ended)."""
+    actor = spec.start(index)
+    try:
+        return actor, wait_ready([actor], spec, timeout, first=index)[0]
+    except BaseException:
+        stop_actors([actor], [])
+        raise
+
+
+def wait_ready(actors: list, spec: ReplicaSpec, timeout: float, first: int = 0) -> list[dict]:
+    import ray
+
+    refs = [a.ready.remote() for a in actors]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        raise ReplicaError(f"{len(pending)} of {len(refs)} replicas did not start within {timeout:g} s "
+                           f"(each asks the Ray cluster for {spec.cpus:g} CPU and {spec.gpus:g} GPU)",
+                           {first + refs.index(r): "not started" for r in pending})
+    info = []
+    for i, ref in enumerate(refs):
+        try:
+            info.append(ray.get(ref))
+        except deaths() as exc:
+            raise ReplicaError("a replica died while starting", {first + i: reason(exc)}) from None
+        except ray.exceptions.RayTaskError as exc:  # the InferenceEngine's own (typed) error
+            raise_cause(exc)
+    return info
 
 
 _ray_lock = threading.Lock()
@@ -198,13 +238,14 @@ def raise_cause(exc: BaseException) -> None:
     raise inner from exc  # anything else keeps the replica's traceback
 
 
-def config_dict(config: str | Path | dict) -> dict:
-    """The config as a dict: replicas on other nodes may not see the caller's file."""
+def config_dict(config: str | Path | dict | None) -> dict:
+    """The config as a dict (None: the default config InferenceEngine() reads, found here): replicas on other nodes
+    may not see the caller's file."""
     import copy
 
-    import yaml
-
-    return copy.deepcopy(config) if isinstance(config, dict) else yaml.safe_load(Path(config).read_text())
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    return read_yaml(default_config_path() if config is None else Path(config))
 
 
 # ---- pools left open at exit -----------------------------------------------------------------------------

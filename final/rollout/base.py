@@ -35,7 +35,9 @@ from final.sampling import CONSTRAINT_KEYS, Sampling
 BASIC_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "n", "seed", "stop", "ignore_eos",
                         "presence_penalty", "frequency_penalty"})
 ALL_KEYS = BASIC_KEYS | {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "stop_token_ids"}
-NO_OP = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_token_ids": []}
+# each key's value that changes nothing (veRL sends them): passes where the key itself is refused
+NO_OP = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_token_ids": [],
+         "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # what a backend that decodes under a grammar serves: every key, the constraints (json_schema, regex, ebnf,
 # structural_tag) included
 CONSTRAINED_KEYS = ALL_KEYS | frozenset(CONSTRAINT_KEYS)

@@ -10,8 +10,10 @@ geoff/cartridges) and against `final serve`.
 Config (`rollout.custom`, seed 000):
     tokasaurus_url  "http://localhost:10210"   the server
     cartridges      []                         specs {id, source, force_redownload} sent with every row
-    max_retries     5                          retries after the first attempt (connection errors, timeouts, 5xx;
-                                               never 4xx), waiting retry_delay * 2**i between them
+    max_retries     5                          retries after the first attempt (connection errors, timeouts, 5xx,
+                                               and a busy server's 429 after its Retry-After; never other 4xx),
+                                               waiting retry_delay * 2**i between them (plus up to 20% jitter);
+                                               then OverloadedError (still 429) or BackendUnavailableError
     base_timeout    120.0                      seconds for attempt 0; attempt i gets base_timeout * 1.5**i
     retry_delay     2.0                        ours (seed 000's implementation hard-codes 2.0)
     weights_dir     null                       ours: update_weights writes the tensors here for the server to
@@ -38,7 +40,7 @@ from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
 from final.protocol.cartridge_spec import check_cartridge_specs
 from final.protocol.fingerprint import read_fingerprint
-from final.protocol.http import RequestRejectedError, RetryPolicy, apost_json
+from final.protocol.http import RequestRejectedError, RetryPolicy, apost_json, async_client
 from final.protocol.weights import UPDATE_PATH, rejected, update_body, update_result
 from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
@@ -156,14 +158,11 @@ class TokasaurusEngine:
     calls from any thread or loop overlap; each row is retried by final.protocol.http's policy."""
 
     def __init__(self, settings: TokasaurusSettings, max_connections: int, need_logprobs: bool):
-        import httpx
-
         self.settings = settings
         self.need_logprobs = need_logprobs
         self.policy = RetryPolicy(settings.max_retries, settings.retry_delay, 2.0, max_delay=600.0)
         self._loop = LoopThread("final-tokasaurus")
-        limits = httpx.Limits(max_connections=max(1, max_connections))
-        self._http = self._loop.submit(_client(settings.base_timeout, limits)).result()
+        self._http = self._loop.submit(_client(settings.base_timeout, max(1, max_connections))).result()
         self._closed = False
 
     async def async_generate(self, input_ids: Any = None, sampling_params: Any = None, return_logprob: Any = False,
@@ -252,10 +251,9 @@ class TokasaurusEngine:
         return finish(outputs) if finish is not None else outputs
 
 
-async def _client(timeout: float, limits: Any) -> Any:
-    import httpx
-
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+async def _client(timeout: float, max_connections: int) -> Any:
+    """The client, made on the loop thread that uses it."""
+    return async_client(timeout, max_connections)
 
 
 class TokasaurusRollout(EngineRollout):

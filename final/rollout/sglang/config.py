@@ -21,7 +21,9 @@ import os
 from typing import Any, Mapping
 
 from final import compat, process_group as dist
-from final.errors import BackendUnavailableError, ConfigError, SamplingError
+from final.errors import BackendUnavailableError, ConfigError, SamplingError, UnsupportedError
+from final.rollout.base import NO_OP, Capabilities
+from final.sampling import CONSTRAINT_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -222,20 +224,60 @@ NO_GRAMMAR = {
 def refuse_constraints(params: dict) -> None:
     """UnsupportedError naming the lane for a constraint key (json_schema, regex, ebnf, structural_tag): SGLang
     would otherwise assert in its scheduler (0.5.2) or abort the row (0.5.12)."""
-    from final.errors import UnsupportedError
-    from final.sampling import CONSTRAINT_KEYS
-
     for key in CONSTRAINT_KEYS:
         if params.get(key) is not None:
             raise UnsupportedError("sglang", key, f"not supported by the sglang backend ({compat.LANE} lane): "
                                                   f"{NO_GRAMMAR[compat.LANE]}")
 
 
-def check_sampling_kwargs(kwargs: dict) -> None:
-    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
+# Sampling keys an SGLang engine takes but does not serve as the embedded engine does (final/engine/sampler.py has
+# SGLang's meaning of each key): the backend refuses them (UnsupportedError; a ConfigError for a config default)
+# rather than answer differently. key -> why.
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+OVERLAP = ("SGLang's overlap scheduler (on unless rollout.engine_kwargs.sglang.disable_overlap_schedule: true) "
+           "counts a row's generated tokens for the penalties one step late, and the prompt's last token as "
+           "generated (ScheduleBatch.prepare_for_decode's delayed_output_ids), so penalised rows differ from the "
+           "embedded engine's; set disable_overlap_schedule: true to use the penalties")
+UNSERVED_BY_052 = {
+    "repetition_penalty": "SGLang 0.5.2 accepts repetition_penalty and never applies it (its "
+                          "sglang/srt/sampling/penaltylib has no repetition penalizer): use presence_penalty / "
+                          "frequency_penalty, or the verl09 lane (SGLang 0.5.12 applies it)",
+    "min_new_tokens": "SGLang 0.5.2's min-new-tokens penalizer reads the request's tokenizer, which veRL's "
+                      "skip_tokenizer_init leaves None: the scheduler dies (AttributeError). Use the verl09 lane "
+                      "(SGLang 0.5.12) or the local backend",
+}
+
+
+def unserved_keys(engine_kwargs: Mapping[str, Any] | None, also: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The sampling keys this engine would not serve as the embedded engine does (key -> why): the penalties
+    under the overlap scheduler, and `also` (a lane's own, e.g. UNSERVED_BY_052)."""
+    sglang = (engine_kwargs or {}).get("sglang") or {}
+    unserved = {} if sglang.get("disable_overlap_schedule") else dict.fromkeys(PENALTIES, OVERLAP)
+    return {**unserved, **(also or {})}
+
+
+def refusing(capabilities: Capabilities, unserved: Mapping[str, str]) -> Capabilities:
+    """The backend's capabilities without the unserved keys (their reasons as the refusals' notes)."""
+    return dataclasses.replace(capabilities, sampling_keys=capabilities.sampling_keys - set(unserved),
+                               notes=capabilities.notes + tuple(unserved.items()))
+
+
+def check_sampling_kwargs(kwargs: dict, unserved: Mapping[str, str] | None = None) -> None:
+    """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject or not serve as
+    the embedded engine does, by name (no-op values pass: veRL sends them)."""
     refuse_constraints(kwargs)
-    for key in kwargs:
+    for key, value in kwargs.items():
         if key == "seed":
             raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",
                                 key)
         check_sampling_key(key)
+        if key in (unserved or {}) and value != NO_OP.get(key, object()):
+            raise UnsupportedError("sglang", key, unserved[key])
+
+
+def check_applied_defaults(rollout: Mapping[str, Any], unserved: Mapping[str, str], path: str | None = None) -> None:
+    """The config's sampling defaults go into every request: one the engine would not serve as the embedded
+    engine does is a ConfigError at start."""
+    for key, why in unserved.items():
+        if rollout.get(key) is not None and rollout[key] != NO_OP.get(key):
+            raise ConfigError(f"is {rollout[key]!r}, but {why}", key=f"rollout.{key}", path=path)

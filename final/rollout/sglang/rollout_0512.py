@@ -42,7 +42,8 @@ from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.rollout.base import Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang.config import NO_GRAMMAR, preflight, require_sglang, sglang_device, translate_config
+from final.rollout.sglang.config import (NO_GRAMMAR, check_applied_defaults, preflight, refusing, require_sglang, sglang_device,
+                                        translate_config, unserved_keys)
 from final.rollout.sglang.engine_0512 import NO_SEED, DirectSGLangEngine
 from final.rollout.sglang.procs import survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
@@ -83,6 +84,8 @@ class DirectSGLangRollout(EngineRollout):
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
+        check_applied_defaults(engine_config.rollout, unserved_keys(engine_config.rollout.get("engine_kwargs")),
+                               engine_config.source)
         preflight(engine_config)
 
     def __init__(self, config: Any, model_config: Any):
@@ -90,6 +93,7 @@ class DirectSGLangRollout(EngineRollout):
         require_sglang(device)
         survive_sigquit()  # SGLang's watchdog SIGQUITs this process when a child dies (main thread only: else no-op)
         args = server_args(config, device)
+        self.capabilities = refusing(self.capabilities, unserved_keys(config.engine_kwargs))
         if not args.get("enable_deterministic_inference"):
             # SGLang 0.5.12 reads a request's sampling_seed only under deterministic inference (sampling_batch_info
             # builds the seeds only then): without it a seed would be silently ignored, so it is refused instead

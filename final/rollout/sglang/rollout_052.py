@@ -39,8 +39,8 @@ from final import process_group as dist
 from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.errors import EngineError
 from final.rollout.base import Backend, Capabilities, Observer, constraint_notes
-from final.rollout.sglang.config import NO_GRAMMAR, check_sampling_kwargs, preflight, require_sglang, sglang_device, \
-    translate_config
+from final.rollout.sglang.config import (NO_GRAMMAR, UNSERVED_BY_052, check_applied_defaults, check_sampling_kwargs, preflight,
+                                        refusing, require_sglang, sglang_device, translate_config, unserved_keys)
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
 from final.rollout.thread import RolloutThread
@@ -107,6 +107,8 @@ class SGLangRollout(Backend):
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
+        unserved = unserved_keys(engine_config.rollout.get("engine_kwargs"), UNSERVED_BY_052)
+        check_applied_defaults(engine_config.rollout, unserved, engine_config.source)
         preflight(engine_config)
 
     def __init__(self, config: Any, model_config: Any):
@@ -119,6 +121,8 @@ class SGLangRollout(Backend):
         have_flashinfer = importlib.util.find_spec("flashinfer") is not None
         gpus = torch.cuda.device_count() if device != "cpu" else 1
         self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer, gpus)
+        self._unserved = unserved_keys(config.engine_kwargs, UNSERVED_BY_052)
+        self.capabilities = refusing(self.capabilities, self._unserved)
         self.device = device
         self._model_dir = model_config.local_path
         self.merged = MergedAdapter(FolderBase(self._model_dir))  # a trainer's adapter, sent as merged weights
@@ -147,12 +151,12 @@ class SGLangRollout(Backend):
     # ---- generation -----------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
         """veRL's generate_sequences (DataProto in, DataProto out), run on the engine's thread."""
-        check_sampling_kwargs(kwargs)
+        check_sampling_kwargs(kwargs, self._unserved)
         return _rows_done(self._call(lambda: self._rollout.generate_sequences(prompts, **kwargs)), observer)
 
     async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
         """Awaitable generate_sequences: the caller's event loop keeps running meanwhile."""
-        check_sampling_kwargs(kwargs)
+        check_sampling_kwargs(kwargs, self._unserved)
         fut = asyncio.wrap_future(self._submit(lambda: self._rollout.generate_sequences(prompts, **kwargs)))
         await asyncio.wait({fut})
         return _rows_done(self._result(fut.result), observer)
