@@ -85,18 +85,17 @@ def valid(text: str, schema: dict) -> bool:
 def validity(engine: EmbeddedEngine, tok, split: str, max_tokens: int) -> dict:
     data = json.loads(DATA.read_text())
     rows = [r for r in data["prompts"] if split == "all" or r["split"] == split]
+    schemas = [data["schemas"][row["schema"]] for row in rows]
+    ids = [tok.apply_chat_template([{"role": "user", "content": f"{row['prompt']}\nAnswer with only a JSON object "
+                                     f"matching this JSON schema:\n{json.dumps(schema)}"}], add_generation_prompt=True)
+           for row, schema in zip(rows, schemas)]
     result = {}
-    for constrained in (False, True):
-        ok = 0
-        for row in rows:
-            schema = data["schemas"][row["schema"]]
-            ask = f"{row['prompt']}\nAnswer with only a JSON object matching this JSON schema:\n{json.dumps(schema)}"
-            ids = tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
-            params = {"max_new_tokens": max_tokens, "temperature": 0}
-            if constrained:
-                params["json_schema"] = json.dumps(schema)
-            out = engine.generate(ids, params)
-            ok += valid(tok.decode(out["output_ids"], skip_special_tokens=True), schema)
+    for constrained in (False, True):  # greedy: one batched call per side
+        params = [{"max_new_tokens": max_tokens, "temperature": 0,
+                   **({"json_schema": json.dumps(schema)} if constrained else {})} for schema in schemas]
+        outs = engine.generate(ids, params)
+        ok = sum(valid(tok.decode(o["output_ids"], skip_special_tokens=True), schema)
+                 for o, schema in zip(outs, schemas))
         result["constrained" if constrained else "unconstrained"] = f"{ok}/{len(rows)} ({100 * ok / len(rows):.0f}%)"
     return result
 
