@@ -132,10 +132,7 @@ class GrammarCompiler:
 
     def _compile(self, key: str, text: str) -> llg.LLMatcher:
         grammar = grammar_text(key, text)
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=self.limits)
-        if failed:
-            raise SamplingError(f"cannot be compiled: {_cut(messages[0])}", key)
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)  # errors: is_error()
         if matcher.is_error():
             raise SamplingError(f"cannot be compiled: {_cut(matcher.get_error())}", key)
         self.compiles += 1
