@@ -58,7 +58,7 @@ def test_it_is_the_real_sglang_0_5_12_engine(pair):
     engine = rollout.engine.engine
     assert isinstance(engine, Engine)
     args = engine.server_args
-    assert (args.tp_size, args.device, args.skip_tokenizer_init, args.grammar_backend) == (1, "cpu", False, "none")
+    assert (args.tp_size, args.device, args.skip_tokenizer_init, args.grammar_backend) == (1, "cpu", False, "final")
     assert args.port + 10000 <= 65535  # SGLang 0.5.12's gRPC port is port + 10000
     assert rollout.engine.processes and all(p.is_running() for p in rollout.engine.processes)
 
@@ -197,6 +197,35 @@ def test_what_it_cannot_serve_is_refused_before_any_work(engine):
     asyncio.run(stream())
     # multi-turn on: each row arrives whole, as on every backend (token streams: sglang_direct_cartridge_cases.py)
     assert len(rows) == 1 and rows[0].finish_reason in ("stop", "length")
+    assert eng.generate("hi", temperature=0, max_tokens=2).completions  # still serving
+
+
+def test_constraints_are_served_as_on_the_embedded_engine(engine):
+    """final's grammar backend in SGLang's scheduler: the same masks, so greedy rows equal the embedded engine's,
+    and every output is valid; a bad constraint is the same typed error."""
+    import json
+
+    from final.errors import SamplingError
+
+    eng, local = engine
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"], "x-guidance": {
+        "whitespace_flexible": False}, "properties": {"ok": {"type": "boolean"}}}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "A: "}, {"type": "regex", "pattern": "[0-9]{2}"}]}}
+    for key, value in (("json_schema", schema), ("regex", "(yes|no)[0-9]"), ("ebnf", 'root ::= "x" [a-c]+ "."'),
+                       ("structural_tag", tag)):
+        call = dict(prompts=["Hi", "JSON please"], temperature=0, max_tokens=12, **{key: value})
+        out, ref = eng.generate(**call), local.generate(**call)
+        assert out.token_ids == ref.token_ids and out.completions == ref.completions, key
+    assert all(json.loads(t) in ({"ok": True}, {"ok": False}) for t in eng.generate(
+        ["Hi", "Ho"], json_schema=schema, temperature=0, max_tokens=12).completions)
+    for bad in ({"regex": "(a"}, {"json_schema": "{"}):
+        fields = []
+        for backend in (eng, local):
+            with pytest.raises(SamplingError) as err:
+                backend.generate("hi", max_tokens=4, **bad)
+            fields.append(err.value.field)
+        assert fields == [next(iter(bad))] * 2
     assert eng.generate("hi", temperature=0, max_tokens=2).completions  # still serving
 
 

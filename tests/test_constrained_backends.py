@@ -70,18 +70,20 @@ def test_tokasaurus_refuses_constraints_naming_what_serves_them(key):
 
 
 @pytest.mark.parametrize("key", CONSTRAINT_KEYS)
-def test_sglang_lanes_refuse_constraints_naming_the_lane(key):
-    with pytest.raises(UnsupportedError) as info:
-        refuse_constraints({key: "x", "temperature": 1.0})
-    assert info.value.field == key and compat.LANE in str(info.value) and "rollout.name: local" in str(info.value)
-    refuse_constraints({"temperature": 1.0, key: None})
+def test_sglang_lanes_serve_or_refuse_constraints_naming_the_lane(key):
+    """verl06 (SGLang 0.5.2 with skip_tokenizer_init): refused; verl09 (SGLang 0.5.12): served with final's grammar
+    backend (tests/sglang_direct_cases.py runs it)."""
+    parsed = parse_sampling({key: VALUES[key]}, response_length=8)
     if compat.LANE == "verl06":
         from final.rollout.sglang.rollout_052 import SGLangRollout
 
-        caps = SGLangRollout.capabilities
+        with pytest.raises(UnsupportedError) as info:
+            refuse_constraints({key: "x", "temperature": 1.0})
+        assert info.value.field == key and "verl06" in str(info.value) and "rollout.name: local" in str(info.value)
+        refuse_constraints({"temperature": 1.0, key: None})
+        with pytest.raises(UnsupportedError, match="grammar"):
+            SGLangRollout.capabilities.check("sglang", parsed)
     else:
         from final.rollout.sglang.rollout_0512 import DirectSGLangRollout
 
-        caps = DirectSGLangRollout.capabilities
-    with pytest.raises(UnsupportedError, match="grammar"):
-        caps.check("sglang", parse_sampling({key: VALUES[key]}, response_length=8))
+        DirectSGLangRollout.capabilities.check("sglang", parsed)

@@ -100,7 +100,8 @@ def test_penalties_change_the_distribution(tiny_engine):
 @pytest.mark.parametrize("params, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": 0}, "top_k"), ({"n": 0}, "n"), ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"min_p": 2}, "min_p"), ({"bogus": 1}, "bogus"), ({"regex": "a+"}, "regex"), ({"seed": "x"}, "seed"),
+    ({"min_p": 2}, "min_p"), ({"bogus": 1}, "bogus"), ({"regex": "(a+"}, "regex"), ({"seed": "x"}, "seed"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"regex": "a", "json_schema": "{}"}, "regex"),
 ])
 def test_bad_sampling_params_are_typed_and_engine_keeps_serving(tiny_engine, params, field):
     with pytest.raises(SamplingError) as err:

@@ -132,10 +132,7 @@ class GrammarCompiler:
 
     def _compile(self, key: str, text: str) -> llg.LLMatcher:
         grammar = grammar_text(key, text)
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=self.limits)
-        if failed:
-            raise SamplingError(f"cannot be compiled: {_cut(messages[0])}", key)
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)  # errors: is_error()
         if matcher.is_error():
             raise SamplingError(f"cannot be compiled: {_cut(matcher.get_error())}", key)
         self.compiles += 1
@@ -165,6 +162,12 @@ class RowGrammar:
                                f"{_cut(self.matcher.get_error())}")
 
 
+def banned_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [B, vocab]: True where a bitmask (int32 words, bit t%32 of word t//32) does not allow token t."""
+    allowed = np.unpackbits(bits.cpu().numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(allowed == 0)
+
+
 def mask_logits(logits: torch.Tensor, grammars: list[RowGrammar | None], stop_ids: list[frozenset[int]]) -> None:
     """Set logits [B,V] of tokens each constrained row's grammar does not allow to -inf (in place). A row whose
     grammar could end here may also take any of its stop tokens (EOS, stop_token_ids)."""
@@ -172,11 +175,11 @@ def mask_logits(logits: torch.Tensor, grammars: list[RowGrammar | None], stop_id
     vocab = logits.shape[1]
     bits = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
     ends = [grammars[i].fill(bits, j) for j, i in enumerate(rows)]
-    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = banned_tokens(bits, vocab)
     for j, (i, end) in enumerate(zip(rows, ends)):
         if end and stop_ids[i]:
-            allowed[j, [t for t in stop_ids[i] if t < vocab]] = 1
-    banned = torch.from_numpy(allowed == 0).to(logits.device)
+            banned[j, [t for t in stop_ids[i] if t < vocab]] = False
+    banned = banned.to(logits.device)
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(banned, float("-inf"))
     else:

@@ -211,23 +211,18 @@ def check_sampling_key(key: str) -> None:
         raise SamplingError(f"is not an SGLang {_installed()} sampling parameter ({', '.join(sorted(allowed))})", key)
 
 
-# Why neither SGLang lane constrains decoding (the local backend does: final/engine/grammar.py)
-NO_GRAMMAR = {
-    "verl06": "veRL 0.6.0 starts SGLang 0.5.2 with skip_tokenizer_init, where SGLang has no grammar backend (its "
-              "scheduler asserts one): use rollout.name: local",
-    "verl09": "the verl09 lane starts SGLang 0.5.12 with grammar_backend none: its xgrammar backend needs xgrammar "
-              "0.2.0, which this lane does not install, and its llguidance backend reads only legacy structural "
-              "tags; use rollout.name: local",
-}
+# Why the verl06 lane's SGLang cannot constrain decoding (the local backend and the verl09 lane's SGLang 0.5.12,
+# with final's grammar backend, do)
+NO_GRAMMAR = ("veRL 0.6.0 starts SGLang 0.5.2 with skip_tokenizer_init, where SGLang has no grammar backend (its "
+              "scheduler asserts one): use rollout.name: local, or the verl09 lane's sglang backend")
 
 
 def refuse_constraints(params: dict) -> None:
-    """UnsupportedError naming the lane for a constraint key (json_schema, regex, ebnf, structural_tag): SGLang
-    would otherwise assert in its scheduler (0.5.2) or abort the row (0.5.12)."""
+    """UnsupportedError naming the lane for a constraint key (json_schema, regex, ebnf, structural_tag) on the
+    verl06 lane, where SGLang 0.5.2's scheduler would assert on it."""
     for key in CONSTRAINT_KEYS:
         if params.get(key) is not None:
-            raise UnsupportedError("sglang", key, f"not supported by the sglang backend ({compat.LANE} lane): "
-                                                  f"{NO_GRAMMAR[compat.LANE]}")
+            raise UnsupportedError("sglang", key, f"not supported by the sglang backend (verl06 lane): {NO_GRAMMAR}")
 
 
 # Sampling keys an SGLang engine takes but does not serve as the embedded engine does (final/engine/sampler.py has

@@ -26,13 +26,16 @@ from typing import Any, AsyncIterator, Callable
 
 import psutil
 
+from final.engine.grammar import GrammarCompiler
 from final.engine.messages import Submission
 from final.errors import EngineError, PromptError, SamplingError, UnsupportedError
+from final.models import model_eos_token_ids
 from final.rollout.sglang.cartridges import SGLangCartridges, check_prefix_hit, flush_until_idle, shift_starts
-from final.rollout.sglang.config import check_sampling_key, refuse_constraints
+from final.rollout.sglang.config import check_sampling_key
 from final.rollout.sglang.procs import (POLL_S, ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
                                         new_children)
 from final.rollout.thread import gather_or_cancel
+from final.sampling import CONSTRAINT_KEYS, constraint_texts
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,6 @@ def check_sampling_params(params: dict, vocab_size: int) -> None:
     request reaches the engine (SGLang raises TypeError / ValueError from its tokenizer manager)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    refuse_constraints(params)
     for key in params:
         check_sampling_key(key)
     try:
@@ -69,6 +71,9 @@ def engine_class() -> type:
 class DirectSGLangEngine:
     def __init__(self, model_path: str, args: dict, vocab_size: int):
         self.vocab_size = vocab_size
+        # constraints are compiled here too (cached), so a bad one is a SamplingError naming its key before any
+        # work, as on the embedded engine; the scheduler compiles them again with the same code (grammar_backend.py)
+        self.grammars = GrammarCompiler(model_path, vocab_size, model_eos_token_ids(model_path))
         self.seeds = bool(args.get("enable_deterministic_inference"))  # see NO_SEED
         self.loop = asyncio.new_event_loop()
         self.engine: Any = None
@@ -234,6 +239,10 @@ class DirectSGLangEngine:
             if not self.seeds:
                 raise UnsupportedError("sglang", "seed", NO_SEED)
             params["sampling_seed"] = seed
+        params.update(constraint_texts(params))  # SGLang takes JSON text
+        constraint = next(((key, params[key]) for key in CONSTRAINT_KEYS if params.get(key) is not None), None)
+        if constraint is not None:
+            self.grammars.row(*constraint)
         check_sampling_params(params, self.vocab_size)
         request = {"input_ids": ids, "sampling_params": params, "return_logprob": bool(return_logprob),
                    "rid": uuid.uuid4().hex}

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from final.adapters import FolderBase, MergedAdapter, lora_keywords
-from final.rollout.base import Capabilities, constraint_notes
+from final.rollout.base import CONSTRAINED_KEYS, Capabilities
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang.config import (NO_GRAMMAR, check_applied_defaults, preflight, refusing, require_sglang, sglang_device,
+from final.rollout.sglang.config import (check_applied_defaults, preflight, refusing, require_sglang, sglang_device,
                                         translate_config, unserved_keys)
 from final.rollout.sglang.engine_0512 import NO_SEED, DirectSGLangEngine
 from final.rollout.sglang.procs import survive_sigquit
@@ -66,9 +66,9 @@ def server_args(config: Any, device: str) -> dict:
     args = {"dtype": config.dtype, "mem_fraction_static": config.gpu_memory_utilization, "tp_size": 1,
             "load_format": config.load_format, "max_running_requests": config.max_num_seqs,
             "attention_backend": backend, "skip_tokenizer_init": False, "log_level": "warning",
-            # final passes no grammar constraints (json_schema/regex/ebnf are not sampling keys it serves), and
-            # SGLang's default, xgrammar, is a compiled package its scheduler would import for nothing
-            "grammar_backend": "none", **extra}
+            # constraints (json_schema, regex, ebnf, structural_tag) compile with the embedded engine's compiler,
+            # registered in the scheduler child (scheduler.py, grammar_backend.py): one behaviour on both backends
+            "grammar_backend": "final", **extra}
     if device == "cpu":
         args.setdefault("disable_cuda_graph", True)
         args.setdefault("disable_piecewise_cuda_graph", True)
@@ -77,10 +77,10 @@ def server_args(config: Any, device: str) -> dict:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True, notes=(
+    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True,
+                                sampling_keys=CONSTRAINED_KEYS, notes=(
         ("adapter", "not served per request on this lane yet: serve an adapter merged (update_weights with the "
-                    "adapter) or on the local backend"),
-        *constraint_notes(f"{NO_GRAMMAR['verl09']} (the verl09 lane)")))
+                    "adapter) or on the local backend"),))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:

@@ -102,7 +102,7 @@ class SGLangRollout(Backend):
     # a row made are in its metadata: engine_052 records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),
-        *constraint_notes(f"{NO_GRAMMAR['verl06']} (the verl06 lane)"),
+        *constraint_notes(f"{NO_GRAMMAR} (the verl06 lane)"),
         ("adapter", ADAPTERS_052)))
 
     @classmethod
