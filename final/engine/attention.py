@@ -317,6 +317,9 @@ class DecodePlan:
             return self.flash.flash_attn_with_kvcache(q, ck.transpose(1, 2), cv.transpose(1, 2),
                                                       cache_seqlens=self.seqlens, softmax_scale=self.scale,
                                                       causal=True)
+        if self.kernel is not None and self.fp32_cpu:  # the whole-step call's attention, prefix segments included
+            out = self.kernel.attend(q[:, 0].contiguous(), ck, cv, self.lengths, self.prefixes, layer, self.scale)
+            return out.view(B, 1, q.shape[2], q.shape[3])
         keys, values = ck[:B, :, : self.span], cv[:B, :, : self.span]
         if not self.groups and self.bias is not None:
             qg = q[:, 0].reshape(B, k.shape[2], -1, q.shape[-1])  # [B,Hkv,G,D]
@@ -326,9 +329,6 @@ class DecodePlan:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask[:, None, None, :],
                                                scale=self.scale, enable_gqa=True)
             return o.transpose(1, 2)
-        if self.kernel is not None and self.fp32_cpu:  # the whole-step call's attention, segments in one softmax
-            out = self.kernel.attend(q[:, 0].contiguous(), ck, cv, self.lengths, self.prefixes, layer, self.scale)
-            return out.view(B, 1, q.shape[2], q.shape[3])
         qg = group_q(q, k.shape[2])  # [B,Hkv,G,1,D]
         Hkv, G, D = qg.shape[1], qg.shape[2], qg.shape[4]
         o, lse = attend_lse(qg.reshape(B, Hkv, G, D), keys, values, self.scale, self.mask[:, None, None, :])

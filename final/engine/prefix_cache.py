@@ -5,13 +5,16 @@ per cartridge composition in front (its root key: the loaded cartridges' serials
 they give every later token are part of the key). A node holds its edge's tokens and their post-RoPE K/V as one
 contiguous allocation, [Hkv, n, D] a layer (a PrefixKV, the cartridges' own layout), so a row attached to a path
 of nodes attends to them where they lie: the engine's kernel reads a row's prefix as segments (a cartridge, then
-these nodes) in one softmax. Nothing is copied per row.
+these nodes) in one softmax. Nothing is copied per row. Why not vLLM's fixed blocks: the attention here reads
+contiguous [n, D] runs per head, so a node of any length is one run, and a block table per row would cost the
+decode step a gather per layer.
 
-- Granularity: one token. A hit may end anywhere (but one under MIN_HIT tokens is not used: it saves less prefill
-  than the extra attention pass over another segment costs); where a prompt leaves a node mid-edge the node is split in two
-  (each half copied into its own allocation, so a node's bytes are its own and eviction frees them), and a hit
-  never straddles a node. Finished rows extend their own leaf instead of hanging a child under it when nothing
-  else uses it, so a conversation stays one node deep however many turns it has.
+- Granularity: one token (SGLang's page size 1): a hit may end anywhere, though one under MIN_HIT tokens is not
+  used (it saves less prefill than another segment's attention pass costs). Where a prompt leaves an edge midway
+  the node is split in two, each half copied into its own allocation (a node's bytes are its own, and evicting it
+  frees them), so a hit never straddles a node. A finished row extends its own leaf when nothing else uses it
+  instead of hanging a child under it, so a conversation stays one node deep however many turns it has. Where
+  the attention cannot read segments (bf16, CUDA) a row copies its hit into its own slot instead.
 - What is cached: each finished row's prompt + output (all but the newest token, whose K/V does not exist), so the
   next turn of a conversation hits; the n samples of one prompt share one prefill (final/engine/runner.py).
 - Locks: a running row holds its path (lock counts up to the root, as SGLang's lock_ref); only unlocked leaves are
