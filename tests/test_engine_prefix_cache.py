@@ -260,3 +260,32 @@ def test_a_conversation_on_smollm2_continues_from_its_cache(smol_dir):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+def test_final_serve_reports_cached_tokens_to_concurrent_clients():
+    """OpenAI clients at once on `final serve`: usage.prompt_tokens_details.cached_tokens counts the system
+    prompt they share once it is cached, and each gets the answer it gets alone."""
+    import openai
+    from serve_helpers import start_served, stop_served
+
+    served = start_served()
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        system = "You are a careful assistant who answers questions about cooking. " * 4
+
+        def ask(question: str):
+            return client.chat.completions.create(model="default", max_tokens=6, temperature=0, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}])
+
+        first = ask("How long do I boil an egg?")
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        questions = [f"Question {i}: how much salt goes in {i} litres of pasta water?" for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(ask, questions))
+        shared = len(served.inference.tokenizer(system)["input_ids"])
+        assert all(o.usage.prompt_tokens_details.cached_tokens >= shared for o in together)
+        alone = [ask(q) for q in questions]  # now their own prompts are cached too
+        assert [o.choices[0].message.content for o in alone] == [o.choices[0].message.content for o in together]
+        assert all(o.usage.prompt_tokens_details.cached_tokens >= o.usage.prompt_tokens - 1 for o in alone)
+    finally:
+        stop_served(served)

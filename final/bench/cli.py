@@ -224,6 +224,12 @@ def report(res: dict) -> str:
                   f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
                   f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
+    return "\n".join(lines + _sections(res))
+
+
+def _sections(res: dict) -> list[str]:
+    """The lines of the sections outside P1-P4 (each module describes its own)."""
+    lines: list[str] = []
     if "peer" in res:
         from final.bench.peer import describe as describe_peer
 
@@ -243,7 +249,7 @@ def report(res: dict) -> str:
         s = res["soak"]
         lines += ["", f"Soak: final serve under mixed load (goals: 0 unexpected statuses, RSS drift < 5%, 0 cartridge "
                       f"references held, alive: {'met' if s['met'] else 'NOT met'})", "  " + describe_soak(s)]
-    return "\n".join(lines)
+    return lines
 
 
 def _main(args: argparse.Namespace) -> int:
