@@ -112,3 +112,25 @@ def test_decode_attention_alone_matches_torch(isa):
             want = check._attend(q[b], keys, values, d ** -0.5)
             err = (got[b] - want).abs().max().item()
             assert err < 1e-5, f"case {i} row {b}: H={heads} Hkv={hkv} D={d} n={n} prefixes={plens[b].tolist()}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_prefill_attention_over_a_prefix_matches_torch(isa):
+    """final_prefix_attend (a prefill's queries over a cartridge or cached prefix: output and log-sum-exp) against
+    softmax attention in float64, on contiguous segments and on views into a row's slot (heads T tokens apart)."""
+    kernel = kernels.load(isa)
+    r, g = random.Random(14), torch.Generator().manual_seed(14)
+    for i in range(40):
+        hkv, d, m, n = r.choice([1, 2, 3]), r.choice([4, 16, 64]), r.choice([1, 3, 30, 33, 97]), \
+            r.choice([1, 5, 127, 128, 129, 700])
+        q = torch.randn(hkv, m, d, generator=g)
+        slot = r.random() < 0.5  # a view of the first n tokens of a [Hkv, T, D] slot
+        k = torch.randn(hkv, n + 7 * slot, d, generator=g)[:, :n]
+        v = torch.randn(hkv, n + 7 * slot, d, generator=g)[:, :n]
+        o, lse = kernel.prefix_attend(q, k, v, d ** -0.5)
+        s = (q.double() @ k.double().transpose(1, 2)) * d ** -0.5
+        want_lse = torch.logsumexp(s, -1)
+        want_o = torch.softmax(s, -1) @ v.double()
+        assert (o.double() - want_o).abs().max() < 1e-5, f"case {i}: Hkv={hkv} D={d} M={m} n={n} slot={slot}"
+        assert (lse.double() - want_lse).abs().max() < 1e-4, f"case {i}: lse"

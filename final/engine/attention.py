@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from final.engine.kernels import gemv_kernel
 from final.engine.kv_cache import KVCache, PrefixKV
 
 _QUERY_CHUNK = 256  # bounds the fp32 score matrix of long prompts in the merged path
@@ -113,7 +114,10 @@ def attend_kv(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     Returns o [n,Hkv,G,T,D] and its lse [n,Hkv,G,T]."""
     n, Hkv, G, T, D = qg.shape
     flat = qg.permute(1, 0, 2, 3, 4).reshape(Hkv, n * G * T, D)
-    if _flash_cpu_applies(flat):  # kv heads as heads, every row's queries of a group along the query axis
+    kernel = gemv_kernel() if flat.dtype == torch.float32 and flat.device.type == "cpu" else None
+    if kernel is not None and k.stride()[1:] == (D, 1) and k.stride() == v.stride():
+        o, lse = kernel.prefix_attend(flat.contiguous(), k, v, scale)  # blocked over heads, queries and keys
+    elif _flash_cpu_applies(flat):  # kv heads as heads, every row's queries of a group along the query axis
         o, lse = _flash_prefix(flat, k, v, scale)
     else:
         o, lse = attend_lse(flat, k, v, scale)

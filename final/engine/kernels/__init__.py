@@ -1,8 +1,10 @@
 """The engine's own CPU kernel (gemv.c: decode at memory bandwidth), loaded and called here.
 
-gemv.c has two entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm
-or SwiGLU before and bias/residual after), and `final_decode_step`, a whole decode step (embedding to logits) in one
-call; products.h holds their row loops. abi.py defines their parameters and tables once (gemv.c is compiled
+gemv.c's entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm or
+SwiGLU before and bias/residual after); `final_decode_step`, a whole decode step (embedding to logits) in one call,
+each row after its prefix segments (a cartridge, the prefix cache's nodes); `final_attend`, that step's attention
+alone for the torch forward's rows; `final_prefix_attend`, a prefill's attention over one prefix segment
+(prefill.h). products.h holds the products' row loops. abi.py defines their parameters and tables once (gemv.c is compiled
 against the header it generates, and a library of another interface is refused at load); builds.py compiles it
 with the system gcc into $FINAL_CACHE/kernels under a key of the sources, flags and compiler, locked between
 processes; scripts/install.sh builds it ahead (`python -m final.engine.kernels`) so a first engine does not wait.
@@ -75,6 +77,7 @@ class GemvKernel:
         self._step_floats, self._phases = fns["final_decode_step_floats"], fns["final_phase_cycles"]
         self._team_check = fns["final_team_check"]
         self._attend = fns["final_attend"]
+        self._prefix_attend = fns["final_prefix_attend"]
 
     @staticmethod
     def _close(lib: ctypes.CDLL) -> None:
@@ -160,6 +163,22 @@ class GemvKernel:
             layers=ptab.shape[2] if ptab is not None else layer + 1, l=layer, scale=scale, out=out.data_ptr())),
                 f"decode attention of {m} rows ({heads} heads, {kv_heads} KV heads, head size {dim})")
         return out
+
+    def prefix_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill's queries against one prefix segment: q [Hkv, M, D] (contiguous), k/v [Hkv, n, D] (each
+        head's rows contiguous, heads any stride apart: a cartridge, a cached prefix, a view into a row's slot)
+        -> o [Hkv, M, D] and its log-sum-exp [Hkv, M], fp32 (prefill.h)."""
+        kv_heads, m, dim = q.shape
+        n = k.shape[1]
+        if k.stride() != v.stride() or k.stride()[1:] != (dim, 1):
+            raise ValueError(f"prefix K/V of strides {k.stride()} / {v.stride()}: each head's rows must be contiguous")
+        o, lse = torch.empty(kv_heads, m, dim), torch.empty(kv_heads, m)
+        _status(self._prefix_attend(*abi.args(
+            "final_prefix_attend", q=q.data_ptr(), Hkv=kv_heads, M=m, D=dim, k=k.data_ptr(), v=v.data_ptr(), n=n,
+            hs=k.stride(0), scale=scale, o=o.data_ptr(), lse=lse.data_ptr())),
+                f"prefill attention of {m} queries over {n} prefix tokens ({kv_heads} KV heads, head size {dim})")
+        return o, lse
 
     def team_check(self, late_us: int) -> int:
         """How many times the team's waiting threads slept in the kernel while one thread arrived late_us late at

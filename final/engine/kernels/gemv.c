@@ -255,6 +255,7 @@ int final_team_check(FINAL_TEAM_CHECK_PARAMS) {
 }
 
 #include "attention.h" /* decode attention: RoPE, the K/V cache write, attention (prefetch_kv, attend_team) */
+#include "prefill.h"   /* a prefill's attention over a prefix segment (final_prefix_attend) */
 
 /* ---- the decode step: embedding, every decoder layer and the lm_head in one call and one parallel region ----
    x [M, hidden] is the residual stream, made from the embedding and updated in place. Per layer, a row of `wtab`
