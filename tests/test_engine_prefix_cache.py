@@ -289,3 +289,29 @@ def test_final_serve_reports_cached_tokens_to_concurrent_clients():
         assert all(o.usage.prompt_tokens_details.cached_tokens >= o.usage.prompt_tokens - 1 for o in alone)
     finally:
         stop_served(served)
+
+
+def test_a_tool_loop_call_leaves_its_conversation_for_the_next_call(tmp_path):
+    """InferenceEngine with tools (the multi-turn rollout): a conversation that goes on in the next call finds its
+    history cached. veRL flushes after every multi-turn call; the local backend does not (its weight updates
+    empty the cache themselves: LocalRollout.flush_after_multi_turn)."""
+    from pathlib import Path
+
+    from multiturn_helpers import make_tool_model
+
+    from final.inf import InferenceEngine
+    from final.models import resolve_model_path
+
+    tools = Path(__file__).resolve().parents[1] / "tools.yaml"
+    model = make_tool_model(resolve_model_path("builtin:tiny-random-llama"), tmp_path / "m")
+    config = {"model_path": model, "progress": False,
+              "rollout": {"name": "local", "prompt_length": 512, "response_length": 12,
+                          "multi_turn": {"enable": True, "tool_config_path": str(tools)}}}
+    kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}
+    with InferenceEngine(config) as engine:
+        chat = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many?"}]
+        first = engine.generate([chat], tools_kwargs=kwargs, temperature=0)
+        chat += [{"role": "assistant", "content": first.completions[0]}, {"role": "user", "content": "And in June?"}]
+        second = engine.generate([chat], tools_kwargs=kwargs, temperature=0)
+        assert first.metadata[0]["cached_tokens"] == 0
+        assert second.metadata[0]["cached_tokens"] >= first.metadata[0]["prompt_tokens"] - 1
