@@ -175,7 +175,7 @@ int final_prefix_attend(FINAL_PREFIX_ATTEND_PARAMS) {
       const int g = (int)(t / ((int64_t)blocks * ranges)), b = (int)(t / ranges % blocks), r = (int)(t % ranges);
       const int q0 = b * QB, nq = M - q0 < QB ? M - q0 : QB, j0 = r * per, j1 = j0 + per < n ? j0 + per : n;
       float *out = parts + t * part;
-      if (j0 >= j1) {  /* an empty range: nothing to merge */
+      if (j0 >= j1) {  /* an empty range (whole blocks ran out): the merge skips it */
         for (int i = 0; i < QB; i++) out[(int64_t)D * QB + i] = -INFINITY, out[(int64_t)D * QB + QB + i] = 0.0f;
         continue;
       }
@@ -195,7 +195,8 @@ int final_prefix_attend(FINAL_PREFIX_ATTEND_PARAMS) {
       for (int d = 0; d < D; d++) dst[d] = 0.0f;
       for (int r = 0; r < ranges; r++) {
         const float *pr = first + r * part;
-        const float w = pr[(int64_t)D * QB + lane] == -INFINITY ? 0.0f : expf(pr[(int64_t)D * QB + lane] - big);
+        if (pr[(int64_t)D * QB + lane] == -INFINITY) continue;  /* an empty range: its outputs were never written */
+        const float w = expf(pr[(int64_t)D * QB + lane] - big);
         sum += w * pr[(int64_t)D * QB + QB + lane];
         for (int d = 0; d < D; d++) dst[d] += w * pr[d * QB + lane];
       }
