@@ -327,7 +327,7 @@ class EngineCore:
         if (cache is None or seq.slot < 0 or seq.cache_generation != cache.generation
                 or (seq.finish_reason or {}).get("type") == "abort"):
             return
-        key = seq.prefix.serials if seq.prefix is not None else ()
+        key = seq.cache_key
         if key and not self.prefixes.loaded(key):
             return
         ids = seq.prompt_ids + seq.output_ids[:-1]

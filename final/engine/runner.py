@@ -39,7 +39,7 @@ class ModelRunner:
         firsts: dict[tuple, int] = {}
         runs, source = [], []  # the rows run, and for each row of the batch the index of the run that serves it
         for seq in seqs:
-            key = (id(seq.prefix), seq.own_start, seq.return_logprob, seq.logprob_start_len, seq.top_logprobs_num,
+            key = (seq.cache_key, seq.own_start, seq.return_logprob, seq.logprob_start_len, seq.top_logprobs_num,
                    tuple(seq.prompt_ids)) if self.share_prefill else (id(seq),)
             if key not in firsts:
                 firsts[key] = len(runs)

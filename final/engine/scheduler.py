@@ -56,8 +56,7 @@ class Scheduler:
             limit = len(seq.prompt_ids) - 1
             if seq.return_logprob and 0 <= seq.logprob_start_len < limit:
                 limit = seq.logprob_start_len  # its prompt logprobs need the hidden states from there on
-            key = seq.prefix.serials if seq.prefix is not None else ()
-            hit = cache.match(key, seq.prompt_ids, limit, MIN_HIT) if limit >= MIN_HIT else None
+            hit = cache.match(seq.cache_key, seq.prompt_ids, limit, MIN_HIT) if limit >= MIN_HIT else None
             if hit is not None:
                 cache.lock(hit)
             seq.cache_generation = cache.generation

@@ -70,6 +70,12 @@ class Sequence:
         return len(self.prompt_ids) - self.own_start + self.max_new_tokens
 
     @property
+    def cache_key(self) -> tuple:
+        """The prefix cache's tree for this row: everything in front of its prompt that changes its K/V (the
+        cartridges' loads; the weights are the engine's, and an update empties the cache)."""
+        return self.prefix.serials if self.prefix is not None else ()
+
+    @property
     def hit_len(self) -> int:
         """Prompt tokens whose K/V come from the prefix cache (0 without a hit)."""
         return self.hit.length if self.hit is not None else 0
