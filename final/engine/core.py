@@ -113,7 +113,7 @@ class EngineCore:
             return True
         if self.prefix_cache is not None and self.prefixes.version != self._prefixes_seen:
             self._prefixes_seen = self.prefixes.version  # a cartridge (un)loaded: its cached continuations go
-            self.prefix_cache.drop_roots(lambda key: not self.prefixes.loaded(key))
+            self.prefix_cache.drop_roots(lambda key: not self.prefixes.loaded(key[0]))
         failed: set[int] = set()  # batches (requests) refused here: a cartridge unloaded since they were made
         for seq in msg.seqs:
             if id(seq.batch) in failed:
@@ -328,7 +328,7 @@ class EngineCore:
                 or (seq.finish_reason or {}).get("type") == "abort"):
             return
         key = seq.cache_key
-        if key and not self.prefixes.loaded(key):
+        if not self.prefixes.loaded(key[0]):  # a cartridge unloaded while the row ran
             return
         ids = seq.prompt_ids + seq.output_ids[:-1]
         cache.insert(key, ids, lambda kv, at, a, b: self.cache.copy_out(seq.slot, a - seq.own_start,

@@ -1,9 +1,9 @@
 """PrefixCache: the K/V of prompts and finished rows, kept so a later row prefills only what is new.
 
 SGLang's RadixCache (mem_cache/radix_cache.py) on this engine's memory: a radix tree keyed by token ids, one tree
-per cartridge composition in front (its root key: the loaded cartridges' serials, so the positions and the K/V
-they give every later token are part of the key; the weights, dtype, quantization and layout are the engine's own,
-one cache per engine, emptied by every weight update). A node holds its edge's tokens and their post-RoPE K/V as one
+per cartridge composition in front (its root key, Sequence.cache_key: the loaded cartridges' serials, so the
+positions and the K/V they give every later token are part of the key; the weights, dtype, quantization and layout
+are the engine's own, one cache per engine, emptied by every weight update). A node holds its edge's tokens and their post-RoPE K/V as one
 contiguous allocation, [Hkv, n, D] a layer (a PrefixKV, the cartridges' own layout), so a row attached to a path
 of nodes attends to them where they lie: the engine's kernel reads a row's prefix as segments (a cartridge, then
 these nodes) in one softmax. Nothing is copied per row. Why not vLLM's fixed blocks: the attention here reads

@@ -71,9 +71,10 @@ class Sequence:
 
     @property
     def cache_key(self) -> tuple:
-        """The prefix cache's tree for this row: everything in front of its prompt that changes its K/V (the
-        cartridges' loads; the weights are the engine's, and an update empties the cache)."""
-        return self.prefix.serials if self.prefix is not None else ()
+        """The prefix cache's tree for this row: everything besides its tokens that changes its K/V - first the
+        cartridges' loads (their serials; the weights are the engine's own, and an update empties the cache). A
+        per-row adapter would go here too (its load's uid)."""
+        return (self.prefix.serials if self.prefix is not None else (),)
 
     @property
     def hit_len(self) -> int:
