@@ -222,7 +222,7 @@ def run_multiturn(model_name: str, model_dir: str, batches: list[int], turns: in
         try:
             out["batches"].append(_measure(peers, convs, generated, tail, repeats, batch))
         finally:
-            for peer in peers:
+            for peer in reversed(peers):  # llama.cpp runs on the first engine's thread: it goes first
                 peer.close()
     out["samples"] = run_samples(model_dir, tokenizer, samples, sample_prompt, generated, repeats)
     return {"multiturn": out}
