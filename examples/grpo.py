@@ -25,8 +25,9 @@ clip bounds the step where the engine's numbers differ from the policy's (`--eng
 thread) and training (this thread) take turns, so each has every core while it runs.
 
 Each step prints the mean reward, generation s, training s, sync ms, the policy version every row's metadata
-reports (checked equal to `engine.weights_version`) and `gap`: the mean |policy - engine| logprob of the sampled
-tokens before the step, at float32 rounding (~1e-6) only if the engine serves exactly the trainer's weights (the
+reports (checked equal to `engine.weights_version`), the prompt tokens the engine's prefix cache served (a
+prompt's n samples share one prefill; the total is printed at the end) and `gap`: the mean |policy - engine|
+logprob of the sampled tokens before the step, at float32 rounding (~1e-6) only if the engine serves exactly the trainer's weights (the
 run stops past `--max-gap`). The held-out problems are answered greedily (temperature 0) before and after
 training, with a paired bootstrap 95% interval of the difference. Writes `--out`/policy (an HF folder: model +
 tokenizer, safetensors), reward_curve.png and history.json.
@@ -205,9 +206,10 @@ def open_engine(model_dir: str, args: argparse.Namespace):
 
 
 def rollout(engine, prompts: list[list[int]], problems: list[Problem], reward: Reward, args: argparse.Namespace,
-            seed: int) -> tuple[list[Group], int]:
-    """n sampled completions per prompt, with the engine's logprobs; returns the groups and the policy version
-    every row reports (checked to be one, and the engine's current one)."""
+            seed: int) -> tuple[list[Group], int, int]:
+    """n sampled completions per prompt, with the engine's logprobs; returns the groups, the policy version every
+    row reports (checked to be one, and the engine's current one) and the prompt tokens the engine did not compute
+    (its prefix cache: a prompt's n samples share one prefill)."""
     out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1,
                           max_tokens=args.max_tokens, seed=seed, logprobs=True)
     versions = {m["weights_version"] for m in out.metadata}
@@ -218,7 +220,7 @@ def rollout(engine, prompts: list[list[int]], problems: list[Problem], reward: R
         rows = range(p * args.n, (p + 1) * args.n)  # prompt-major
         groups.append(Group(ids, [out.token_ids[i] for i in rows], [out.metadata[i]["logprobs"] for i in rows],
                             [reward(out.completions[i], problem.answer) for i in rows]))
-    return groups, versions.pop()
+    return groups, versions.pop(), sum(m["cached_tokens"] for m in out.metadata)
 
 
 def evaluate(engine, tokenizer, problems: list[Problem], reward: Reward, args: argparse.Namespace) -> list[float]:
@@ -338,7 +340,9 @@ def main(argv: Sequence[str] | None = None, reward: Reward = gsm8k_reward) -> di
     result = {"args": vars(args), "history": history, "held_out_before": before, "held_out_after": after,
               "difference": [diff, lo, hi], "wall_s": wall, "policy": str(policy_dir), "png": str(png)}
     (out_dir / "history.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {policy_dir}, {png}; wall time {wall:.0f} s", flush=True)
+    cached = sum(h["cached_tokens"] for h in history)
+    print(f"wrote {policy_dir}, {png}; wall time {wall:.0f} s; {cached} prompt tokens served from the engine's prefix "
+          f"cache (a prompt's samples share one prefill)", flush=True)
     return result
 
 
@@ -348,8 +352,8 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
     problems = [next(train) for _ in range(args.prompts)]
     prompts = [prompt_ids(tokenizer, p) for p in problems]
     t0 = time.perf_counter()
-    groups, version = rollout(engine, prompts, problems, reward, args,
-                              seed=args.seed * 1_000_003 + step * args.prompts * args.n)
+    groups, version, cached = rollout(engine, prompts, problems, reward, args,
+                                      seed=args.seed * 1_000_003 + step * args.prompts * args.n)
     t1 = time.perf_counter()
     stats = train_step(policy, optimizer, groups, args, reference)
     max_gap = args.max_gap if args.max_gap is not None else (1e-2 if args.engine_dtype == "float32" else 0)
@@ -363,10 +367,10 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
     tokens = [len(c) for g in groups for c in g.completions]
     row = {"step": step, "version": version, "reward": float(np.mean(rewards)), "gen_s": t1 - t0,
            "train_s": t2 - t1, "sync_ms": (t3 - t2) * 1e3 if stats["stepped"] else None, "new_version": new_version,
-           "mean_tokens": float(np.mean(tokens)), **stats}
+           "mean_tokens": float(np.mean(tokens)), "cached_tokens": cached, **stats}
     print(f"step {step:3d} | reward {row['reward']:.3f} | gen {row['gen_s']:5.1f} s | train {row['train_s']:5.1f} s"
           f" | sync {_ms(row['sync_ms'])} | version {version} | gap {row['gap']:.1e} | "
-          f"groups {row['live_groups']}/{len(groups)} | tokens {row['mean_tokens']:.0f}", flush=True)
+          f"groups {row['live_groups']}/{len(groups)} | tokens {row['mean_tokens']:.0f} | cached {cached}", flush=True)
     return row
 
 

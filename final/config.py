@@ -35,7 +35,8 @@ TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "ca
              "replicas", "ray_address", "cartridge_sources")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
-LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str}
+LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str,
+                     "prefix_cache": bool, "prefix_cache_mb": int}  # final/engine/prefix_cache.py
 LOCAL_QUANTIZATIONS = ("int8", "bf16")  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
@@ -295,9 +296,13 @@ def _check_rollout(rollout: dict, path: str | None) -> None:
         if key == "quantization" and value not in LOCAL_QUANTIZATIONS:
             raise ConfigError(f"must be one of {list(LOCAL_QUANTIZATIONS)} or null, got {value!r}",
                               key="rollout.engine_kwargs.local.quantization", path=path)
-        if not isinstance(value, LOCAL_ENGINE_KEYS[key]) or isinstance(value, bool):
-            raise ConfigError(f"must be {LOCAL_ENGINE_KEYS[key].__name__}, got {value!r}",
-                              key=f"rollout.engine_kwargs.local.{key}", path=path)
+        kind = LOCAL_ENGINE_KEYS[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ConfigError(f"must be {kind.__name__}, got {value!r}", key=f"rollout.engine_kwargs.local.{key}",
+                              path=path)
+        if key == "prefix_cache_mb" and value < 0:
+            raise ConfigError(f"must be >= 0 (0 keeps nothing), got {value}", key=f"rollout.engine_kwargs.local.{key}",
+                              path=path)
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",

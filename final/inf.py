@@ -388,14 +388,15 @@ class InferenceEngine:
 
 
 def local_engine(model: str, *, dtype: str = "auto", device: str = "cpu", max_num_seqs: int = 256,
-                 progress: bool = False) -> InferenceEngine:
+                 progress: bool = False, prefix_cache: bool = True) -> InferenceEngine:
     """An InferenceEngine on the embedded engine over the model's whole context window: what the tools that work
-    on the engine itself build on (cartridge build/verify, benchmarks); its `.engine` is the EmbeddedEngine."""
+    on the engine itself build on (cartridge build/verify, benchmarks); its `.engine` is the EmbeddedEngine.
+    prefix_cache=False: every request prefills its whole prompt (benchmarks that repeat one)."""
     positions = model_positions(resolve_model_path(model))
     response = min(512, positions // 4)
     return InferenceEngine({"model_path": model, "progress": progress, "rollout": {
         "name": "local", "dtype": dtype, "max_num_seqs": max_num_seqs, "prompt_length": positions - response,
-        "response_length": response, "engine_kwargs": {"local": {"device": device}}}})
+        "response_length": response, "engine_kwargs": {"local": {"device": device, "prefix_cache": prefix_cache}}}})
 
 
 _live: "weakref.WeakSet[InferenceEngine]" = weakref.WeakSet()

@@ -95,3 +95,25 @@ def test_soak_smoke():
     assert soak["unexpected"] == 0, soak["unexpected_examples"]
     assert soak["cartridge_refs_end"] == 0 and soak["alive"] and soak["exit_code_after_sigterm"] == 0
     assert soak["p50_ms"] > 0 and soak["rss_end_mb"] > 0
+
+
+def test_multiturn_smoke():
+    """`final bench --only multiturn` end to end on the tiny model: every peer plays the conversations, the cached
+    engine reports the turns' history as cached tokens and the uncached one none, and a prompt's samples share one
+    prefill (the figures themselves are bench/RESULTS.md's; no time is asserted)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "final.cli", "bench", "--only", "multiturn", "--quick", "--json",
+                           "--mt-batches", "1,2", "--mt-turns", "2"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mt = json.loads(proc.stdout.strip().splitlines()[-1])["multiturn"]
+    assert [b["batch"] for b in mt["batches"]] == [1, 2] and mt["llama_cpp"].startswith("skipped")
+    for b in mt["batches"]:
+        rows = b["rows"]
+        assert set(rows) == {"ours, prefix cache", "ours, no cache", "HF generate"}
+        assert all(len(r["ttft_ms"]) == 2 for r in rows.values())
+        assert rows["ours, prefix cache"]["cached_tokens"] >= b["batch"] * 500  # turn 2 reads turn 1's history
+        assert rows["ours, no cache"]["cached_tokens"] == 0
+    samples = mt["samples"]
+    assert samples["cached_tokens"] == [0] + [samples["prompt_tokens"]] * (samples["n"] - 1)
+    assert samples["cached_tokens_without"] == [0] * samples["n"]

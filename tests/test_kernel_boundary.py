@@ -23,9 +23,10 @@ ISA = "avx2"
 
 
 def test_the_interface_is_written_once_in_abi_py():
-    """gemv.c defines each entry point with abi.py's generated parameter list and reads the tables by abi.py's
-    field names; no file holds a second copy of the version, a ctypes argument list or the field order."""
-    source = builds.SOURCE.read_text()
+    """gemv.c (or a header it includes) defines each entry point with abi.py's generated parameter list and reads
+    the tables by abi.py's field names; no file holds a second copy of the version, a ctypes argument list or the
+    field order."""
+    source = "".join(p.read_text() for p in (builds.SOURCE, *builds.HEADERS))
     for name in abi.FUNCTIONS:
         assert re.search(rf"\b{name}\({name.upper()}_PARAMS\)", source), name
     header = abi.header()

@@ -1,6 +1,7 @@
 """A fuzz of the C kernel's boundary against torch: hundreds of random products (row counts, odd N and K, every
 weight kind, prep and epilogue) and whole decode steps (heads and KV heads, head sizes, rows, cached lengths up to
-the cache's last slot, cartridge prefixes, biases or none), seeded so a failure names a case that reproduces."""
+the cache's last slot, cartridge prefixes and prefix-cache segments, biases or none) and the torch forward's decode
+attention (final_attend), seeded so a failure names a case that reproduces."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def step_case(r: random.Random, g: torch.Generator) -> check.DecodeCase:
     t = r.randint(1, 24)
     m = r.choice([1, 1, 2, 3, 4, 5, 8, 11])
     lengths = [r.choice([0, t - 1, r.randint(0, t - 1)]) for _ in range(m)]  # the cache's first and last slots
-    plens = [r.choice([0, 0, 1, r.randint(1, 40)]) for _ in range(m)]
+    segments = r.choice([1, 1, 2, 3])  # a cartridge, or a cartridge and the prefix cache's nodes
+    plens = [[r.choice([0, 0, 1, r.randint(1, 40)]) for _ in range(segments)] for _ in range(m)]
     return check.decode_case(g, kind, lengths, plens, hidden=hidden, inter=inter, H=heads, Hkv=hkv, D=d,
                              layers=r.randint(1, 2), T=t, vocab=vocab, biases=r.random() < 0.5)
 
@@ -82,3 +84,53 @@ def test_random_decode_steps_match_torch(isa):
         err = check.step_error(kernel, case)
         assert err <= check.STEP_TOL, (f"case {i}: {case.kind} H={case.H} Hkv={case.Hkv} D={case.D} T={case.T} "
                                        f"lengths={case.lengths} prefixes={case.plens}: {err:.3g}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_decode_attention_alone_matches_torch(isa):
+    """final_attend (the torch forward's decode attention, rows past the whole-step call's) over random segments."""
+    kernel = kernels.load(isa)
+    r, g = random.Random(13), torch.Generator().manual_seed(13)
+    for i in range(60):
+        hkv, layers = r.choice([1, 2, 3]), r.randint(1, 3)
+        heads, d, t, m, width = hkv * r.choice([1, 2, 3]), r.choice([2, 8, 16, 64]), r.randint(1, 20), \
+            r.randint(1, 12), r.randint(1, 3)
+        kc, vc = torch.randn(m, hkv, t, d, generator=g), torch.randn(m, hkv, t, d, generator=g)
+        lengths = torch.tensor([r.randint(0, t - 1) for _ in range(m)])
+        plens = torch.tensor([[r.choice([0, 1, r.randint(1, 30)]) for _ in range(width)] for _ in range(m)])
+        segs = [[[(torch.randn(hkv, int(p), d, generator=g), torch.randn(hkv, int(p), d, generator=g))
+                  for _ in range(layers)] for p in row] for row in plens]
+        ptab = torch.tensor([[[[k.data_ptr(), v.data_ptr()] for k, v in seg] for seg in row] for row in segs],
+                            dtype=torch.int64)
+        q, layer = torch.randn(m, heads, d, generator=g), r.randrange(layers)
+        got = kernel.attend(q, kc, vc, lengths, (ptab, plens), layer, d ** -0.5)
+        for b in range(m):
+            n = int(lengths[b]) + 1
+            keys = torch.cat([seg[layer][0] for seg in segs[b]] + [kc[b, :, :n]], 1)
+            values = torch.cat([seg[layer][1] for seg in segs[b]] + [vc[b, :, :n]], 1)
+            want = check._attend(q[b], keys, values, d ** -0.5)
+            err = (got[b] - want).abs().max().item()
+            assert err < 1e-5, f"case {i} row {b}: H={heads} Hkv={hkv} D={d} n={n} prefixes={plens[b].tolist()}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_prefill_attention_over_a_prefix_matches_torch(isa):
+    """final_prefix_attend (a prefill's queries over a cartridge or cached prefix: output and log-sum-exp) against
+    softmax attention in float64, on contiguous segments and on views into a row's slot (heads T tokens apart)."""
+    kernel = kernels.load(isa)
+    r, g = random.Random(14), torch.Generator().manual_seed(14)
+    for i in range(40):
+        hkv, d, m, n = r.choice([1, 2, 3]), r.choice([4, 16, 64]), r.choice([1, 3, 30, 33, 97]), \
+            r.choice([1, 5, 127, 128, 129, 700])
+        q = torch.randn(hkv, m, d, generator=g)
+        slot = r.random() < 0.5  # a view of the first n tokens of a [Hkv, T, D] slot
+        k = torch.randn(hkv, n + 7 * slot, d, generator=g)[:, :n]
+        v = torch.randn(hkv, n + 7 * slot, d, generator=g)[:, :n]
+        o, lse = kernel.prefix_attend(q, k, v, d ** -0.5)
+        s = (q.double() @ k.double().transpose(1, 2)) * d ** -0.5
+        want_lse = torch.logsumexp(s, -1)
+        want_o = torch.softmax(s, -1) @ v.double()
+        assert (o.double() - want_o).abs().max() < 1e-5, f"case {i}: Hkv={hkv} D={d} M={m} n={n} slot={slot}"
+        assert (lse.double() - want_lse).abs().max() < 1e-4, f"case {i}: lse"

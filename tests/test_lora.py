@@ -107,6 +107,7 @@ def test_unloading_an_adapter_leaves_the_base_exactly(folders, tiny_dir, tmp_pat
         assert eng.adapter_names() == []
         with pytest.raises(AdapterError):
             eng.generate("hi", adapter="x")
+        eng.engine.flush_cache()  # bit for bit: a prefix-cache hit moves a logprob by ~1e-6
         assert rows(eng) == base
         after = eng.engine.current_weights(names)
         assert all(torch.equal(weights[n], after[n]) for n in names)
@@ -211,3 +212,26 @@ def test_a_smollm2_adapter_serves_what_hf_and_peft_generate_per_row_and_merged(s
         eng.update_weights(folder)
         assert_rows_equal(rows(eng), want)
         assert rows(eng) != base
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(engine, folders, tiny_dir):
+    """A prompt cached by base rows is not served to an adapter's rows (its K/V differ), an adapter's own second
+    call hits, and a reload of the name is another adapter (its old K/V is not served)."""
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 2)
+    engine.engine.flush_cache()
+    want = hf_rows(load_peft(tiny_dir, folders["all"]), engine.prepare([prompt]).ids, MAX, engine.eos_token_ids[0])
+
+    def run(**kw):
+        out = engine.generate([prompt], temperature=0, max_tokens=MAX, logprobs=True, **kw)
+        return [(out.token_ids[0], out.metadata[0]["logprobs"])], out.metadata[0]["cached_tokens"]
+
+    run()  # the base's K/V of the prompt, cached
+    first, cached = run(adapter="all")
+    assert cached == 0
+    assert_rows_equal(first, want)
+    second, cached = run(adapter="all")
+    assert cached > 0
+    assert_rows_equal(second, want)
+    assert engine.load_adapter(folders["all"]) == "all"  # a new load of the same name
+    _, cached = run(adapter="all")
+    assert cached == 0

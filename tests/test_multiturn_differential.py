@@ -128,7 +128,9 @@ def assert_same(ours, theirs, ours_engine, theirs_engine):
     assert list(ours.non_tensor_batch["reward_scores"]) == list(theirs.non_tensor_batch["reward_scores"])
     calls = lambda e: sorted((c["input_ids"], sorted(c["sampling_params"].items())) for c in e.calls)  # noqa: E731
     assert calls(ours_engine) == calls(theirs_engine)
-    assert ours_engine.flushes == theirs_engine.flushes == 1
+    # veRL flushes when the call ends; LocalRollout does not (its engine's prefix cache is emptied by a weight
+    # update itself, so a conversation going on in the next call keeps its history: flush_after_multi_turn)
+    assert theirs_engine.flushes == 1 and ours_engine.flushes == 0
 
 
 @pytest.mark.parametrize("meta", [{"do_sample": False, "validate": True}, {"do_sample": True}],

@@ -5,6 +5,8 @@
   final bench --only p1,p4    a subset
   final bench --only dp       one engine vs 2 replicas on Ray (final.pool); not in the default run
   final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
+  final bench --only multiturn  8-turn tool-loop conversations (batch 1 and 8) and n = 8 samples of a 1k prompt:
+                              ours with the prefix cache, without it, HF generate and llama.cpp; not in the default run
   final bench --only peer     ours vs llama.cpp on the same weights (needs the `bench` extra; skipped, saying how to
                               install it, when llama_cpp is not importable); --peer-int8 adds int8 vs llama.cpp Q8_0,
                               --peer-bf16 our bf16 weights vs its BF16
@@ -33,8 +35,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny model, small sizes: a smoke run in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--only", default="p1,p2,p3,p4,peer",
-                   help="comma-separated subset of p1,p2,p3,p4,peer,dp,soak (dp starts Ray; soak runs final serve on "
-                        "the tiny model unless --model)")
+                   help="comma-separated subset of p1,p2,p3,p4,peer,dp,soak,multiturn (dp starts Ray; soak runs final "
+                        "serve on the tiny model unless --model)")
     p.add_argument("--model", help=f"model for P1-P3 (default {DEFAULT_MODEL}; --quick: {QUICK_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=int, help="timed repeats per figure (default 3; --quick 1)")
@@ -54,6 +56,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
     p.add_argument("--in-process", action="store_true",
                    help="run every measurement in this process (a crash then ends the run; default: one process each)")
+    p.add_argument("--mt-batches", help="multiturn: conversations side by side (default 1,8; --quick 1,2)")
+    p.add_argument("--mt-turns", type=int, help="multiturn: turns a conversation (default 8; --quick 3)")
+    p.add_argument("--mt-new", type=int, help="multiturn: new tokens a turn adds (default 100; --quick 24)")
+    p.add_argument("--mt-generated", type=int, help="multiturn: tokens generated a turn (default 48; --quick 6)")
+    p.add_argument("--mt-sample-prompt", type=int, help="multiturn: the n-samples prompt's tokens (default 1024; "
+                                                         "--quick 128)")
     p.set_defaults(func=_main, argv=[])
     return p
 
@@ -174,7 +182,18 @@ def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
     return {"soak": {"model": soak_model, **soak}}
 
 
-MEASUREMENTS = {key: f"final.bench.cli:_{key}" for key in ("p1", "p2", "p3", "p4", "peer", "dp", "soak")}
+def _multiturn(args: argparse.Namespace, model: str, repeats: int) -> dict:
+    from final.bench.multiturn import run_multiturn
+
+    name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
+    batches = _ints(args.mt_batches) if args.mt_batches else ([1, 2] if args.quick else [1, 8])
+    return run_multiturn(name, model, batches, args.mt_turns or (3 if args.quick else 8),
+                         args.mt_new or (24 if args.quick else 100), args.mt_generated or (6 if args.quick else 48),
+                         repeats, sample_prompt=args.mt_sample_prompt or (128 if args.quick else 1024))
+
+
+MEASUREMENTS = {key: f"final.bench.cli:_{key}" for key in ("p1", "p2", "p3", "p4", "peer", "dp", "soak",
+                                                                 "multiturn")}
 
 
 def report(res: dict) -> str:
@@ -231,6 +250,12 @@ def _table(res: dict) -> list[str]:
                   f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
                   f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
+    return "\n".join(lines + _sections(res))
+
+
+def _sections(res: dict) -> list[str]:
+    """The lines of the sections outside P1-P4 (each module describes its own)."""
+    lines: list[str] = []
     if "peer" in res:
         from final.bench.peer import describe as describe_peer
 
@@ -239,6 +264,11 @@ def _table(res: dict) -> list[str]:
         from final.bench.dp import describe as describe_dp
 
         lines += ["", f"DP data parallelism, greedy, tok/s ({res['dp']['note']})", "  " + describe_dp(res["dp"])]
+    if "multiturn" in res:
+        from final.bench.multiturn import describe as describe_multiturn
+
+        lines += ["", "Multi-turn tool loop: prefix cache vs none, HF generate, llama.cpp (wall time, TTFT by turn)",
+                  *describe_multiturn(res["multiturn"])]
     if "soak" in res:
         from final.bench.soak import describe as describe_soak
 

@@ -135,20 +135,33 @@ class LlamaCpp:
         row = np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, index), shape=(self.vocab,))
         return int(row.argmax())
 
+    def clear(self) -> None:
+        """Forget every sequence's tokens."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
         """Greedy `new_tokens` per prompt, all prompts as parallel sequences. Returns ids, prefill s, decode s."""
-        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        self.clear()
         t0 = time.perf_counter()
-        entries = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        out, first = self.extend(prompts, [0] * len(prompts), new_tokens)
+        return out, first - t0, time.perf_counter() - first
+
+    def extend(self, news: list[list[int]], starts: list[int], new_tokens: int) -> tuple[list[list[int]], float]:
+        """Sequence s (kept in the context from earlier calls: its first starts[s] positions) continues with the
+        tokens news[s] (at least one), then `new_tokens` greedy tokens; all sequences in parallel. Returns the new
+        tokens and the perf_counter time the first of them was known (the time to first token's end)."""
+        entries = [(tok, start + i, s, i == len(p) - 1) for s, (p, start) in enumerate(zip(news, starts))
+                   for i, tok in enumerate(p)]
         self._decode(entries)
         last = [i for i, e in enumerate(entries) if e[3]]
         out = [[self._argmax(i)] for i in last]
-        t1 = time.perf_counter()
+        first = time.perf_counter()
+        ends = [start + len(p) for p, start in zip(news, starts)]
         for step in range(1, new_tokens):
-            self._decode([(row[-1], len(p) + step - 1, s, True) for s, (p, row) in enumerate(zip(prompts, out))])
+            self._decode([(row[-1], end + step - 1, s, True) for s, (end, row) in enumerate(zip(ends, out))])
             for s, row in enumerate(out):
                 row.append(self._argmax(s))
-        return out, t1 - t0, time.perf_counter() - t1
+        return out, first
 
     def close(self) -> None:
         self.L.llama_batch_free(self.batch)
@@ -181,6 +194,20 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "first_ids_ours": ours[0][:8], "first_ids_llama_cpp": theirs[0][:8]}
 
 
+def llama_cpp_weights(model_name: str) -> tuple[Path | None, str]:
+    """The F32 GGUF of the model's own weights for llama.cpp, or None and why not (llama-cpp-python missing, or
+    no GGUF the model was converted from)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as exc:  # not installed, or its shared library failed to load
+        return None, f"llama_cpp is not importable ({type(exc).__name__}: {exc})"
+    src = gguf_source(model_name)
+    if src is None:
+        return None, (f"{model_name} has no GGUF to give llama.cpp the same weights: use "
+                      "builtin:smollm2-135m-instruct or a .gguf model path")
+    return f32_gguf(src), ""
+
+
 def skipped(reason: str) -> dict:
     return {"peer": {"skipped": reason, "install": INSTALL}}
 
@@ -191,21 +218,17 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
     bf16 weights vs BF16), or why not."""
     if device != "cpu":
         return skipped(f"llama.cpp is measured on CPU only (device {device})")
-    try:
-        import llama_cpp
-    except (ImportError, OSError, RuntimeError) as exc:  # not installed, or its shared library failed to load
-        return skipped(f"llama_cpp is not importable ({type(exc).__name__}: {exc})")
-    src = gguf_source(model_name)
-    if src is None:
-        return skipped(f"{model_name} has no GGUF to give llama.cpp the same weights: use "
-                       "builtin:smollm2-135m-instruct or a .gguf model path")
+    f32, why_not = llama_cpp_weights(model_name)
+    if f32 is None:
+        return skipped(why_not)
+    import llama_cpp
     import torch
     from transformers import AutoTokenizer
 
     from final.bench.throughput import chat_prompts
 
     threads = torch.get_num_threads()
-    f32 = f32_gguf(src)
+    src = gguf_source(model_name)
     modes = ["fp32"] + [m for m, on in (("int8", int8), ("bf16", bf16)) if on]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows, fp32_ids, fp32_theirs = [], {}, {}
@@ -252,8 +275,9 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
     from final.engine import EmbeddedEngine
 
     B = len(prompts)
+    # llama.cpp clears its context before each call, so ours keeps no prefix cache between the repeats either
     engine = EmbeddedEngine(model_dir, dtype="float32", max_running_requests=B, quantization=quantization,
-                            max_model_len=max(map(len, prompts)) + new_tokens + 1)
+                            max_model_len=max(map(len, prompts)) + new_tokens + 1, prefix_cache=False)
     try:
         peer = engine.call(lambda _r: LlamaCpp(weights, threads, B, max(map(len, prompts)) + new_tokens + 1))
         got: dict[str, Any] = {"decode": []}

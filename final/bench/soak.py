@@ -58,8 +58,10 @@ def run_soak(model: str, requests: int, seconds: float, concurrency: int, seed: 
         _weight_files(model, Path(tmp) / "weights")
         config = Path(tmp) / "config.yaml"
         config.write_text(json.dumps({"model_path": model, "progress": False,
+                                      # a prefix cache the warm-up fills (its bound): growth after it is a leak
                                       "rollout": {"name": "local", "prompt_length": 256, "response_length": 32,
-                                                  "max_num_seqs": 64},
+                                                  "max_num_seqs": 64,
+                                                  "engine_kwargs": {"local": {"prefix_cache_mb": 4}}},
                                       "limits": {"max_body_bytes": 65536,
                                                  "max_cartridge_bytes": BUDGET_CARTRIDGES * one}}))
         proc, url = _start(config, tmp)

@@ -83,7 +83,9 @@ def run_throughput(model_dir: str, dtypes: list[str], batches: list[int], new_to
     rows: list[ThroughputRow] = []
     steps: dict[str, dict] = {}
     for name in dtypes:
-        inference = local_engine(model_dir, dtype=str(DTYPES[name]).removeprefix("torch."), device=device)
+        # the same prompts at every repeat: HF prefills them each time, so ours does too (no prefix cache)
+        inference = local_engine(model_dir, dtype=str(DTYPES[name]).removeprefix("torch."), device=device,
+                                 prefix_cache=False)
         engine = inference.engine
         # HF runs on the engine's own thread: one OpenMP team for both sides. A second thread with parallel torch
         # work makes libgomp throttle every team (~30% slower on 2 cores), which would handicap both unevenly.

@@ -1,9 +1,10 @@
-"""Attention for one forward pass: write K/V into the row cache, attend, and fold in cartridge prefixes.
+"""Attention for one forward pass: write K/V into the row cache, attend, and fold in prefix segments.
 
-A row with a cartridge attends to two segments: the cartridge's K/V (positions 0..p-1, shared by every row that
-uses it) and its own tokens (positions p..). Each segment is attended separately and the results are merged
-exactly with their log-sum-exp, so the cartridge is read once per step for a whole group of rows and never
-copied per row. Rows without a cartridge take PyTorch's fused SDPA directly.
+A row with a cartridge or a cached prefix attends to its prefix segments - the cartridge's K/V (positions
+0..p-1, shared by every row that uses it), then the prefix cache's nodes it attached to (final/engine/
+prefix_cache.py) - and its own tokens. Each segment is attended separately and the results are merged exactly
+with their log-sum-exp, so a prefix is read once per step for a whole group of rows and never copied per row; the
+engine's kernel does the same in one softmax (kernels/attention.h). Rows without any take PyTorch's fused SDPA.
 
 Layouts: q [B,T,H,D] and k/v [B,T,Hkv,D] as the model produces them; grouped-query attention is computed
 as [B,Hkv,G*T,D] so K/V are never repeated per query head.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from final.engine.kernels import gemv_kernel
 from final.engine.kv_cache import KVCache, PrefixKV
 
 _QUERY_CHUNK = 256  # bounds the fp32 score matrix of long prompts in the merged path
@@ -81,11 +83,6 @@ def merge_lse(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return out.to(o.dtype), m + torch.log(total)
 
 
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Combine two attention results over disjoint key sets into attention over their union."""
-    return merge_lse(torch.stack([o1, o2]), torch.stack([lse1, lse2]))[0]
-
-
 _MIN_CHUNK = 256  # keys per chunk below which splitting a prefix costs more than it balances
 
 
@@ -112,16 +109,49 @@ def _flash_prefix(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return merge_lse(o, lse)
 
 
-def attend_prefix(qg: torch.Tensor, prefix: PrefixKV, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows' grouped queries [n,Hkv,G,T,D] against one shared prefix [Hkv,p,D]: one pass for all rows."""
+def attend_kv(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' grouped queries [n,Hkv,G,T,D] against one shared segment k/v [Hkv,p,D]: one pass for all rows.
+    Returns o [n,Hkv,G,T,D] and its lse [n,Hkv,G,T]."""
     n, Hkv, G, T, D = qg.shape
     flat = qg.permute(1, 0, 2, 3, 4).reshape(Hkv, n * G * T, D)
-    if _flash_cpu_applies(flat):  # kv heads as heads, every row's queries of a group along the query axis
-        o, lse = _flash_prefix(flat, prefix.k[layer], prefix.v[layer], scale)
+    kernel = gemv_kernel() if flat.dtype == torch.float32 and flat.device.type == "cpu" else None
+    if kernel is not None and k.stride()[1:] == (D, 1) and k.stride() == v.stride():
+        o, lse = kernel.prefix_attend(flat.contiguous(), k, v, scale)  # blocked over heads, queries and keys
+    elif _flash_cpu_applies(flat):  # kv heads as heads, every row's queries of a group along the query axis
+        o, lse = _flash_prefix(flat, k, v, scale)
     else:
-        o, lse = attend_lse(flat, prefix.k[layer], prefix.v[layer], scale)
+        o, lse = attend_lse(flat, k, v, scale)
     o = o.reshape(Hkv, n, G, T, D).permute(1, 0, 2, 3, 4)
     return o, lse.view(Hkv, n, G, T).permute(1, 0, 2, 3)
+
+
+def attend_prefix(qg: torch.Tensor, prefix: PrefixKV, layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_kv over a prefix's (a cartridge's) layer."""
+    return attend_kv(qg, prefix.k[layer], prefix.v[layer], scale)
+
+
+@dataclass(frozen=True)
+class SlotSpan:
+    """A row's first `length` tokens in its own slot, attended as a prefix segment: a cached prefix copied into the
+    slot (where decode cannot read segments), before the prefill of the rest."""
+
+    slot: int
+    length: int
+
+
+def merge_segments(o: torch.Tensor, lse: torch.Tensor, qg: torch.Tensor, segments: tuple, layer: int, scale: float,
+                   cache: KVCache) -> torch.Tensor:
+    """Attention over the own tokens (o, lse) and each prefix segment of qg's rows, merged by log-sum-exp."""
+    outs, lses = [o], [lse]
+    for seg in segments:
+        if isinstance(seg, SlotSpan):
+            k, v = cache.k[layer][seg.slot, :, : seg.length], cache.v[layer][seg.slot, :, : seg.length]
+        else:
+            k, v = seg.k[layer], seg.v[layer]
+        o_seg, lse_seg = attend_kv(qg, k, v, scale)
+        outs.append(o_seg)
+        lses.append(lse_seg)
+    return merge_lse(torch.stack(outs), torch.stack(lses))[0]
 
 
 def causal_lse(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +175,8 @@ def causal_lse(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 @dataclass
 class PrefillPlan:
-    """New rows, right-padded to a common length T, all sharing the same prefix (or none)."""
+    """New rows, right-padded to a common length T, each after its prefix segments (`prefix` for all of them, or
+    `segments` per row: a cartridge, cached prefix nodes, SlotSpans) and written into its slot from `offsets`."""
 
     cache: KVCache
     slots: list[int]
@@ -153,15 +184,27 @@ class PrefillPlan:
     scale: float
     capture: bool = False  # keep each layer's K/V (used to build cartridges from text)
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
+    offsets: list[int] | None = None  # per row, where its new tokens go in its slot (0: from the start)
+    segments: list[tuple] | None = None  # per row, the prefix segments its new tokens attend to first
 
     fuses_layers = False  # whole layers in one kernel call: decode only (DecodePlan)
     prefixes = None
 
     def __post_init__(self) -> None:
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        lo, hi = self.slots[0], self.slots[0] + len(self.slots)
+        n = len(self.slots)
+        self.offsets = self.offsets or [0] * n
+        if self.segments is None:
+            self.segments = [(self.prefix,) if self.prefix is not None else ()] * n
+        lo, hi = self.slots[0], self.slots[0] + n
         # New rows take consecutive slots (the scheduler appends them): then one slice write per layer.
-        self.slot_range = (lo, hi) if self.slots == list(range(lo, hi)) else None
+        self.slot_range = (lo, hi) if self.slots == list(range(lo, hi)) and not any(self.offsets) else None
+        groups: dict[tuple, tuple[list[int], tuple]] = {}
+        for row, segs in enumerate(self.segments):
+            if segs:
+                groups.setdefault(tuple(map(id, segs)), ([], segs))[0].append(row)
+        # rows that share their segments attend to them in one pass (None: every row of the batch)
+        self.groups = [(None if len(rows) == n else torch.tensor(rows), segs) for rows, segs in groups.values()]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         T = q.shape[1]
@@ -173,19 +216,23 @@ class PrefillPlan:
             self.cache.k[layer][lo:hi, :, :T] = kt
             self.cache.v[layer][lo:hi, :, :T] = vt
         else:
-            for row, slot in enumerate(self.slots):
-                self.cache.k[layer][slot, :, :T] = kt[row]
-                self.cache.v[layer][slot, :, :T] = vt[row]
-        if self.prefix is None and self.flash is not None:
+            for row, (slot, at) in enumerate(zip(self.slots, self.offsets)):
+                self.cache.k[layer][slot, :, at:at + T] = kt[row]
+                self.cache.v[layer][slot, :, at:at + T] = vt[row]
+        if not self.groups and self.flash is not None:
             return self.flash.flash_attn_func(q, k, v, softmax_scale=self.scale, causal=True)
-        if self.prefix is None:
+        if not self.groups:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
             return o.transpose(1, 2)
         qg = group_q(q, k.shape[2])
-        o_own, lse_own = causal_lse(qg, kt, vt, self.scale)
-        o_pre, lse_pre = attend_prefix(qg, self.prefix, layer, self.scale)
-        return ungroup_o(merge(o_own, lse_own, o_pre, lse_pre))
+        o, lse = causal_lse(qg, kt, vt, self.scale)
+        for rows, segs in self.groups:
+            if rows is None:
+                o = merge_segments(o, lse, qg, segs, layer, self.scale, self.cache)
+            else:
+                o[rows] = merge_segments(o[rows], lse[rows], qg[rows], segs, layer, self.scale, self.cache)
+        return ungroup_o(o)
 
 
 @dataclass
@@ -198,13 +245,11 @@ class DecodePlan:
 
     cache: KVCache
     step: array  # 'q': B token ids, B positions, B cached lengths
-    groups: list[tuple[torch.Tensor, PrefixKV]]  # (row indices, shared prefix) for rows with cartridges
+    groups: list[tuple[torch.Tensor, Any]]  # (row indices, their shared prefix segments: a PrefixKV or a tuple)
     scale: float
     flash: Any = None  # flash_attn module (CUDA, extra [gpu]) or None for SDPA
-
-    def __post_init__(self) -> None:
-        self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
-        self.batch = len(self.step) // 3
+    table: tuple[torch.Tensor, torch.Tensor] | None = None  # the rows' segments as the kernel reads them (runner)
+    kernel: Any = None  # the engine's C kernel: the torch path's fp32 rows with segments attend on it
 
     @cached_property
     def rows(self) -> torch.Tensor:
@@ -222,16 +267,23 @@ class DecodePlan:
         ops a step)."""
         return self.fp32_cpu
 
+    def __post_init__(self) -> None:
+        self.fp32_cpu = self.cache.dtype == torch.float32 and self.cache.device.type == "cpu"
+        self.batch = len(self.step) // 3
+        self.groups = [(rows, segs if isinstance(segs, tuple) else (segs,)) for rows, segs in self.groups]
+
     @cached_property
     def prefixes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The kernel's view of the rows' cartridges: [B, layers, 2] K/V addresses and [B] lengths (0: none)."""
-        if not self.groups:
-            return None
-        B, layers = self.batch, len(self.cache.k)
-        table, lengths = torch.zeros(B, layers, 2, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
-        for rows, prefix in self.groups:
-            table[rows] = prefix.addresses()
-            lengths[rows] = prefix.length
+        """The kernel's view of the rows' prefix segments: [B, S, layers, 2] K/V addresses and [B, S] lengths (0:
+        none), the runner's table or made here from the groups."""
+        if not self.groups or self.table is not None:
+            return self.table if self.groups else None
+        B, layers, width = self.batch, len(self.cache.k), max(len(segs) for _, segs in self.groups)
+        table, lengths = torch.zeros(B, width, layers, 2, dtype=torch.int64), torch.zeros(B, width, dtype=torch.int64)
+        for rows, segs in self.groups:
+            for i, seg in enumerate(segs):
+                table[rows, i] = seg.addresses()
+                lengths[rows, i] = seg.length
         return table, lengths
 
     @cached_property
@@ -269,6 +321,9 @@ class DecodePlan:
             return self.flash.flash_attn_with_kvcache(q, ck.transpose(1, 2), cv.transpose(1, 2),
                                                       cache_seqlens=self.seqlens, softmax_scale=self.scale,
                                                       causal=True)
+        if self.kernel is not None and self.fp32_cpu:  # the whole-step call's attention, prefix segments included
+            out = self.kernel.attend(q[:, 0].contiguous(), ck, cv, self.lengths, self.prefixes, layer, self.scale)
+            return out.view(B, 1, q.shape[2], q.shape[3])
         keys, values = ck[:B, :, : self.span], cv[:B, :, : self.span]
         if not self.groups and self.bias is not None:
             qg = q[:, 0].reshape(B, k.shape[2], -1, q.shape[-1])  # [B,Hkv,G,D]
@@ -282,7 +337,6 @@ class DecodePlan:
         Hkv, G, D = qg.shape[1], qg.shape[2], qg.shape[4]
         o, lse = attend_lse(qg.reshape(B, Hkv, G, D), keys, values, self.scale, self.mask[:, None, None, :])
         o, lse = o.unsqueeze(3), lse.unsqueeze(3)
-        for rows, prefix in self.groups:
-            o_pre, lse_pre = attend_prefix(qg[rows], prefix, layer, self.scale)
-            o[rows] = merge(o[rows], lse[rows], o_pre, lse_pre)
+        for rows, segs in self.groups:
+            o[rows] = merge_segments(o[rows], lse[rows], qg[rows], segs, layer, self.scale, self.cache)
         return ungroup_o(o)

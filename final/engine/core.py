@@ -19,6 +19,7 @@ from final.engine.kv_cache import KVCache, PrefixTable
 from final.engine.lora import AdapterTable, lora_sizes
 from final.engine.messages import Abort, Call, Drain, Stop, Submit
 from final.engine.model import CausalLM
+from final.engine.prefix_cache import PrefixCache
 from final.engine.runner import ModelRunner
 from final.engine.sampler import sample
 from final.engine.scheduler import Scheduler
@@ -38,6 +39,7 @@ class EngineStats:
     decode_steps: int = 0
     aborted: int = 0
     faults: int = 0  # rows aborted because serving them failed (of `aborted`)
+    cached_tokens: int = 0  # prompt tokens rows took from the prefix cache or a sample sharing their prefill
 
 
 def total_memory_bytes(device: torch.device) -> int:
@@ -48,18 +50,26 @@ def total_memory_bytes(device: torch.device) -> int:
 
 class EngineCore:
     def __init__(self, model: CausalLM, model_path: str, *, max_running_requests: int, max_model_len: int,
-                 max_prefill_tokens: int, mem_fraction_static: float, eos_token_ids: frozenset[int]):
+                 max_prefill_tokens: int, mem_fraction_static: float, eos_token_ids: frozenset[int],
+                 prefix_cache_bytes: int = 0):
         spec = model.spec
         self.model, self.spec, self.model_path = model, spec, model_path
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device,
-                             max_model_len)
-        self.prefixes = PrefixTable(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device)
+        self.cache = KVCache(*shape, max_model_len)
+        self.prefixes = PrefixTable(*shape)
+        self._prefixes_seen = self.prefixes.version
+        # the K/V of prompts and finished rows (final/engine/prefix_cache.py); None with prefix_cache off
+        self.prefix_cache = PrefixCache(*shape, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         budget = int(mem_fraction_static * total_memory_bytes(model.device)) - model.nbytes
-        self.scheduler = Scheduler(self.cache, max_running_requests, max_prefill_tokens, max(budget, 0))
+        # rows attend to cached prefixes where they lie when their decode can read segments (the kernel's fp32
+        # attention); elsewhere (bf16, CUDA) a hit is copied into the row's slot
+        by_reference = model.kernel is not None and model.dtype == torch.float32 and model.device.type == "cpu"
+        self.scheduler = Scheduler(self.cache, max_running_requests, max_prefill_tokens, max(budget, 0),
+                                   self.prefix_cache, by_reference)
         self.adapters = AdapterTable(lora_sizes(model), spec.num_layers, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.cache, self.adapters)
+        self.runner = ModelRunner(model, self.cache, self.adapters, share_prefill=self.prefix_cache is not None)
         self.stats = EngineStats()
         self.inbox: queue.Queue = queue.Queue()
         self._tokenizer = None
@@ -103,6 +113,9 @@ class EngineCore:
         if self._drains:  # rows after a pending weight update run on the new weights
             self._held.append(msg)
             return True
+        if self.prefix_cache is not None and self.prefixes.version != self._prefixes_seen:
+            self._prefixes_seen = self.prefixes.version  # a cartridge (un)loaded: its cached continuations go
+            self.prefix_cache.drop_roots(lambda key: not self.prefixes.loaded(key[0]))
         failed: set[int] = set()  # batches (requests) refused here: a cartridge unloaded since they were made
         for seq in msg.seqs:
             if id(seq.batch) in failed:
@@ -166,10 +179,18 @@ class EngineCore:
         version. Run as a Drain, so no row is running."""
         load_weights(self.model, named)
         self.weight_version += 1
+        self.flush_prefix_cache()  # K/V of the old weights
         return self.weight_version
 
+    def flush_prefix_cache(self) -> None:
+        """Empty the prefix cache (SGLang's flush_cache): rows running keep what they attend to, and neither
+        unlock into nor insert into the new tree."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def release_memory(self) -> None:
-        """The KV pool goes (rebuilt by the next request); on a GPU, back to the device too."""
+        """The KV pool and the prefix cache go (rebuilt by the next request); on a GPU, back to the device too."""
+        self.flush_prefix_cache()
         self.cache.release()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -182,6 +203,7 @@ class EngineCore:
         for drain in self._drains:
             drain.future.set_exception(gone)
         self._held, self._drains = [], []
+        self.flush_prefix_cache()
         self.cache.release()
         return False
 
@@ -288,6 +310,8 @@ class EngineCore:
     def _finish(self, done: list[Sequence]) -> None:
         if not done:
             return
+        for seq in done:
+            self._cache_finished(seq)
         self.scheduler.remove([s for s in done if s.slot >= 0])
         composed = {s.prefix for s in done if s.prefix is not None and len(s.prefix.ids) > 1}
         if composed:  # a composition nobody runs any more is dropped (rebuilt on demand)
@@ -296,8 +320,34 @@ class EngineCore:
         for seq in done:
             seq.batch.row_done(seq.row, seq.to_output())
 
+    def _cache_finished(self, seq: Sequence) -> None:
+        """Let go of the row's cached prefix and cache its prompt + output (all but the newest token, which has no
+        K/V yet), from its slot, before the slot is reused: the next turn of a conversation hits. Aborted rows
+        and rows of an older cache generation (a flush while they ran) are not cached."""
+        self.stats.cached_tokens += seq.cached_tokens
+        self.scheduler.detach(seq)
+        cache = self.prefix_cache
+        if (cache is None or seq.slot < 0 or seq.cache_generation != cache.generation
+                or (seq.finish_reason or {}).get("type") == "abort"):
+            return
+        key = seq.cache_key
+        if not self.prefixes.loaded(key[0]):  # a cartridge unloaded while the row ran
+            return
+        ids = seq.prompt_ids + seq.output_ids[:-1]
+        cache.insert(key, ids, lambda kv, at, a, b: self.cache.copy_out(seq.slot, a - seq.own_start,
+                                                                         b - seq.own_start, kv, at), seq.own_start)
+
+    def adapter_changed(self, result: Any) -> Any:
+        """After an adapter is loaded, replaced or unloaded (on this thread): the cached K/V made with a load no
+        longer served goes (its trees are keyed by the load's uid: Sequence.cache_key). Returns `result`."""
+        if self.prefix_cache is not None:
+            live = self.adapters.uids()
+            self.prefix_cache.drop_roots(lambda key: key[1] is not None and key[1] not in live)
+        return result
+
     def _fail_all(self, exc: EngineError) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             seq.batch.fail(exc)
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
+        self.flush_prefix_cache()  # nothing is known good

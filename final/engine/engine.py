@@ -31,6 +31,7 @@ from final.engine.weights import current_weights, parameter_shapes
 from final.errors import CartridgeError, EngineError, PromptError, SamplingError
 from final.models import model_eos_token_ids
 
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # engine_kwargs.local.prefix_cache_mb's default (1024)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -51,7 +52,8 @@ class EmbeddedEngine:
                  max_running_requests: int = 256, max_model_len: int | None = None,
                  max_prefill_tokens: int = 8192, mem_fraction_static: float = 0.5,
                  random_seed: int | None = None, eos_token_ids: Seq[int] | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, prefix_cache: bool = True,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
@@ -66,7 +68,7 @@ class EmbeddedEngine:
         started: concurrent.futures.Future = concurrent.futures.Future()
         options = dict(max_running_requests=max_running_requests, max_model_len=max_model_len,
                        max_prefill_tokens=max_prefill_tokens, mem_fraction_static=mem_fraction_static,
-                       eos_token_ids=eos)
+                       eos_token_ids=eos, prefix_cache_bytes=prefix_cache_bytes if prefix_cache else 0)
         self._thread = threading.Thread(target=self._main, args=(started, options), name="final-engine",
                                         daemon=True)
         self._thread.start()
@@ -136,8 +138,12 @@ class EmbeddedEngine:
         raise EngineError("generate() was called inside a running event loop; await async_generate() instead")
 
     def flush_cache(self) -> bool:
-        """SGLang clears its radix cache here. We keep no prompt cache (compositions of cartridges are dropped
-        when their last row finishes), so there is nothing to clear."""
+        """Empty the prefix cache (SGLang's radix-cache flush), between steps. Unlike SGLang it does not refuse
+        while rows run: they finish on the K/V they hold, and what they computed is not cached. A weight update
+        and release_memory_occupation flush it too."""
+        if self._closed:
+            return True
+        self.call(lambda _runner: self.core.flush_prefix_cache())
         return True
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -167,11 +173,11 @@ class EmbeddedEngine:
     def load_adapter(self, name: str, adapter: Adapter) -> int:
         """Serve a checked adapter (final.adapters.build_adapter against parameter_shapes) to requests naming it;
         a name already loaded is replaced (rows running with the old one finish with it). Returns its bytes."""
-        return self.call(lambda _runner: self.core.adapters.add(name, adapter).nbytes)
+        return self.call(lambda _runner: self.core.adapter_changed(self.core.adapters.add(name, adapter).nbytes))
 
     def unload_adapter(self, name: str) -> bool:
         """Forget an adapter; rows running with it finish with it."""
-        return self.call(lambda _runner: self.core.adapters.remove(name))
+        return self.call(lambda _runner: self.core.adapter_changed(self.core.adapters.remove(name)))
 
     def adapter_names(self) -> list[str]:
         return self.core.adapters.names()

@@ -5,11 +5,14 @@ When a row leaves, the last row moves into its slot (one copy of one row, amorti
 geometrically in both rows and tokens and stays allocated (a static pool after warm-up) until `release()`.
 
 Cartridge prefixes (`PrefixKV`) are not copied per row: every row that uses a cartridge points at the same
-tensors, and a composition of several cartridges is concatenated once and shared by its rows.
+tensors, and a composition of several cartridges is concatenated once and shared by its rows. The prefix cache
+(final/engine/prefix_cache.py) keeps cached token prefixes in the same layout, and copies between a row's slot
+and its nodes go through `copy_out` / `copy_in`.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -86,10 +89,31 @@ class KVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
+    def copy_out(self, slot: int, a: int, b: int, dst: "PrefixKV", at: int) -> None:
+        """Slot `slot`'s tokens [a, b) into dst's [at, at + b - a) (a finished row into the prefix cache)."""
+        for mine, theirs in ((self.k, dst.k), (self.v, dst.v)):
+            for src, out in zip(mine, theirs):
+                out[:, at : at + b - a].copy_(src[slot, :, a:b])
+
+    def copy_in(self, slot: int, segments: "tuple[PrefixKV, ...]") -> int:
+        """The segments' tokens, in order, into slot `slot` from its first token (a cached prefix a row takes as
+        its own where its decode cannot read segments); returns the tokens written."""
+        at = 0
+        for seg in segments:
+            n = seg.length
+            for mine, theirs in ((self.k, seg.k), (self.v, seg.v)):
+                for dst, src in zip(mine, theirs):
+                    dst[slot, :, at : at + n] = src
+            at += n
+        return at
+
     def release(self) -> None:
         self.k, self.v = [], []
         self.rows = self.tokens = 0
         self._addresses = None
+
+
+_SERIALS = itertools.count(1)  # one per cartridge load: a reloaded id is another prefix to the cache
 
 
 @dataclass(eq=False)
@@ -100,6 +124,7 @@ class PrefixKV:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     _addresses: torch.Tensor | None = field(default=None, repr=False)
+    serials: tuple[int, ...] = ()  # the loads it is made of (a cartridge's own, or a composition's parts'): cache keys
 
     def addresses(self) -> torch.Tensor:
         """[layers, 2] int64: each layer's K and V tensor address (the engine's C kernel reads them)."""
@@ -129,6 +154,7 @@ class PrefixTable:
     _single: dict[str, PrefixKV] = field(default_factory=dict)
     _composed: dict[tuple[str, ...], PrefixKV] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    version: int = 0  # counts loads and unloads (the engine thread drops the prefix cache's stale trees on a change)
 
     def add(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> PrefixKV:
         k = [self._check(cartridge_id, "keys", i, t) for i, t in enumerate(keys)]
@@ -138,8 +164,9 @@ class PrefixTable:
                                  file=cartridge_id, field="keys/values")
         if any(a.shape != b.shape for a, b in zip(k, v)) or len({t.shape for t in k}) != 1:
             raise CartridgeError("K/V shapes differ across layers", file=cartridge_id, field="keys/values")
-        prefix = PrefixKV((cartridge_id,), k, v)
+        prefix = PrefixKV((cartridge_id,), k, v, serials=(next(_SERIALS),))
         with self._lock:
+            self.version += 1
             self._single[cartridge_id] = prefix
             self._composed = {ids: p for ids, p in self._composed.items() if cartridge_id not in ids}
         return prefix
@@ -159,6 +186,7 @@ class PrefixTable:
 
     def remove(self, cartridge_id: str) -> bool:
         with self._lock:
+            self.version += 1
             found = self._single.pop(cartridge_id, None) is not None
             self._composed = {ids: p for ids, p in self._composed.items() if cartridge_id not in ids}
         return found
@@ -190,8 +218,14 @@ class PrefixTable:
             if ids not in self._composed:
                 k = [torch.cat([p.k[layer] for p in parts], dim=1) for layer in range(self.num_layers)]
                 v = [torch.cat([p.v[layer] for p in parts], dim=1) for layer in range(self.num_layers)]
-                self._composed[ids] = PrefixKV(ids, k, v)
+                self._composed[ids] = PrefixKV(ids, k, v, serials=tuple(s for p in parts for s in p.serials))
             return self._composed[ids]
+
+    def loaded(self, serials: tuple[int, ...]) -> bool:
+        """Whether every load in `serials` is still the loaded cartridge of its id (a prefix-cache root's key)."""
+        with self._lock:
+            live = {p.serials[0] for p in self._single.values()}
+        return all(s in live for s in serials)
 
     def prune_composed(self, in_use: set) -> None:
         """Drop concatenations no running row uses (they are rebuilt on demand)."""

@@ -163,6 +163,11 @@ class AdapterTable:
         with self._lock:
             return sorted(self._by_name)
 
+    def uids(self) -> set[int]:
+        """The loads being served now (what the prefix cache keeps trees for)."""
+        with self._lock:
+            return {a.uid for a in self._by_name.values()}
+
     def get(self, name: str) -> EngineAdapter:
         with self._lock:
             found = self._by_name.get(name)

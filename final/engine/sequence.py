@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from final.engine.kv_cache import PrefixKV
+from final.engine.prefix_cache import Hit
 from final.engine.sampling_params import SamplingParams
 
 
@@ -32,6 +34,15 @@ class Sequence:
     prefix_len: int = 0  # known before admission, so the context check happens where the request is made
     adapter: str | None = None  # the LoRA adapter it runs with (a name), resolved into `lora` at admission
     lora: Any = None  # engine.lora.EngineAdapter: held by the row, so an unload lets it finish with it
+    # the prefix cache (final/engine/prefix_cache.py), set when the scheduler admits the row: its cached prefix,
+    # the prompt tokens before the row's own slot (the hit when attended by reference, 0 when copied into the slot),
+    # the prompt tokens it did not compute, the segments its decode attends before its own tokens (the cartridge,
+    # then the hit's nodes), and the cache generation it was admitted in
+    hit: Hit | None = None
+    own_start: int = 0
+    cached_tokens: int = 0
+    segments: tuple[PrefixKV, ...] = ()
+    cache_generation: int = -1
     batch: Any = None  # the engine.messages.Batch it reports to, and its row there
     row: int = 0
     return_logprob: bool = False
@@ -49,15 +60,38 @@ class Sequence:
     weight_version: int = 0  # the engine's weights when the row was admitted (it finishes on them: messages.Drain)
     on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
     grammar: Any = None  # the row's own grammar matcher (final/engine/grammar.RowGrammar) when constrained
+    uid: int = field(default_factory=itertools.count().__next__)  # unique in the process (ids of objects are reused)
 
     @property
     def cached_len(self) -> int:
         """Own tokens whose K/V are in the row cache (the newest output token is not yet)."""
-        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+        return len(self.prompt_ids) - self.own_start + max(len(self.output_ids) - 1, 0)
 
     @property
     def reserved_tokens(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
+        """Tokens of the row cache the row needs at most (its own: a prefix attended by reference is not)."""
+        return len(self.prompt_ids) - self.own_start + self.max_new_tokens
+
+    @property
+    def cache_key(self) -> tuple:
+        """The prefix cache's tree for this row: everything besides its tokens that changes its K/V - first the
+        cartridges' loads (their serials; the weights are the engine's own, and an update empties the cache), then
+        the row's LoRA adapter (its load's uid: a name loaded again is another adapter; None for the base)."""
+        return (self.prefix.serials if self.prefix is not None else (), self.lora.uid if self.lora is not None else None)
+
+    @property
+    def hit_len(self) -> int:
+        """Prompt tokens whose K/V come from the prefix cache (0 without a hit)."""
+        return self.hit.length if self.hit is not None else 0
+
+    def attach(self, hit: Hit | None, by_reference: bool) -> None:
+        """Take a cached prefix (or none): by reference, its nodes are attended where they lie and the row's slot
+        starts after them; otherwise (a decode that cannot read segments) the runner copies them into the slot."""
+        self.hit = hit
+        self.own_start = self.hit_len if by_reference else 0
+        self.cached_tokens = self.hit_len
+        cached = hit.segments if hit is not None and by_reference else ()
+        self.segments = ((self.prefix,) if self.prefix is not None else ()) + cached
 
     def append(self, token: int, logprob: float | None,
                stop_texts: Callable[[list[int], list[str]], str | None] | None,
@@ -92,7 +126,7 @@ class Sequence:
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(self.prompt_ids) + self.prefix_len,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.prefix_len,
+            "cached_tokens": self.prefix_len + self.cached_tokens,
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - self.created,
         }

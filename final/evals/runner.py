@@ -159,7 +159,7 @@ def sample_record(row: Row, sample: int, text: str, meta: dict, scorer: "Scorer"
         "score": score, "reward_extra_info": reward_extra,
         "tool_rewards": dict(meta.get("rewards") or {}), "num_turns": meta.get("num_turns", 1), "tool_calls": calls,
         "finish_reason": meta.get("finish_reason"), "prompt_tokens": meta.get("prompt_tokens"),
-        "completion_tokens": meta.get("completion_tokens"),
+        "cached_tokens": meta.get("cached_tokens"), "completion_tokens": meta.get("completion_tokens"),
         "messages": meta.get("messages", [*row.messages, {"role": "assistant", "content": text}]),
     }
 

@@ -197,6 +197,9 @@ def summarize(run: Run, rows: list[Row], dropped: list[Row], untooled: list[Row]
         "mean_tool_calls": sum(len(r["tool_calls"]) for r in records) / samples,
         "mean_turns": sum(r["num_turns"] for r in records) / samples,
         "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
+        # prompt tokens the engine did not compute: its prefix cache, a sample sharing its prompt's prefill, cartridges
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in records),
         "seconds": run.seconds, "tokens_per_s": run.tokens / run.seconds if run.seconds else 0.0, "notes": notes,
     }
 
@@ -209,6 +212,7 @@ def format_summary(summary: dict) -> str:
             ("tool-call rate", f"{summary['tool_call_rate']:.3f}"),
             ("mean assistant turns", f"{summary['mean_turns']:.2f}"),
             ("model tokens", f"{summary['completion_tokens']}"),
+            ("prompt tokens (of them cached)", f"{summary['prompt_tokens']} ({summary['cached_tokens']})"),
             ("generation time (s)", f"{summary['seconds']:.1f}"), ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

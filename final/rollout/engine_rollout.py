@@ -26,6 +26,10 @@ from final.rollout.batch import assemble_batch, base_sampling_params, logprob_re
 
 
 class EngineRollout(Backend):
+    # veRL's request-level lifecycle flushes the engine's cache when a multi-turn call ends (SGLangRollout: the
+    # weights may change next); an engine whose cache a weight update empties itself keeps it instead
+    flush_after_multi_turn = True
+
     def __init__(self, config: Any, model_config: Any, engine: Any, device_mesh: Any = None, own_engine: bool = True):
         """own_engine: the rollout stops the engine on shutdown, and at once if this constructor fails."""
         super().__init__(config, model_config, device_mesh)
@@ -51,7 +55,8 @@ class EngineRollout(Backend):
                 raise ToolConfigError(f"multi-turn with calculate_log_probs scores each conversation's tokens, "
                                       f"which the {self.name} backend cannot (no prompt logprobs)",
                                       key="rollout.calculate_log_probs")
-            self.multi_turn = MultiTurnRollout(self.engine, config, self.processing_class)
+            self.multi_turn = MultiTurnRollout(self.engine, config, self.processing_class,
+                                               flush_after_call=self.flush_after_multi_turn)
 
     # ---- Backend ---------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -13,6 +13,7 @@ import torch
 
 from final.adapters import LiveBase, MergedAdapter, load_adapter_folder, lora_keywords
 from final.engine import EmbeddedEngine
+from final.engine.engine import DEFAULT_PREFIX_CACHE_BYTES
 from final.rollout.base import CONSTRAINED_KEYS, Capabilities, CartridgeTarget
 from final.rollout.engine_rollout import EngineRollout
 from final.weights import check_update
@@ -22,6 +23,10 @@ class LocalRollout(EngineRollout):
     name = "local"
     capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True, adapters=True,
                                 sampling_keys=CONSTRAINED_KEYS)
+    # veRL flushes after every multi-turn call so no K/V of the old weights outlives an update; the embedded
+    # engine's prefix cache is emptied by the update itself (and bounded by its budget), so a conversation that
+    # goes on in the next call still finds its history
+    flush_after_multi_turn = False
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, engine: EmbeddedEngine | None = None):
         local = (config.engine_kwargs or {}).get("local") or {}
@@ -36,6 +41,8 @@ class LocalRollout(EngineRollout):
             mem_fraction_static=config.gpu_memory_utilization,
             random_seed=local.get("random_seed"),
             quantization=local.get("quantization"),
+            prefix_cache=local.get("prefix_cache", True),
+            prefix_cache_bytes=local.get("prefix_cache_mb", DEFAULT_PREFIX_CACHE_BYTES >> 20) << 20,
         )
         super().__init__(config, model_config, engine, device_mesh, own_engine=own)
         self.merged = MergedAdapter(LiveBase(self.engine.current_weights))  # a trainer's adapter (veRL's LoRA)

@@ -73,13 +73,15 @@ class _Rollout:
 
 
 class MultiTurnRollout:
-    def __init__(self, engine: Any, config: Any, processing_class: Any, tools: ToolSet | None = None):
+    def __init__(self, engine: Any, config: Any, processing_class: Any, tools: ToolSet | None = None,
+                 flush_after_call: bool = True):
         mt = config.multi_turn
         unserved = unserved_multi_turn(mt)
         if unserved:
             raise ToolConfigError("is not served by final's multi-turn rollout", key=f"rollout.multi_turn.{unserved}")
         _check_multi_turn(mt)
         self.engine = engine
+        self.flush_after_call = flush_after_call  # veRL's flush_cache when a call ends (EngineRollout says)
         self.config = config
         self.processing_class = processing_class
         self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
@@ -111,9 +113,10 @@ class MultiTurnRollout:
         else:
             done = await self._rollout_with_over_sampling(rollouts, call)
         done = sorted(done, key=lambda r: (r.req.batch_data_id, r.req.rollout_offset))
-        flushed = self.engine.flush_cache()  # veRL's lifecycle (SGLang's is a coroutine, the embedded engine's not)
-        if inspect.isawaitable(flushed):
-            await flushed
+        if self.flush_after_call:  # veRL's lifecycle (SGLang's is a coroutine, the embedded engine's not)
+            flushed = self.engine.flush_cache()
+            if inspect.isawaitable(flushed):
+                await flushed
         out = collate([r.req for r in done], self.config, self.pad_token_id, prompts.batch["input_ids"].device,
                       self.tokenizer, self.max_model_len)
         if meta.get(TRACE_KEY):

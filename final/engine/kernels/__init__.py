@@ -1,8 +1,10 @@
 """The engine's own CPU kernel (gemv.c: decode at memory bandwidth), loaded and called here.
 
-gemv.c has two entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm
-or SwiGLU before and bias/residual after), and `final_decode_step`, a whole decode step (embedding to logits) in one
-call; products.h holds their row loops. abi.py defines their parameters and tables once (gemv.c is compiled
+gemv.c's entry points: `final_gemv`, one small-M product (fp32, bf16 or int8 weights, with a fused RMSNorm or
+SwiGLU before and bias/residual after); `final_decode_step`, a whole decode step (embedding to logits) in one call,
+each row after its prefix segments (a cartridge, the prefix cache's nodes); `final_attend`, that step's attention
+alone for the torch forward's rows; `final_prefix_attend`, a prefill's attention over one prefix segment
+(prefill.h). products.h holds the products' row loops. abi.py defines their parameters and tables once (gemv.c is compiled
 against the header it generates, and a library of another interface is refused at load); builds.py compiles it
 with the system gcc into $FINAL_CACHE/kernels under a key of the sources, flags and compiler, locked between
 processes; scripts/install.sh builds it ahead (`python -m final.engine.kernels`) so a first engine does not wait.
@@ -74,6 +76,8 @@ class GemvKernel:
         self._fn, self._step = fns["final_gemv"], fns["final_decode_step"]
         self._step_floats, self._phases = fns["final_decode_step_floats"], fns["final_phase_cycles"]
         self._team_check = fns["final_team_check"]
+        self._attend = fns["final_attend"]
+        self._prefix_attend = fns["final_prefix_attend"]
 
     @staticmethod
     def _close(lib: ctypes.CDLL) -> None:
@@ -118,22 +122,23 @@ class GemvKernel:
         caches [L, 2] the K and V cache addresses, each [rows, Hkv, T, D] = [rows, *cache_shape]; head
         [len(abi.HEAD_FIELDS)] int64: the lm_head's weight, its int8 scales or 0, the final norm. buffers: x [M,
         hidden] and
-        work [step_floats(...)] floats. prefixes: the rows' cartridges, ([M, L, 2] int64 K/V addresses of [Hkv,
-        p, D] fp32 tensors, [M] int64 p, 0 for a row without), attended before each row's own tokens. Contiguous
-        fp32. Nothing runs on an IndexError (a token id or position past the tables, a cached length with no slot
-        left in T), ValueError (sizes no model has: H not a multiple of Hkv, a work buffer too small) or
-        MemoryError (the kernel's buffers)."""
+        work [step_floats(...)] floats. prefixes: the rows' prefix segments (a cartridge, the prefix cache's
+        nodes; `segments()`: [M, S, L, 2] int64 K/V addresses of [Hkv, p, D] fp32 tensors, [M, S] int64 p, 0 for
+        none), attended before each row's own tokens in one softmax. Contiguous fp32. Nothing runs on an
+        IndexError (a token id or position past the tables, a cached length with no slot left in T), ValueError
+        (sizes no model has: H not a multiple of Hkv, a work buffer too small) or MemoryError (the kernel's
+        buffers)."""
         m = len(step) // 3
         vocab, hidden = embed.shape
         layers, _ = caches.shape
         kv_heads, tokens, dim = cache_shape
         x, work = buffers
-        ptab, plens = prefixes if prefixes is not None else (None, None)
+        ptab, plens, nseg = segments(prefixes)
         code = self._step(*abi.args(
             "final_decode_step", rows=step.buffer_info()[0], M=m, embed=embed.data_ptr(), vocab=vocab,
             cos=cos.data_ptr(), sin=sin_signed.data_ptr(), span=cos.shape[0], hidden=hidden, inter=inter, H=heads,
             Hkv=kv_heads, D=dim, layers=layers, kind=KINDS[kind], wtab=weights.data_ptr(), ctab=caches.data_ptr(),
-            ptab=address(ptab), plens=address(plens), T=tokens, scale=scale, eps=eps, head=head.data_ptr(),
+            ptab=address(ptab), plens=address(plens), nseg=nseg, T=tokens, scale=scale, eps=eps, head=head.data_ptr(),
             V=logits.shape[1], x=x.data_ptr(), logits=logits.data_ptr(), work=work.data_ptr(),
             work_floats=work.numel()))
         if code > 0:
@@ -142,6 +147,38 @@ class GemvKernel:
                              f"{step[m + row]} (rope tables {cos.shape[0]}), cached length {step[2 * m + row]} "
                              f"(cache {tokens} tokens) or prefix length out of range")
         _status(code, f"a decode step of {m} rows ({heads} heads, {kv_heads} KV heads, head size {dim})")
+
+    def attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor,
+               prefixes: tuple[torch.Tensor, torch.Tensor] | None, layer: int, scale: float) -> torch.Tensor:
+        """Decode attention of one layer for the torch forward's rows: q [M, H, D] post-RoPE, kc/vc the layer's
+        cache [rows, Hkv, T, D] with each row's new K/V already at lengths[b] (int64 [M]), prefixes as decode_step's
+        (this layer's of its L) -> [M, H D], attend_head's arithmetic (the whole-step call's). Contiguous fp32."""
+        m, heads, dim = q.shape
+        _, kv_heads, tokens, _ = kc.shape
+        ptab, plens, nseg = segments(prefixes)
+        out = torch.empty(m, heads * dim)
+        _status(self._attend(*abi.args(
+            "final_attend", q=q.data_ptr(), M=m, H=heads, Hkv=kv_heads, D=dim, kc=kc.data_ptr(), vc=vc.data_ptr(),
+            T=tokens, lengths=lengths.data_ptr(), ptab=address(ptab), plens=address(plens), nseg=nseg,
+            layers=ptab.shape[2] if ptab is not None else layer + 1, l=layer, scale=scale, out=out.data_ptr())),
+                f"decode attention of {m} rows ({heads} heads, {kv_heads} KV heads, head size {dim})")
+        return out
+
+    def prefix_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill's queries against one prefix segment: q [Hkv, M, D] (contiguous), k/v [Hkv, n, D] (each
+        head's rows contiguous, heads any stride apart: a cartridge, a cached prefix, a view into a row's slot)
+        -> o [Hkv, M, D] and its log-sum-exp [Hkv, M], fp32 (prefill.h)."""
+        kv_heads, m, dim = q.shape
+        n = k.shape[1]
+        if k.stride() != v.stride() or k.stride()[1:] != (dim, 1):
+            raise ValueError(f"prefix K/V of strides {k.stride()} / {v.stride()}: each head's rows must be contiguous")
+        o, lse = torch.empty(kv_heads, m, dim), torch.empty(kv_heads, m)
+        _status(self._prefix_attend(*abi.args(
+            "final_prefix_attend", q=q.data_ptr(), Hkv=kv_heads, M=m, D=dim, k=k.data_ptr(), v=v.data_ptr(), n=n,
+            hs=k.stride(0), scale=scale, o=o.data_ptr(), lse=lse.data_ptr())),
+                f"prefill attention of {m} queries over {n} prefix tokens ({kv_heads} KV heads, head size {dim})")
+        return o, lse
 
     def team_check(self, late_us: int) -> int:
         """How many times the team's waiting threads slept in the kernel while one thread arrived late_us late at
@@ -190,6 +227,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     rows = scale.view(g, k // Q8_BLOCK, Q8_ROWS).permute(0, 2, 1)  # [N/16, 16, K/32]
     out.view(g, Q8_ROWS, k // Q8_BLOCK, Q8_BLOCK).mul_(rows[..., None])
     return out
+
+
+def segments(prefixes: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                         int]:
+    """(ptab [M, S, L, 2], plens [M, S], S) for the kernel from a rows' prefix table; one segment a row may also
+    come as [M, L, 2] and [M] (a cartridge each). (None, None, 0) for none."""
+    if prefixes is None:
+        return None, None, 0
+    ptab, plens = prefixes
+    if plens.dim() == 1:
+        ptab, plens = ptab[:, None], plens[:, None]
+    return ptab.contiguous(), plens.contiguous(), plens.shape[1]
 
 
 def address(t: torch.Tensor | None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-VERSION = 13  # what a change of the calling convention beyond the table below would bump
+VERSION = 15  # what a change of the calling convention beyond the table below would bump
 
 # C type -> the ctypes type that carries it (pointers as plain addresses: tensors' data_ptr())
 _CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
@@ -25,15 +25,24 @@ _STEP = [("rows", "const int64_t *"), ("M", "int"), ("embed", "const float *"), 
          ("cos", "const float *"), ("sin", "const float *"), ("span", "int64_t"), ("hidden", "int"),
          ("inter", "int"), ("H", "int"), ("Hkv", "int"), ("D", "int"), ("layers", "int"), ("kind", "int"),
          ("wtab", "const int64_t *"), ("ctab", "const int64_t *"), ("ptab", "const int64_t *"),
-         ("plens", "const int64_t *"), ("T", "int64_t"), ("scale", "float"), ("eps", "float"),
+         ("plens", "const int64_t *"), ("nseg", "int"), ("T", "int64_t"), ("scale", "float"), ("eps", "float"),
          ("head", "const int64_t *"), ("V", "int"), ("x", "float *"), ("logits", "float *"), ("work", "float *"),
          ("work_floats", "int64_t")]
+_ATTEND = [("q", "const float *"), ("M", "int"), ("H", "int"), ("Hkv", "int"), ("D", "int"), ("kc", "const float *"),
+           ("vc", "const float *"), ("T", "int64_t"), ("lengths", "const int64_t *"), ("ptab", "const int64_t *"),
+           ("plens", "const int64_t *"), ("nseg", "int"), ("layers", "int"), ("l", "int"), ("scale", "float"),
+           ("out", "float *")]
+_PREFIX = [("q", "const float *"), ("Hkv", "int"), ("M", "int"), ("D", "int"), ("k", "const float *"),
+           ("v", "const float *"), ("n", "int"), ("hs", "int64_t"), ("scale", "float"), ("o", "float *"),
+           ("lse", "float *")]
 _SIZES = [("M", "int"), ("hidden", "int"), ("inter", "int"), ("H", "int"), ("Hkv", "int"), ("D", "int")]
 # name -> (return type, parameters)
 FUNCTIONS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "final_gemv": ("int", _GEMV),
     "final_decode_step": ("int", _STEP),
     "final_decode_step_floats": ("int64_t", _SIZES),
+    "final_attend": ("int", _ATTEND),
+    "final_prefix_attend": ("int", _PREFIX),
     "final_team_check": ("int", [("late_us", "int")]),
     "final_phase_cycles": ("int", [("out", "uint64_t *")]),
     "final_gemv_cpu_ok": ("int", []),

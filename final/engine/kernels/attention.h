@@ -95,12 +95,43 @@ static void weighted_sum(const float *w, const float *V, int64_t n, int D, float
 #if KV_AHEAD < 0
 #error "KV_AHEAD (bytes of K/V prefetched ahead) must be >= 0"
 #endif
+
+/* The rows' prefix segments, attended before each row's own tokens (one softmax over all): a cartridge, then the
+   prefix cache's nodes (final/engine/prefix_cache.py). Row b's segment s of layer l has plens[b nseg + s] tokens
+   (0: none) whose K and V, each [Hkv, n, D] contiguous fp32, are at the addresses ptab[((b nseg + s) layers + l) 2
+   + 0/1]. tab NULL: no row has any. */
+typedef struct {
+  const int64_t *tab, *lens;
+  int nseg, layers;
+} Segs;
+
+static inline int64_t seg_len(Segs p, int b, int s) { return p.tab ? p.lens[(int64_t)b * p.nseg + s] : 0; }
+
+/* segment s of row b at layer l, kv head g: its K (kv = 0) or V (kv = 1) rows [n, D] */
+static inline const float *seg_rows(Segs p, int b, int s, int l, int g, int kv, int D) {
+  const int64_t *at = p.tab + (((int64_t)b * p.nseg + s) * p.layers + l) * 2;
+  return (const float *)(intptr_t)at[kv] + (int64_t)g * seg_len(p, b, s) * D;
+}
+
+/* whether row b's segment lengths are all >= 0 */
+static int segs_ok(Segs p, int b) {
+  for (int s = 0; p.tab && s < p.nseg; s++)
+    if (seg_len(p, b, s) < 0) return 0;
+  return 1;
+}
+
+static int64_t segs_total(Segs p, int b) {
+  int64_t n = 0;
+  for (int s = 0; p.tab && s < p.nseg; s++) n += seg_len(p, b, s);
+  return n;
+}
+
 /* Prefetch (into L2) the K/V lines this thread's attention tasks of layer l will read (attend_team's static split of
    the B H head tasks), up to KV_AHEAD bytes: asked for before the qkv product, they arrive while it streams, so
    attention does not wait on memory latency after it (its short reads are too short for the hardware's own
    prefetcher to ramp up). */
 static void prefetch_kv(int B, int H, int Hkv, int D, const float *kc, const float *vc, int64_t T,
-                        const int64_t *lengths, const int64_t *ptab, const int64_t *plens, int layers, int l) {
+                        const int64_t *lengths, Segs p, int l) {
   const int t = omp_get_thread_num(), nt = omp_get_num_threads(), tasks = B * H, G = H / Hkv;
   const int lo = (int)((int64_t)tasks * t / nt), hi = (int)((int64_t)tasks * (t + 1) / nt);
   int64_t budget = KV_AHEAD, last = -1;
@@ -108,32 +139,53 @@ static void prefetch_kv(int B, int H, int Hkv, int D, const float *kc, const flo
     const int h = task / B, b = task % B, g = h / G;
     if ((int64_t)b * Hkv + g == last) continue;  /* the heads of one group read the same K/V */
     last = (int64_t)b * Hkv + g;
-    const int64_t p = ptab ? plens[b] : 0, n = lengths[b];
-    const int64_t *at = p ? ptab + ((int64_t)b * layers + l) * 2 : NULL;
-    const char *spans[4] = {(const char *)(kc + last * T * D), (const char *)(vc + last * T * D),
-                            at ? (const char *)(intptr_t)at[0] + g * p * D * 4 : NULL,
-                            at ? (const char *)(intptr_t)at[1] + g * p * D * 4 : NULL};
-    const int64_t bytes[4] = {n * D * 4, n * D * 4, p * D * 4, p * D * 4};
-    for (int i = 0; i < 4 && budget > 0; i++)
-      for (int64_t off = 0; spans[i] && off < bytes[i] && budget > 0; off += 64, budget -= 64)
-        _mm_prefetch(spans[i] + off, _MM_HINT_T1);
+    for (int s = -1; s < (p.tab ? p.nseg : 0) && budget > 0; s++) {  /* s = -1: the row's own tokens */
+      const int64_t n = s < 0 ? lengths[b] : seg_len(p, b, s);
+      const char *spans[2] = {s < 0 ? (const char *)(kc + last * T * D) : (const char *)seg_rows(p, b, s, l, g, 0, D),
+                              s < 0 ? (const char *)(vc + last * T * D) : (const char *)seg_rows(p, b, s, l, g, 1, D)};
+      for (int i = 0; i < 2 && n > 0; i++)
+        for (int64_t off = 0; off < n * D * 4 && budget > 0; off += 64, budget -= 64)
+          _mm_prefetch(spans[i] + off, _MM_HINT_T1);
+    }
   }
 }
 
 /* floats a thread's attention scratch takes: q, o, and a score for each of the longest row's prefix + tokens */
-static int64_t attend_floats(int B, int D, const int64_t *lengths, const int64_t *ptab, const int64_t *plens) {
+static int64_t attend_floats(int B, int D, const int64_t *lengths, Segs p) {
   int64_t longest = 0;
   for (int b = 0; b < B; b++) {
-    const int64_t n = (ptab ? plens[b] : 0) + lengths[b] + 1;
+    const int64_t n = segs_total(p, b) + lengths[b] + 1;
     longest = n > longest ? n : longest;
   }
   return 2 * D + longest;
 }
 
+/* out [D] = softmax attention of q (post-RoPE) over row b's prefix segments at layer l and kv head g, then its own
+   n tokens K/V [n, D]: one softmax over all of them. s: scratch for every score, o: D floats. */
+static void attend_head(const float *q, Segs p, int b, int l, int g, const float *K, const float *V, int64_t n,
+                        int D, float scale, float *s, float *o, float *out) {
+  int64_t at = 0;
+  for (int i = 0; p.tab && i < p.nseg; i++) {  /* the prefix's keys, then the row's own */
+    const int64_t m = seg_len(p, b, i);
+    if (m) scores(q, seg_rows(p, b, i, l, g, 0, D), m, D, scale, s + at);
+    at += m;
+  }
+  scores(q, K, n, D, scale, s + at);
+  const float inv = 1.0f / exp_shifted(s, at + n);
+  for (int d = 0; d < D; d++) o[d] = 0.0f;
+  at = 0;
+  for (int i = 0; p.tab && i < p.nseg; i++) {
+    const int64_t m = seg_len(p, b, i);
+    if (m) weighted_sum(s + at, seg_rows(p, b, i, l, g, 1, D), m, D, o);
+    at += m;
+  }
+  weighted_sum(s + at, V, n, D, o);
+  for (int d = 0; d < D; d++) out[d] = o[d] * inv;
+}
+
 static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const float *cos, const float *sin,
-                        float *kc, float *vc, int64_t T, const int64_t *lengths, const int64_t *ptab,
-                        const int64_t *plens, int layers, int l, float scale, float *out, float *mine,
-                        Sync *sync) {
+                        float *kc, float *vc, int64_t T, const int64_t *lengths, Segs p, int l, float scale,
+                        float *out, float *mine, Sync *sync) {
   const int64_t width = (int64_t)(H + 2 * Hkv) * D, G = H / Hkv;
 #pragma omp for schedule(static) nowait
   for (int task = 0; task < B * Hkv; task++) {
@@ -148,24 +200,12 @@ static void attend_team(const float *qkv, int B, int H, int Hkv, int D, const fl
   float *q = mine, *o = q + D, *s = o + D;
 #pragma omp for schedule(static) nowait
   for (int task = 0; task < B * H; task++) {
-    /* head-major: a thread takes one head for row after row, so a shared cartridge's K/V of that head stays in its L2 */
+    /* head-major: a thread takes one head for row after row, so a shared prefix's K/V of that head stays in its L2 */
     const int h = task / B, b = task % B, g = h / G;
-    const int64_t p = ptab ? plens[b] : 0, n = lengths[b] + 1;
     rope_head(qkv + b * width + (int64_t)h * D, cos + (int64_t)b * D, sin + (int64_t)b * D, D, q);
-    const float *K = kc + ((int64_t)b * Hkv + g) * T * D, *V = vc + ((int64_t)b * Hkv + g) * T * D;
-    const float *Kp = NULL, *Vp = NULL;
-    if (p) {
-      const int64_t *at = ptab + ((int64_t)b * layers + l) * 2;
-      Kp = (const float *)(intptr_t)at[0] + (int64_t)g * p * D;
-      Vp = (const float *)(intptr_t)at[1] + (int64_t)g * p * D;
-    }
-    if (p) scores(q, Kp, p, D, scale, s);  /* the prefix's keys, then the row's own: one softmax over both */
-    scores(q, K, n, D, scale, s + p);
-    const float inv = 1.0f / exp_shifted(s, p + n);
-    for (int d = 0; d < D; d++) o[d] = 0.0f;
-    if (p) weighted_sum(s, Vp, p, D, o);
-    weighted_sum(s + p, V, n, D, o);
-    for (int d = 0; d < D; d++) out[(int64_t)b * H * D + (int64_t)h * D + d] = o[d] * inv;
+    const int64_t own = ((int64_t)b * Hkv + g) * T * D;
+    attend_head(q, p, b, l, g, kc + own, vc + own, lengths[b] + 1, D, scale, s, o,
+                out + (int64_t)b * H * D + (int64_t)h * D);
   }
   sync_team(sync);  /* every head's output is written before the o product reads it */
 }

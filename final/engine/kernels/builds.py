@@ -21,7 +21,7 @@ from final.engine.kernels import abi
 
 SOURCE = Path(__file__).with_name("gemv.c")
 # what SOURCE includes (in the cache key too)
-HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "team.h", "avx512.h", "attention.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("products.h", "team.h", "avx512.h", "attention.h", "prefill.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # 512-bit where avx512.h asks for it; gcc's own vectorizing stays 256-bit (its zmm loops made a bf16 batch-1 step
 # 4-6% slower on Zen 4, measured against the same build with this flag)

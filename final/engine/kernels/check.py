@@ -58,7 +58,7 @@ class DecodeCase:
     ids: list[int]
     positions: list[int]
     lengths: list[int]
-    plens: list[int]
+    plens: list  # per row: a prefix's tokens (0: none), or a list of segments' tokens (a cartridge, cached prefixes)
     H: int
     Hkv: int
     D: int
@@ -70,15 +70,21 @@ class DecodeCase:
     refs: list[dict] = field(default_factory=list)  # per layer: fp32 weights, biases, norms (the reference's)
     kept: list = field(default_factory=list)  # the kernel-format tensors the tables point at
     caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [M, Hkv, T, D] K, V
-    prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # [row][layer] [Hkv, p, D]
+    prefixes: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)  # [row][seg][layer]
     head: dict = field(default_factory=dict)
 
 
-def decode_case(g: torch.Generator, kind: torch.dtype, lengths: list[int], plens: list[int], *, hidden: int = 64,
+def _segments(plens: list) -> list[list[int]]:
+    """Each row's prefix segments' tokens: an int is one segment (0: none)."""
+    return [list(p) if isinstance(p, (list, tuple)) else [p] for p in plens]
+
+
+def decode_case(g: torch.Generator, kind: torch.dtype, lengths: list[int], plens: list, *, hidden: int = 64,
                 inter: int = 64, H: int = 4, Hkv: int = 2, D: int = 16, layers: int = 2, T: int = 16,
                 vocab: int = 48, biases: bool = True) -> DecodeCase:
     """A model of `layers` decoder layers with random weights (in `kind`), rows at `lengths` cached tokens (each
-    < T) with prefixes of `plens` tokens, and random ids and positions."""
+    < T) with prefixes of `plens` tokens (a list per row: segments, attended in order), and random ids and
+    positions."""
     m = len(lengths)
     pos = torch.randint(0, 4 * T, (m,), generator=g).tolist()
     emb = torch.randn(vocab, hidden, generator=g)
@@ -104,8 +110,8 @@ def decode_case(g: torch.Generator, kind: torch.dtype, lengths: list[int], plens
         ref.update(n_in=vec(hidden, True, 1.0), n_post=vec(hidden, True, 1.0))
         case.refs.append(ref)
         case.caches.append((torch.randn(m, Hkv, T, D, generator=g), torch.randn(m, Hkv, T, D, generator=g)))
-    case.prefixes = [[(torch.randn(Hkv, p, D, generator=g), torch.randn(Hkv, p, D, generator=g))
-                      for _ in range(layers)] for p in plens]
+    case.prefixes = [[[(torch.randn(Hkv, p, D, generator=g), torch.randn(Hkv, p, D, generator=g))
+                       for _ in range(layers)] for p in segs] for segs in _segments(plens)]
     case.head = {"w": mat(vocab, hidden), "norm": vec(hidden, True, 1.0)}
     return case
 
@@ -136,9 +142,9 @@ def reference_step(case: DecodeCase, eps: float = 1e-6) -> tuple[torch.Tensor, l
         outs = []
         for b, n in enumerate(case.lengths):
             kc[b, :, n], vc[b, :, n] = k[b], v[b]
-            pk, pv = case.prefixes[b][layer]
-            outs.append(_attend(q[b], torch.cat((pk, kc[b, :, : n + 1]), 1), torch.cat((pv, vc[b, :, : n + 1]), 1),
-                                scale))
+            segs = [layers[layer] for layers in case.prefixes[b]]
+            outs.append(_attend(q[b], torch.cat([k for k, _ in segs] + [kc[b, :, : n + 1]], 1),
+                                torch.cat([v for _, v in segs] + [vc[b, :, : n + 1]], 1), scale))
         x = x + F.linear(torch.stack(outs), ref["o"][0], ref["b_o"])
         gu = F.linear(F.rms_norm(x, (x.shape[1],), ref["n_post"], eps), ref["gu"][0], ref["b_gu"])
         gate, up = gu.chunk(2, dim=-1)
@@ -165,10 +171,16 @@ def run_step(kernel, case: DecodeCase, eps: float = 1e-6) -> torch.Tensor:
     logits = torch.empty(m, vocab)
     floats = kernel.step_floats(m, hidden, case.inter, case.H, case.Hkv, case.D)
     prefixes = None
-    if any(case.plens):
-        ptab = torch.tensor([[[k.data_ptr(), v.data_ptr()] for k, v in layers] for layers in case.prefixes],
-                            dtype=torch.int64)
-        prefixes = (ptab, torch.tensor(case.plens, dtype=torch.int64))
+    segs = _segments(case.plens)
+    if any(any(p) for p in segs):
+        width = max(len(p) for p in segs)
+        ptab = torch.zeros(m, width, len(case.refs), 2, dtype=torch.int64)
+        plens = torch.zeros(m, width, dtype=torch.int64)
+        for b, row in enumerate(case.prefixes):
+            for s, layers in enumerate(row):
+                ptab[b, s] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in layers], dtype=torch.int64)
+                plens[b, s] = segs[b][s]
+        prefixes = (ptab, plens)
     kernel.decode_step(array("q", case.ids + case.positions + case.lengths), case.embed, case.cos, case.sin,
                        case.kind, torch.tensor(rows, dtype=torch.int64),
                        torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in case.caches], dtype=torch.int64),
@@ -202,7 +214,7 @@ def self_check(kernel) -> None:
         if not torch.allclose(got, want, rtol=1e-4, atol=tol):
             raise KernelError(f"product {name} differs from torch by {(got - want).abs().max().item():.3g}")
     for kind in (torch.float32, torch.bfloat16, torch.int8):
-        for lengths, plens in (([5], [0]), ([0, 15, 3, 7, 1], [0, 3, 0, 2, 0])):
+        for lengths, plens in (([5], [0]), ([0, 15, 3, 7, 1], [0, 3, 0, 2, 0]), ([4, 0], [[3, 5], [0, 2]])):
             err = step_error(kernel, decode_case(g, kind, lengths, plens))
             if err > STEP_TOL:
                 raise KernelError(f"a {kind} decode step of {len(lengths)} rows differs from torch by {err:.3g} "

@@ -255,12 +255,13 @@ int final_team_check(FINAL_TEAM_CHECK_PARAMS) {
 }
 
 #include "attention.h" /* decode attention: RoPE, the K/V cache write, attention (prefetch_kv, attend_team) */
+#include "prefill.h"   /* a prefill's attention over a prefix segment (final_prefix_attend) */
 
 /* ---- the decode step: embedding, every decoder layer and the lm_head in one call and one parallel region ----
    x [M, hidden] is the residual stream, made from the embedding and updated in place. Per layer, a row of `wtab`
    holds (as int64 addresses) wqkv, wo, wgu, wd (all of `kind`), their int8 block scales or 0, their biases or 0,
    in_norm, post_norm (abi.py LAYER_FIELDS, named W_*, S_*, B_*, N_* here); `ctab` its K and V cache; ptab/plens
-   the rows' cartridge prefixes or NULL (attend_team).
+   the rows' `nseg` prefix segments (cartridges, cached prefixes) or NULL (attention.h Segs).
    `rows` [3, M] int64: each row's token id, position and cached length. work: decode_step_floats() floats.
    What the torch forward does with ~10 calls and ~8 parallel regions a layer, and ~15 torch ops around them (the
    embedding, the rope rows, the final norm, the lm_head's own call): after 150 MB of weights have streamed through
@@ -288,10 +289,9 @@ int64_t final_decode_step_floats(FINAL_DECODE_STEP_FLOATS_PARAMS) {
    past the embedding's `vocab` rows, whose position is past the tables' `span`, whose cached length leaves no
    slot in the cache's T (the new token is written at it) or whose prefix length is negative; else 0 */
 static int step_check(const int64_t *rows, int M, int64_t vocab, int64_t span, int hidden, int inter, int H, int Hkv,
-                      int D, int layers, int kind, const int64_t *ptab, const int64_t *plens, int64_t T, int V,
-                      int64_t work_floats) {
+                      int D, int layers, int kind, Segs p, int64_t T, int V, int64_t work_floats) {
   if (M < 1 || hidden < 1 || inter < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || layers < 0 || V < 1 ||
-      T < 1 || kind < W_F32 || kind > W_BF16 || (ptab && !plens) ||
+      T < 1 || kind < W_F32 || kind > W_BF16 || (p.tab && (!p.lens || p.nseg < 1)) ||
       work_floats < final_decode_step_floats(M, hidden, inter, H, Hkv, D))
     return FINAL_ESHAPE;
   if (kind == W_Q8 && (hidden % Q8_BLOCK || inter % Q8_BLOCK || (H * D) % Q8_BLOCK || ((H + 2 * Hkv) * D) % Q8_ROWS ||
@@ -299,7 +299,7 @@ static int step_check(const int64_t *rows, int M, int64_t vocab, int64_t span, i
     return FINAL_ESHAPE;
   for (int b = 0; b < M; b++)
     if (rows[b] < 0 || rows[b] >= vocab || rows[M + b] < 0 || rows[M + b] >= span || rows[2 * M + b] < 0 ||
-        rows[2 * M + b] >= T || (ptab && plens[b] < 0))
+        rows[2 * M + b] >= T || !segs_ok(p, b))
       return 1 + b;
   return 0;
 }
@@ -317,8 +317,8 @@ static void step_inputs(const int64_t *rows, int M, const float *embed, int hidd
 /* head: the lm_head of `kind` [V, hidden] (int64 addresses, abi.py HEAD_FIELDS), logits [M, V]. Returns 0, or
    step_check's code (nothing ran), or FINAL_ENOMEM (nothing ran). */
 int final_decode_step(FINAL_DECODE_STEP_PARAMS) {
-  const int bad = step_check(rows, M, vocab, span, hidden, inter, H, Hkv, D, layers, kind, ptab, plens, T, V,
-                             work_floats);
+  const Segs p = {ptab, plens, nseg, layers};
+  const int bad = step_check(rows, M, vocab, span, hidden, inter, H, Hkv, D, layers, kind, p, T, V, work_floats);
   if (bad) return bad;
   const int nqkv = (H + 2 * Hkv) * D, big = hidden > inter ? hidden : inter;
   float *qkv = work, *att = qkv + (int64_t)M * nqkv, *h = att + (int64_t)M * H * D, *gu = h + (int64_t)M * big;
@@ -326,7 +326,7 @@ int final_decode_step(FINAL_DECODE_STEP_PARAMS) {
   const int64_t *lengths = rows + 2 * M;
   int ok;
   Acts q = acts_alloc(kind, M, big > H * D ? big : H * D, M <= PRIVATE_ROWS, &ok);  /* the largest input converted */
-  const int64_t att_floats = attend_floats(M, D, lengths, ptab, plens);  /* a thread's attention scratch */
+  const int64_t att_floats = attend_floats(M, D, lengths, p);  /* a thread's attention scratch */
   float *scratch = att_floats > 0 ? alloc_each((size_t)att_floats, sizeof(float), omp_get_max_threads()) : NULL;
   if (!ok || !scratch) {
     acts_free(q);
@@ -345,12 +345,12 @@ int final_decode_step(FINAL_DECODE_STEP_PARAMS) {
 #define F(i) ((const float *)(intptr_t)w[i])
 #define W(i) ((const void *)(intptr_t)w[i])
       PHASE(0, {
-        prefetch_kv(M, H, Hkv, D, kc, vc, T, lengths, ptab, plens, layers, l);
+        prefetch_kv(M, H, Hkv, D, kc, vc, T, lengths, p, l);
         normed_team(x, M, hidden, F(N_IN), eps, W(W_QKV), kind, F(S_QKV), nqkv, F(B_QKV), qkv, h, q);
         sync_team(q.sync);
       });
-      PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, ptab, plens, layers, l,
-                           scale, att, mine, q.sync));
+      PHASE(1, attend_team(qkv, M, H, Hkv, D, cs, cs + (int64_t)M * D, kc, vc, T, lengths, p, l, scale, att, mine,
+                           q.sync));
       PHASE(2, {  /* x += o + bias: HF's residual + o_proj(att) */
         product_team(att, M, H * D, W(W_O), kind, F(S_O), hidden, F(B_O), x, x, q, 0);
         sync_team(q.sync);
@@ -373,6 +373,35 @@ int final_decode_step(FINAL_DECODE_STEP_PARAMS) {
                          h, q));
   }
   acts_free(q);
+  free(scratch);
+  return 0;
+}
+
+/* Decode attention alone, for the torch forward's rows (more than the whole-step call takes, or a model it does
+   not: qk-norm): q [M, H, D] post-RoPE; kc/vc one layer's cache [rows, Hkv, T, D] with each row's new K/V already
+   written at lengths[b]; ptab/plens/nseg the rows' prefix segments (attention.h Segs, layer l of `layers`) or NULL;
+   out [M, H D]. attend_head's arithmetic, so a row's output is the whole-step call's. Returns 0, FINAL_ESHAPE or
+   FINAL_ENOMEM (nothing ran). */
+int final_attend(FINAL_ATTEND_PARAMS) {
+  const Segs p = {ptab, plens, nseg, layers};
+  if (M < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1 || T < 1 || l < 0 || l >= layers || (p.tab && (!p.lens || nseg < 1)))
+    return FINAL_ESHAPE;
+  for (int b = 0; b < M; b++)
+    if (lengths[b] < 0 || lengths[b] >= T || !segs_ok(p, b)) return FINAL_ESHAPE;
+  const int64_t floats = attend_floats(M, D, lengths, p), G = H / Hkv;
+  float *scratch = alloc_each((size_t)floats, sizeof(float), omp_get_max_threads());
+  if (!scratch) return FINAL_ENOMEM;
+#pragma omp parallel
+  {
+    float *o = scratch + floats * omp_get_thread_num(), *s = o + 2 * D;
+#pragma omp for schedule(static)
+    for (int task = 0; task < M * H; task++) {
+      const int h = task / M, b = task % M, g = h / G;
+      const int64_t own = ((int64_t)b * Hkv + g) * T * D;
+      attend_head(q + ((int64_t)b * H + h) * D, p, b, l, g, kc + own, vc + own, lengths[b] + 1, D, scale, s, o,
+                  out + ((int64_t)b * H + h) * D);
+    }
+  }
   free(scratch);
   return 0;
 }
