@@ -250,7 +250,7 @@ def _table(res: dict) -> list[str]:
                   f"{p['ours_s'] * 1e3:.1f} ms, rollout.generate_sequences(prebuilt DataProto) "
                   f"{p['reference_s'] * 1e3:.1f} ms -> "
                   f"{p['ms_per_prompt']:.3f} ms/prompt"]
-    return "\n".join(lines + _sections(res))
+    return lines + _sections(res)
 
 
 def _sections(res: dict) -> list[str]:
