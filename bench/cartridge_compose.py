@@ -7,7 +7,7 @@
 
 CART_A stands for the first set's document, CART_B for the second's (e.g. `final cartridge distill` outputs);
 `--first-tokens P` instead builds each document's first-P-token prefix cartridge (the `prefix` start of
-`final cartridge distill`, no training) into --work and uses those. Then final.distill.qa_compose on each set's
+`final cartridge distill`, no training) into --work and uses those. Then final.training.evaluate.composed on each set's
 --split half (tune unless told: the test half is for final figures only): no document, each document in context,
 both documents in one system turn (both orders unless --one-order), each cartridge alone, both cartridges composed
 as the store serves `cartridge=[a, b]` - MC acc / acc_norm with 95% Wilson intervals, the ratio composed / own
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.sets.split(",")
     if len(names) != 2 or (len(args.carts) == 2) == (args.first_tokens is not None):
         p.error("give two --sets and either two cartridge files or --first-tokens P")
-    from final.distill.qa import load_qa
-    from final.distill.qa_compose import ComposeSet, compose_evaluate, compose_table
+    from final.training.evaluate.questions import load_qa
+    from final.training.evaluate.composed import ComposeSet, compose_evaluate, compose_table
     from final.inf import local_engine
 
     sets = [load_qa(QA / f"{n}.jsonl", None if args.split == "all" else args.split) for n in names]
@@ -83,7 +83,7 @@ def _cartridges(inference, args: argparse.Namespace, sets) -> list:
     from final.cartridges.build import build_from_text
     from final.cartridges.format import save_cartridge
     from final.cartridges.service import CartridgeService
-    from final.distill.train import initial_ids
+    from final.training.train import initial_ids
 
     if args.first_tokens is None:
         service = CartridgeService(inference.engine, inference.model_dir)

@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/cartridge_distill.py [--tokens 64] [--steps 40] [--modes on,mixed,off] [--every 10]
 
-One loop (final.distill.distill, what `final cartridge distill` runs) at equal compute per step - the same
+One loop (final.training.onpolicy.loop, what `final cartridge distill` runs) at equal compute per step - the same
 questions per step, the same answer budget - differing only in who answers: the student with its current cartridge
 (`on`, on_policy_fraction 1), half and half (`mixed`, 0.5), or the teacher (`off`, 0: self-study made on the fly).
 Every --every steps the cartridge is judged on held-out questions (synthesized with another seed, deduplicated
-against every training question) by `final.distill.evaluate`: KL per answer token to the teacher that reads the
+against every training question) by `final.training.evaluate.heldout`: KL per answer token to the teacher that reads the
 whole document, beside the document's first p tokens and no document. Evaluation time is not counted in the wall
 time. Prints a table per mode, the cost split of a step, and writes summary.json in --work.
 The document is bench/data/vellmark.txt (original text written for this benchmark, ~1,500 tokens).
@@ -27,8 +27,8 @@ FRACTION = {"on": 1.0, "mixed": 0.5, "off": 0.0}
 
 
 def heldout(inference, text: str, work: Path, args: argparse.Namespace):
-    from final.distill.convs import read_conversations
-    from final.distill.synth import SynthConfig, synthesize
+    from final.training.rows import read_conversations
+    from final.training.onpolicy.selfstudy import SynthConfig, synthesize
 
     path = work / "heldout.jsonl"
     cfg = SynthConfig(count=args.heldout, batch=args.heldout_batch, min_chunk_tokens=512, max_chunk_tokens=2048,
@@ -39,7 +39,7 @@ def heldout(inference, text: str, work: Path, args: argparse.Namespace):
 
 
 def judge(inference, text: str, rows, cart) -> dict:
-    from final.distill.evaluate import evaluate
+    from final.training.evaluate.heldout import evaluate
     from final.prompts import document_ids
 
     out = evaluate(inference.engine, inference.tokenizer, document_ids(inference.tokenizer, text), cart, rows)
@@ -47,10 +47,10 @@ def judge(inference, text: str, rows, cart) -> dict:
 
 
 def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.Namespace) -> dict:
-    from final.distill.convs import dedupe
-    from final.distill.distill import DistillConfig, distill
-    from final.distill.synth import SynthConfig
-    from final.distill.train import checkpoint_path
+    from final.training.rows import dedupe
+    from final.training.onpolicy.loop import DistillConfig, distill
+    from final.training.onpolicy.selfstudy import SynthConfig
+    from final.training.train import checkpoint_path
 
     cfg = DistillConfig(tokens=args.tokens, steps=args.steps, questions=args.questions,
                         answer_tokens=args.answer_tokens, on_policy_fraction=FRACTION[mode], loss=args.loss,
@@ -96,7 +96,7 @@ def run_mode(inference, text: str, mode: str, rows, work: Path, args: argparse.N
 
 
 def main() -> int:
-    from final.distill.distill import DistillConfig
+    from final.training.onpolicy.loop import DistillConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "cartridge_distill")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def per_layer(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> list[float]:
-    from final.distill.hidden import hidden_error
+    from final.training.hidden import hidden_error
 
     return [float(hidden_error([s], [t])) for s, t in zip(mine, theirs)]
 
@@ -33,10 +33,10 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from final.cartridges.format import load_cartridge
-    from final.distill.hidden import HiddenTeacher
-    from final.distill.qa import load_qa
-    from final.distill.student import Student
-    from final.distill.train_cli import DEFAULT_MODEL
+    from final.training.hidden import HiddenTeacher
+    from final.training.evaluate.questions import load_qa
+    from final.training.student import Student
+    from final.training.commands import DEFAULT_MODEL
     from final.models import resolve_model_path
     from final.prompts import continuation_ids, document_ids
 

@@ -42,12 +42,12 @@ def _cart(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def measure(model, prompts: list[list[int]], segments: list[tuple[str, list]]) -> dict[str, torch.Tensor]:
     """Per-layer means over `prompts` of each segment's attention mass (sink apart) and loudness (the training
-    term's own measure, final.distill.quiet, so the bench reports what `learn --quiet-partner` trains down)."""
+    term's own measure, final.training.quiet, so the bench reports what `learn --quiet-partner` trains down)."""
     from contextlib import ExitStack
 
     from transformers import DynamicCache
 
-    from final.distill.quiet import measured
+    from final.training.quiet import measured
 
     layers = len(segments[0][1])
     out: dict[str, torch.Tensor] = {}
@@ -79,9 +79,9 @@ def measure(model, prompts: list[list[int]], segments: list[tuple[str, list]]) -
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from final.distill.qa import load_qa
-    from final.distill.synth import teacher_ids
-    from final.distill.train_cli import DEFAULT_MODEL
+    from final.training.evaluate.questions import load_qa
+    from final.training.teacher import teacher_ids
+    from final.training.commands import DEFAULT_MODEL
     from final.models import resolve_model_path
     from final.prompts import continuation_ids
 

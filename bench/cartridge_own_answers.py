@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def own_answers(inference, cart: Path, questions: list[str], tokens: int, end: int) -> list[list[int]]:
     """The cartridge's greedy answers, closed by `end` where it stopped (facts.closed_answer)."""
-    from final.distill.facts import closed_answer
+    from final.training.document.facts import closed_answer
 
     cid = inference.load_cartridge("own-answers", path=str(cart))
     try:
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-tokens", type=int, default=40)
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     args = p.parse_args(argv)
-    from final.distill.convs import append
-    from final.distill.facts import FactConfig, end_of_turn, fact_prompts, fact_rows
+    from final.training.rows import append
+    from final.training.document.facts import FactConfig, end_of_turn, fact_prompts, fact_rows
     from final.inf import local_engine
 
     text = args.text.read_text()

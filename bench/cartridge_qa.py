@@ -5,7 +5,7 @@
         [-- flags...]
 
 For each set: `final cartridge learn` (or `distill`: --command) of its document at p = --tokens with the flags
-given after `--` (none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
+given after `--` (none: the defaults), timed, then `final.training.evaluate.accuracy` on the set's --split half (tune unless told: the test
 half is for final figures only) - no document, the first p and k*p tokens, the whole document, the cartridge -
 MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set, one pooled over
 the sets (every question counted once) and the pooled MC acc by the kind of answer (a name, a number, an ordinary
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {"minutes": minutes, "command": args.command, "flags": extra, "split": args.split,
                          "rows": [dataclasses.asdict(r) for r in rows]}
         summary_path.write_text(json.dumps(summary, indent=2))
-        from final.distill.qa_eval import table
+        from final.training.evaluate.accuracy import table
 
         print(f"\n{name} ({args.split}, {rows[0].questions} questions; {args.label}: {minutes:.1f} min)")
         print(table(rows), flush=True)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def answer_kind(reference: str) -> str:
     """What a question's answer is: a number (digits or a number word), a name (capitalised) or an ordinary word."""
-    from final.distill.facts import NUMBER_WORDS
+    from final.training.document.facts import NUMBER_WORDS
 
     if re.search(r"\d", reference) or re.search(rf"\b(?:{NUMBER_WORDS})\b", reference.lower()):
         return "number"
@@ -98,11 +98,11 @@ def print_by_kind(pooled: dict[str, list], kinds: dict[str, str]) -> None:
 
 def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: float | None):
     from final.cartridges.service import CartridgeService
-    from final.distill.cli import main as cli
-    from final.distill.qa import load_qa
-    from final.distill.qa_eval import qa_evaluate
-    from final.distill.train import checkpoint_path
-    from final.distill.trainer import checkpoint_cartridge
+    from final.cartridge_commands import main as cli
+    from final.training.evaluate.questions import load_qa
+    from final.training.evaluate.accuracy import qa_evaluate
+    from final.training.train import checkpoint_path
+    from final.training.trainer import checkpoint_cartridge
     from final.inf import local_engine
 
     qa = load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if args.split == "all" else args.split)

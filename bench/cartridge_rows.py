@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 def forced(inference, cid: str, rows: list[dict]) -> dict:
     """Per kind: question KL, answer KL (losses.forward_topk_tail, the KL training reports), the cartridge's and
     the teacher's top-1 agreement with the row's tokens."""
-    from final.distill.losses import Targets, forward_topk_tail
+    from final.training.losses import Targets, forward_topk_tail
 
     engine = inference.engine
     prefix = engine.prefixes.get((cid,))
@@ -59,7 +59,7 @@ def forced(inference, cid: str, rows: list[dict]) -> dict:
 
 def names_a_fact(row: dict, text: str) -> bool:
     """The answer `text` names a fact of the row's answer (see the module's docstring)."""
-    from final.distill.facts import cues
+    from final.training.document.facts import cues
 
     if row["seed_type"] != "quote":
         return row["answer"].strip().lower() in text.lower()

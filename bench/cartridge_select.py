@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/cartridge_select.py [--tokens 64,128,256] [--first 64,128,256,512] [--observe 16,32]
 
-For each observation count (self-study conversations the teacher reads, final.distill.rows.observe) and each p:
+For each observation count (self-study conversations the teacher reads, final.training.onpolicy.conversations.observe) and each p:
 the `select` cartridge of final/distill/select.py (each KV head's p most attended positions, keys moved by
 R_{p-L}), and the same positions with the keys left where they were (to show what the move is for); and the
 document's first p tokens for each --first. Judged as bench/cartridge_distill.py judges (its held-out rows: 48 from
-6 chunks, seed 10,000; `final.distill.evaluate`, KL per answer token to the teacher reading the whole document).
+6 chunks, seed 10,000; `final.training.evaluate.heldout`, KL per answer token to the teacher reading the whole document).
 SmolLM2-135M-Instruct fp32 on bench/data/vellmark.txt.
 """
 
@@ -31,7 +31,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--first", type=INTS, default=[64, 128, 256, 512])
     ap.add_argument("--observe", type=INTS, default=[16, 32])
     ap.add_argument("--ridge", type=lambda v: [float(x) for x in v.split(",") if x], default=[1e-3],
-                    help="the `match` variant's ridge values (final.distill.match)")
+                    help="the `match` variant's ridge values (final.training.start.match)")
     ap.add_argument("--sequential", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
                     help="ridge values of the sequential `match` variant (each layer fitted to the student's queries)")
     ap.add_argument("--unmoved", action="store_true", help="also the select keys left where they were")
@@ -45,8 +45,8 @@ def judge_starts(inference, text, rows, student, observed, p: int, count: int, a
     from cartridge_distill import judge
 
     from final.cartridges.format import CartridgeKV
-    from final.distill.match import fit_values
-    from final.distill.select import gather_kv, select_kv, select_positions
+    from final.training.start.match import fit_values
+    from final.training.start.select import gather_kv, select_kv, select_positions
     from final.models import resolve_model_path
 
     doc_ids, convs, keys, values, mass = observed
@@ -73,11 +73,11 @@ def main() -> int:
     from cartridge_distill import DOC, heldout, judge
 
     from final.cartridges.build import build_from_text
-    from final.distill.distill import DistillConfig
-    from final.distill.rows import observe
-    from final.distill.select import attention_mass
-    from final.distill.synth import ChunkContext, teacher_system
-    from final.distill.student import Student
+    from final.training.onpolicy.loop import DistillConfig
+    from final.training.onpolicy.conversations import observe
+    from final.training.start.select import attention_mass
+    from final.training.teacher import ChunkContext, teacher_system
+    from final.training.student import Student
     from final.inf import local_engine
     from final.models import resolve_model_path
     from final.prompts import document_ids

@@ -25,11 +25,11 @@ def main() -> int:
 
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
-    from final.distill.chunks import INITS, chunked_init
-    from final.distill.convs import read_conversations
-    from final.distill.student import Student, TrainableKV
-    from final.distill.train import TrainConfig
-    from final.distill.train_cli import DEFAULT_MODEL
+    from final.training.start.chunks import INITS, chunked_init
+    from final.training.rows import read_conversations
+    from final.training.student import Student, TrainableKV
+    from final.training.train import TrainConfig
+    from final.training.commands import DEFAULT_MODEL
     from final.models import resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("learn", nargs=argparse.REMAINDER, help="-- then `final cartridge learn`'s arguments")
     args = ap.parse_args(argv)
     learn = args.learn[1:] if args.learn[:1] == ["--"] else args.learn
-    from final.distill import hidden, train, trainer
-    from final.distill.cli import main as cli
+    from final.training import hidden, train, trainer
+    from final.cartridge_commands import main as cli
 
     timed(hidden.HiddenTeacher, "states", "teacher forward (HiddenTeacher.states)")
     timed(hidden.WindowTeacher, "states", "teacher forward (WindowTeacher.states)")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from final.inf import InferenceEngine
 
 # Feature modules that add subcommands: each has register(subparsers).
-SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.distill.cli", "final.evals.cli", "final.server.cli",
+SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.cartridge_commands", "final.evals.cli", "final.server.cli",
                                   "final.bench.cli"]
 
 

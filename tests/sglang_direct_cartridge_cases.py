@@ -185,8 +185,8 @@ def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, posit
 
 def test_a_trained_cartridge_gives_localrollouts_dataproto(engines, tmp_path):
     """A cartridge from `final cartridge train` (self-study through the local engine, distilled on HF's model)."""
-    from final.distill.synth import SynthConfig, synthesize
-    from final.distill.train import TrainConfig, train_cartridge
+    from final.training.onpolicy.selfstudy import SynthConfig, synthesize
+    from final.training.train import TrainConfig, train_cartridge
 
     sglang, local, _ = engines
     data = tmp_path / "convs.jsonl"

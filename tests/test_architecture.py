@@ -22,16 +22,16 @@ LAYERS = [
     ("rollout", {"rollout"}),
     ("cartridges", {"cartridges"}),
     ("inf", {"inf", "calls", "weight_sync"}),
-    ("distill", {"distill"}),  # training cartridges is an application of InferenceEngine (synth, train, distill, eval)
+    ("training", {"training"}),  # training cartridges is an application of InferenceEngine (learn, traces, eval)
     # pool/: the Ray replica pool (ReplicaPool, its Replica actor, its chunking), a composition of InferenceEngines
-    ("apps", {"cli", "chat", "server", "evals", "bench", "client", "pool", "__main__", "verl_replica", "verl_cpu"}),
+    ("apps", {"cli", "cartridge_commands", "chat", "server", "evals", "bench", "client", "pool", "__main__", "verl_replica", "verl_cpu"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
 
 def _modules() -> list[tuple[Path, str]]:
     """(file, the name its layer is looked up by). A feature's command line (`cli.py`, e.g. `final cartridge`
-    in final/distill/cli.py) lives with its feature but is an app: it builds on InferenceEngine."""
+    in final/cartridge_commands.py) lives with its feature but is an app: it builds on InferenceEngine."""
     return [(p, "cli" if p.name == "cli.py" else p.relative_to(ROOT).parts[0].removesuffix(".py"))
             for p in sorted(ROOT.rglob("*.py")) if p.relative_to(ROOT).parts[0] != "__init__.py"]
 

@@ -14,11 +14,11 @@ import torch.nn as nn
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A, spec
-from final.distill.convs import read_conversations
+from final.training.rows import read_conversations
 from final.cartridges.format import load_cartridge
-from final.distill.synth import SynthConfig, synthesize
-from final.distill.student import Student, TrainableKV
-from final.distill.train import TrainConfig, checkpoint_path, initial_ids, train_cartridge
+from final.training.onpolicy.selfstudy import SynthConfig, synthesize
+from final.training.student import Student, TrainableKV
+from final.training.train import TrainConfig, checkpoint_path, initial_ids, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import continuation_ids
@@ -53,7 +53,7 @@ def trained(data, tmp_path_factory):
 
 
 def test_synth_rows_hold_the_teacher_and_resume(inference, data):
-    from final.distill.synth import system_text
+    from final.training.onpolicy.selfstudy import system_text
 
     tok = inference.tokenizer
     rows = read_conversations(data, len(tok))
@@ -166,7 +166,7 @@ def test_resume_continues_the_same_run(data, tmp_path):
 def test_eval_orders_the_conditions(inference, data):
     """A cartridge that is the teacher's own context scores ~0, below the first p tokens, below no document."""
     from final.cartridges.build import build_from_text
-    from final.distill.evaluate import evaluate, table
+    from final.training.evaluate.heldout import evaluate, table
     from final.prompts import document_ids
 
     doc = document_ids(inference.tokenizer, DOC_A)
@@ -185,7 +185,7 @@ def test_eval_orders_the_conditions(inference, data):
 
 
 def test_cli_workflow(tmp_path, capsys):
-    from final.distill.cli import main
+    from final.cartridge_commands import main
 
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC_A)
@@ -268,7 +268,7 @@ def test_key_lr_zero_trains_the_values_alone(data, tmp_path):
 
 
 def test_key_lr_share_puts_the_keys_in_their_own_group():
-    from final.distill.trainer import _groups
+    from final.training.trainer import _groups
 
     keys = [torch.randn(1, 2, 5, 4) for _ in range(2)]
     cache = TrainableKV(keys, [k + 1 for k in keys], frozen_tokens=1)

@@ -11,12 +11,12 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.convs import Conversation, dedupe, read_conversations
-from final.distill.distill import DistillConfig, distill
-from final.distill.synth import SynthConfig, synthesize, system_text
-from final.distill.losses import distill_loss
-from final.distill.student import Student, TrainableKV
-from final.distill.train import TrainConfig, make_batch, train_cartridge
+from final.training.rows import Conversation, dedupe, read_conversations
+from final.training.onpolicy.loop import DistillConfig, distill
+from final.training.onpolicy.selfstudy import SynthConfig, synthesize, system_text
+from final.training.losses import distill_loss
+from final.training.student import Student, TrainableKV
+from final.training.train import TrainConfig, make_batch, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids
@@ -55,7 +55,7 @@ def test_a_cache_of_the_teachers_own_context_has_zero_kl_and_the_teachers_entrop
 def test_training_lowers_the_loss_on_the_same_batch(data, student, tmp_path):
     from transformers import AutoTokenizer
 
-    from final.distill.train import initial_ids
+    from final.training.train import initial_ids
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(TINY))
     rows = read_conversations(data, student.vocab_size)
@@ -98,7 +98,7 @@ def test_eval_serves_a_from_zero_cartridge_in_its_convention(inference, data, tm
     from final.cartridges.build import build_from_text
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest
-    from final.distill.cli import main
+    from final.cartridge_commands import main
 
     tok = inference.tokenizer
     cart = build_from_text(inference.engine, document_ids(tok, DOC_A)[:8])
@@ -188,7 +188,7 @@ def test_more_updates_per_step_move_the_cartridge_further_on_the_same_rows(infer
 
 
 def test_the_tail_bucket_kl_is_a_true_kl_where_the_top_k_one_goes_below_zero():
-    from final.distill.losses import Targets, forward_topk, forward_topk_tail, step_loss
+    from final.training.losses import Targets, forward_topk, forward_topk_tail, step_loss
 
     teacher = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0]]), -1)
     sharper = torch.log_softmax(torch.tensor([[4.0, 3.0, 2.0, -2.0, -2.0, -2.0]]), -1)  # the tail moved up top
@@ -245,7 +245,7 @@ def test_bad_distill_settings_name_the_field(kw, field):
 
 
 def test_cli_distill(tmp_path, capsys):
-    from final.distill.cli import main
+    from final.cartridge_commands import main
 
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC_A)

@@ -11,11 +11,11 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.cli import main
-from final.distill.convs import read_conversations
-from final.distill.losses import distill_loss
-from final.distill.student import Student, TrainableKV
-from final.distill.train import TrainConfig, make_batch, partner_for, train_cartridge
+from final.cartridge_commands import main
+from final.training.rows import read_conversations
+from final.training.losses import distill_loss
+from final.training.student import Student, TrainableKV
+from final.training.train import TrainConfig, make_batch, partner_for, train_cartridge
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

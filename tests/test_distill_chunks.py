@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from cartridges_helpers import TINY
-from final.distill.chunks import chunked_init, shares, template, tiles
-from final.distill.cli import main
-from final.distill.facts import FactConfig, fact_rows, token_offsets
-from final.distill.synth import teacher_ids
-from final.distill.student import Student
+from final.training.start.chunks import chunked_init, shares, template, tiles
+from final.cartridge_commands import main
+from final.training.document.facts import FactConfig, fact_rows
+from final.training.teacher import token_offsets
+from final.training.teacher import teacher_ids
+from final.training.student import Student
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 

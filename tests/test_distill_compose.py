@@ -1,4 +1,4 @@
-"""Two cartridges served together, judged by questions (final.distill.qa_compose, `final cartridge eval --compose`):
+"""Two cartridges served together, judged by questions (final.training.evaluate.composed, `final cartridge eval --compose`):
 every condition's row exists, the composed row is what the store serves a request naming both cartridges
 (InferenceEngine.score with cartridge=[a, b]), and bad flags or files are refused by name (tiny model, real engine)."""
 
@@ -14,10 +14,10 @@ from cartridges_helpers import TINY
 from serve_helpers import DOC_A, DOC_B
 from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV, save_cartridge
-from final.distill.qa import load_qa
-from final.distill.qa_compose import SEPARATOR, ComposeResult, ComposeSet, both_documents, compose_evaluate
-from final.distill.qa_eval import QARow, ask
-from final.distill.synth import teacher_ids
+from final.training.evaluate.questions import load_qa
+from final.training.evaluate.composed import SEPARATOR, ComposeResult, ComposeSet, both_documents, compose_evaluate
+from final.training.evaluate.accuracy import QARow, ask
+from final.training.teacher import teacher_ids
 from final.errors import CartridgeError
 
 from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
@@ -129,7 +129,7 @@ def test_ask_after_two_cartridges_scores_as_the_store_in_either_order(inference,
 
 
 def test_cli_eval_compose_writes_both_sets(inference, sets, files, capsys):  # noqa: F811
-    from final.distill.cli import main
+    from final.cartridge_commands import main
 
     assert main(["cartridge", "eval", str(files["orvanis"]), "--model", TINY, "--qa", str(sets["orvanis"]),
                  "--compose", str(files["tallow"]), "--compose-qa", str(sets["tallow"]), "--one-order",
@@ -151,7 +151,7 @@ def test_cli_eval_compose_writes_both_sets(inference, sets, files, capsys):  # n
 ])
 def test_cli_compose_refuses_a_missing_flag_or_file_by_name(inference, sets, files, tmp_path, capsys,  # noqa: F811
                                                             flags, field, named):
-    from final.distill.cli import main
+    from final.cartridge_commands import main
 
     one_layer = files["tallow"].with_name("one_layer.pt")  # a cartridge for a model with one layer, not two
     cart = build_from_text(inference.engine, teacher_ids(inference.tokenizer, DOC_B)[:P])

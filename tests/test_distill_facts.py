@@ -8,10 +8,10 @@ import json
 import pytest
 
 from cartridges_helpers import TINY
-from final.distill.cli import main
-from final.distill.facts import (FactConfig, cues, fact_prompts, fact_rows, names, teacher_systems, teacher_window,
-                                 tile_start, token_offsets)
-from final.distill.sentences import sentences, unwrap
+from final.cartridge_commands import main
+from final.training.document.facts import FactConfig, cues, fact_prompts, fact_rows, names, teacher_systems
+from final.training.teacher import teacher_window, tile_start, token_offsets
+from final.training.document.sentences import sentences, unwrap
 from final.errors import CartridgeError
 
 from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)
@@ -151,7 +151,7 @@ def test_tiled_teachers_are_a_few_windows_each_holding_its_rows_sentence(inferen
 
 @pytest.mark.parametrize("window", [None, 16])
 def test_fact_rows_carry_the_teachers_scores_of_the_documents_answers(inference, window):
-    from final.distill.synth import ChunkContext, teacher_system
+    from final.training.teacher import ChunkContext, teacher_system
 
     cfg = FactConfig(kinds=("cloze",), teacher_tokens=window, top_k=4)
     rows = fact_rows(inference, DOC, cfg)
@@ -170,8 +170,8 @@ def test_fact_rows_carry_the_teachers_scores_of_the_documents_answers(inference,
 def test_teacher_answers_are_the_teachers_own_greedy_answers_in_its_window(inference):
     """--answers teacher: a row's answer is what the teacher says, asked the row's question with its window as the
     system turn (regenerated here the same way), closed by the end-of-turn token where it stopped, scored by it."""
-    from final.distill.facts import end_of_turn
-    from final.distill.synth import ChunkContext
+    from final.training.document.facts import end_of_turn
+    from final.training.teacher import ChunkContext
 
     cfg = FactConfig(kinds=("ask",), teacher_tokens=16, top_k=4, answers="teacher", answer_tokens=6)
     rows = fact_rows(inference, DOC, cfg)
@@ -191,7 +191,7 @@ def test_teacher_answers_are_the_teachers_own_greedy_answers_in_its_window(infer
 def test_given_answers_are_scored_by_the_teacher_in_place_of_the_documents(inference):
     """fact_rows(given=...): answers made elsewhere (bench/cartridge_own_answers.py: a cartridge's own), one per
     prompt in order, are the rows' answers, scored by the same teacher; a count that does not match is refused."""
-    from final.distill.facts import end_of_turn
+    from final.training.document.facts import end_of_turn
 
     cfg = FactConfig(kinds=("cloze",), top_k=4)
     tok, end = inference.tokenizer, end_of_turn(inference.tokenizer)
@@ -255,7 +255,7 @@ def test_cli_learn_writes_rows_and_a_trained_cartridge_and_resumes(tmp_path, cap
 def test_learn_notes_a_long_document_taught_whole_and_not_in_windows(tmp_path, capsys, monkeypatch):
     """Past LONG_DOCUMENT tokens the whole-document teacher costs several times the windows' (bench/RESULTS.md):
     `learn` says so before it starts, and not when --teacher-tokens is given or the document is short."""
-    from final.distill import learn
+    from final.training import learn
 
     (tmp_path / "doc.txt").write_text(DOC)
     args = ["cartridge", "learn", "--text", str(tmp_path / "doc.txt"), "--tokens", "8", "--out",

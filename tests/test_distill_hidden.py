@@ -13,14 +13,15 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.cli import main
-from final.distill import hidden
-from final.distill.facts import FactConfig, fact_prompts, teacher_window, token_offsets, token_range
-from final.distill.hidden import HiddenTeacher, WindowTeacher, hidden_error, layer_states
-from final.distill.learn import HIDDEN
-from final.distill.losses import distill_loss
-from final.distill.student import TrainableKV
-from final.distill.train import TrainConfig, make_batch, train, train_cartridge
+from final.cartridge_commands import main
+from final.training import hidden
+from final.training.document.facts import FactConfig, fact_prompts
+from final.training.teacher import teacher_window, token_offsets, token_range
+from final.training.hidden import HiddenTeacher, WindowTeacher, hidden_error, layer_states
+from final.training.learn import HIDDEN
+from final.training.losses import distill_loss
+from final.training.student import TrainableKV
+from final.training.train import TrainConfig, make_batch, train, train_cartridge
 from final.errors import CartridgeError
 from final.prompts import document_ids
 
@@ -116,7 +117,7 @@ def test_the_error_is_measured_in_each_dimensions_own_spread():
 
 
 def test_the_term_adds_to_the_loss_at_its_weight(student, tok, data):  # noqa: F811
-    from final.distill.convs import read_conversations
+    from final.training.rows import read_conversations
 
     rows = read_conversations(data, student.vocab_size)
     doc = document_ids(tok, DOC_A)  # the rows' document
@@ -130,7 +131,7 @@ def test_the_term_adds_to_the_loss_at_its_weight(student, tok, data):  # noqa: F
 
 
 def test_training_lowers_the_error_and_records_it(student, tok, data, tmp_path):  # noqa: F811
-    from final.distill.convs import read_conversations
+    from final.training.rows import read_conversations
 
     rows = read_conversations(data, student.vocab_size)[:2]
     doc = document_ids(tok, DOC_A)
@@ -183,7 +184,7 @@ def test_cli_learn_matches_hidden_states_by_default(tmp_path):
 
 
 def test_kept_states_are_the_teachers_computed_once_a_row_in_any_batch(student, tok, monkeypatch):
-    from final.distill.hidden import KeptStates
+    from final.training.hidden import KeptStates
 
     teacher = HiddenTeacher(student, document_ids(tok, DOC))
     calls = []

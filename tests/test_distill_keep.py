@@ -9,12 +9,12 @@ import pytest
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.cli import main
-from final.distill.learn import BESIDE, KEEP
-from final.distill.keep import held_sentences, keep_pick, keep_rows
-from final.distill.losses import distill_loss
-from final.distill.student import Student, TrainableKV
-from final.distill.train import Partner, TrainConfig, make_batch, partner_for, train
+from final.cartridge_commands import main
+from final.training.learn import BESIDE, KEEP
+from final.training.keep import held_sentences, keep_pick, keep_rows
+from final.training.losses import distill_loss
+from final.training.student import Student, TrainableKV
+from final.training.train import Partner, TrainConfig, make_batch, partner_for, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from cartridges_helpers import TINY
-from final.distill.cli import main
-from final.distill.facts import FactConfig, end_of_turn, fact_prompts, fact_rows, teacher_window
-from final.distill.live import LiveConfig, LiveFacts
-from final.distill.synth import ChunkContext
-from final.distill.student import Student, TrainableKV
-from final.distill.train import TrainConfig, train
+from final.cartridge_commands import main
+from final.training.document.facts import FactConfig, end_of_turn, fact_prompts, fact_rows
+from final.training.teacher import teacher_window
+from final.training.live import LiveConfig, LiveFacts
+from final.training.teacher import ChunkContext
+from final.training.student import Student, TrainableKV
+from final.training.train import TrainConfig, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 

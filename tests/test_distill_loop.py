@@ -10,7 +10,7 @@ import torch
 from serve_helpers import DOC_A
 from final.cartridges.format import load_cartridge
 from final.cartridges.manifest import manifest_path, read_manifest
-from final.distill.synth import teacher_ids
+from final.training.teacher import teacher_ids
 from final.prompts import continuation_ids
 
 from test_cartridges_train import inference  # noqa: F401  (the module's engine fixture)

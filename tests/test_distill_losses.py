@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from final.distill.losses import Targets, reverse_k1, reverse_k3
+from final.training.losses import Targets, reverse_k1, reverse_k3
 
 V = 6
 TEACHER = torch.log_softmax(torch.tensor([2.0, 1.5, 0.2, -1.0, 0.5, -0.3], dtype=torch.float64), -1)
@@ -65,7 +65,7 @@ def test_the_reported_kl_is_an_unbiased_estimate_of_the_reverse_kl(form):
 def test_hard_adds_the_cross_entropy_of_the_rows_own_tokens_where_the_student_did_not_sample_them():
     """step_loss(hard=w): the loss is the KL form's plus w * -log q(own token), averaged over the targets, and a
     token the student sampled itself gets no cross-entropy (it would reinforce the student's own guess)."""
-    from final.distill.losses import forward_topk_tail, step_loss
+    from final.training.losses import forward_topk_tail, step_loss
 
     logq = torch.log_softmax(torch.tensor([[0.3, -0.2, 1.1, 0.0, -0.7, 0.4], [1.0, 0.2, -0.5, 0.1, 0.3, -1.2],
                                            [0.0, 0.9, 0.2, -0.3, 0.6, 0.1]], dtype=torch.float64), -1)

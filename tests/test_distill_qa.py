@@ -11,8 +11,8 @@ import pytest
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.qa import load_qa
-from final.distill.qa_eval import WHOLE, normalise, qa_evaluate, wilson
+from final.training.evaluate.questions import load_qa
+from final.training.evaluate.accuracy import WHOLE, normalise, qa_evaluate, wilson
 from final.errors import CartridgeError
 
 from test_cartridges_train import data, inference  # noqa: F401  (the module's engine and rows fixtures)
@@ -91,7 +91,7 @@ def test_the_conditions_that_are_the_same_kv_score_the_same(inference, tmp_path)
     """A cartridge that is the whole document's KV scores as the whole document (KL 0, same answers); the whole
     document's KL to itself is 0, and every row asks every question."""
     from final.cartridges.build import build_from_text
-    from final.distill.synth import teacher_ids
+    from final.training.teacher import teacher_ids
 
     (tmp_path / "s.txt").write_text(DOC_A)
     rows = [line(id="a"), line(id="b", question="How many cats does she keep?", choices=["three", "two", "one"],
@@ -113,8 +113,8 @@ def test_the_conditions_that_are_the_same_kv_score_the_same(inference, tmp_path)
 def test_cli_eval_with_a_question_set(inference, tmp_path, capsys):
     from final.cartridges.build import build_from_text
     from final.cartridges.format import save_cartridge
-    from final.distill.cli import main
-    from final.distill.synth import teacher_ids
+    from final.cartridge_commands import main
+    from final.training.teacher import teacher_ids
 
     (tmp_path / "s.txt").write_text(DOC_A)
     (tmp_path / "s.jsonl").write_text(line(id="a") + "\n" + line(id="b", split="test") + "\n")
@@ -141,9 +141,9 @@ def test_eval_asks_a_training_checkpoints_last_step(inference, data, tmp_path, c
     import torch
 
     from final.cartridges.format import load_cartridge
-    from final.distill.cli import main
-    from final.distill.train import TrainConfig, checkpoint_path, train_cartridge
-    from final.distill.trainer import checkpoint_cartridge
+    from final.cartridge_commands import main
+    from final.training.train import TrainConfig, checkpoint_path, train_cartridge
+    from final.training.trainer import checkpoint_cartridge
 
     runs = {}
     for name, average in (("avg", 0.5), ("last", 0.0)):
@@ -187,9 +187,9 @@ def test_the_relevant_chunk_row_asks_each_question_after_its_own_window(inferenc
     document around its support (which it contains; shifted to fit at the document's start; the whole support even
     where longer); a window as long as the document is the whole document (KL 0, same choices); a bad N or a support
     not in the text is refused by field."""
-    from final.distill.cli import main
-    from final.distill.qa import Question
-    from final.distill.qa_eval import CHUNK, relevant_chunks
+    from final.cartridge_commands import main
+    from final.training.evaluate.questions import Question
+    from final.training.evaluate.accuracy import CHUNK, relevant_chunks
 
     (tmp_path / "s.txt").write_text(DOC_A)
     rows = [line(id="a"), line(id="b", question="How many cats does she keep?", choices=["three", "two", "one"],
@@ -236,7 +236,7 @@ def test_the_bench_breaks_accuracy_down_by_the_kind_of_answer(capsys):
     condition's right ids (QARow.right) counted per kind, pooled over the sets."""
     import importlib.util
 
-    from final.distill.qa_eval import QARow
+    from final.training.evaluate.accuracy import QARow
 
     path = Path(__file__).parent.parent / "bench" / "cartridge_qa.py"
     spec = importlib.util.spec_from_file_location("cartridge_qa", path)

@@ -11,12 +11,12 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.cli import main
-from final.distill.keep import keep_rows
-from final.distill.losses import distill_loss
-from final.distill.quiet import measured
-from final.distill.student import TrainableKV
-from final.distill.train import Partner, TrainConfig, make_batch, train
+from final.cartridge_commands import main
+from final.training.keep import keep_rows
+from final.training.losses import distill_loss
+from final.training.quiet import measured
+from final.training.student import TrainableKV
+from final.training.train import Partner, TrainConfig, make_batch, train
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import document_ids

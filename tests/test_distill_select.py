@@ -8,9 +8,9 @@ import torch
 
 from cartridges_helpers import TINY
 from serve_helpers import DOC_A
-from final.distill.distill import DistillConfig
-from final.distill.select import attention_mass, select_init, select_kv, select_positions
-from final.distill.student import Student
+from final.training.onpolicy.loop import DistillConfig
+from final.training.start.select import attention_mass, select_init, select_kv, select_positions
+from final.training.student import Student
 from final.errors import CartridgeError
 from final.models import resolve_model_path
 from final.prompts import continuation_ids, document_ids

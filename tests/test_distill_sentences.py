@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from final.distill.facts import FactConfig, fact_prompts
-from final.distill.qa import load_qa, support_spans
-from final.distill.sentences import LONGEST_SENTENCE, sentences, unwrap
+from final.training.document.facts import FactConfig, fact_prompts
+from final.training.evaluate.questions import load_qa, support_spans
+from final.training.document.sentences import LONGEST_SENTENCE, sentences, unwrap
 
 QA = Path(__file__).resolve().parent.parent / "bench" / "qa"
 PROSE = ("Brennock Ferry is a small river town on the eastern bank of the Sallow River, in the province of Upper "
@@ -146,7 +146,7 @@ def test_a_question_sets_support_is_found_across_a_wrap(tmp_path):
 
 def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path, capsys):
     from cartridges_helpers import TINY
-    from final.distill.cli import main
+    from final.cartridge_commands import main
     from final.errors import CartridgeError
 
     doc = tmp_path / "cafe.txt"
@@ -160,7 +160,7 @@ def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path, capsys):
     with pytest.raises(CartridgeError, match="not UTF-8") as exc:
         load_qa(tmp_path / "cafe.jsonl", document=QA / "brennock.txt")
     assert exc.value.field == "qa"
-    from final.distill.train_cli import read_text
+    from final.training.commands import read_text
 
     doc.write_bytes(wrapped(PROSE, 60).replace("\n", "\r\n").encode("utf-8"))  # a Windows file, wrapped
     assert read_text(doc) == wrapped(PROSE, 60)
@@ -185,7 +185,7 @@ def test_an_abbreviations_period_ends_no_sentence_and_stays_in_its_name():
 
 
 def test_a_byte_order_mark_is_not_part_of_the_document_or_the_question_set(tmp_path):
-    from final.distill.train_cli import read_text
+    from final.training.commands import read_text
 
     doc = tmp_path / "notepad.txt"
     doc.write_bytes(b"\xef\xbb\xbf" + PROSE.encode("utf-8"))  # Notepad's "UTF-8 with BOM"

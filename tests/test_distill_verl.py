@@ -48,7 +48,7 @@ def carts(local, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def rollout(carts):
     """Sampling at T=1 (greedy per call); starts `final serve` and the Ray of the module."""
-    from final.distill.verl_rollout import VerlRollout
+    from final.training.onpolicy.verl_rollout import VerlRollout
 
     with VerlRollout(model=TINY, cartridge=carts["training"], max_tokens=R) as rollout:
         yield rollout
@@ -117,7 +117,7 @@ def test_the_server_sees_the_conversation_right_after_the_cartridge(rollout, loc
 
 
 def test_bad_calls_are_typed_errors(rollout, carts, tmp_path):
-    from final.distill.verl_rollout import VerlRollout
+    from final.training.onpolicy.verl_rollout import VerlRollout
 
     with pytest.raises(CartridgeError):  # checked before anything starts
         VerlRollout(model=TINY, cartridge=tmp_path / "missing.pt", max_tokens=R)

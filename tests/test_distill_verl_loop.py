@@ -12,8 +12,8 @@ import pytest
 
 from conftest import TINY
 from serve_helpers import DOC_A
-from final.distill.distill import DistillConfig, distill
-from final.distill.synth import SynthConfig
+from final.training.onpolicy.loop import DistillConfig, distill
+from final.training.onpolicy.selfstudy import SynthConfig
 from final.prompts import continuation_ids
 
 

@@ -230,8 +230,8 @@ def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, posit
 def test_a_trained_cartridge_serves_on_sglang_like_the_embedded_engine(engines, tmp_path):
     """A cartridge from `final cartridge train` (self-study through the local engine, distilled on HF's model) is
     injected into SGLang's radix cache and answers as the embedded engine serves it."""
-    from final.distill.synth import SynthConfig, synthesize
-    from final.distill.train import TrainConfig, train_cartridge
+    from final.training.onpolicy.selfstudy import SynthConfig, synthesize
+    from final.training.train import TrainConfig, train_cartridge
 
     sglang, local, _ = engines
     data = tmp_path / "convs.jsonl"

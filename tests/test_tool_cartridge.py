@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from final.config import load_config
-from final.distill.convs import read_conversations
-from final.distill.traces import TraceBuilder, build_traces, reference_turns, student_turns, trace_rows
+from final.training.rows import read_conversations
+from final.training.traces import TraceBuilder, build_traces, reference_turns, student_turns, trace_rows
 from final.errors import ConfigError
 from final.models import resolve_model_path
 from final.tools.gsm8k_task import load_problems
@@ -191,9 +191,9 @@ def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_mod
     log-probs and the cartridge's gradient equal those of every row run whole."""
     import torch
 
-    import final.distill.student as students
-    from final.distill.convs import Conversation
-    from final.distill.train import make_batch
+    import final.training.student as students
+    from final.training.rows import Conversation
+    from final.training.train import make_batch
 
     build_traces(load_config(tool_config(tool_model, TOOLS)), write_gsm8k(tmp_path / "g.jsonl"),
                  tmp_path / "t.jsonl", progress=False)

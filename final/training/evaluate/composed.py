@@ -1,7 +1,7 @@
 """Two cartridges served together: do they still answer questions about both documents? (issue 42, composition)
 
-For two documents A and B, each with its question set (final.distill.qa) and its cartridge, every question of each
-set is asked as final.distill.qa_eval asks it (MC acc / acc_norm by log-likelihood, a greedy open answer, KL per
+For two documents A and B, each with its question set (final.training.evaluate.questions) and its cartridge, every question of each
+set is asked as final.training.evaluate.accuracy asks it (MC acc / acc_norm by log-likelihood, a greedy open answer, KL per
 token of the right option) after each of these prefixes, in table order:
 
   no document                      the plain chat
@@ -37,9 +37,9 @@ from typing import Any, Sequence
 
 from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV
-from final.distill.qa import Question
-from final.distill.qa_eval import QARow, ask, row
-from final.distill.synth import teacher_ids
+from final.training.evaluate.questions import Question
+from final.training.evaluate.accuracy import QARow, ask, row
+from final.training.teacher import teacher_ids
 from final.errors import CartridgeError
 
 SEPARATOR = "\n\n"

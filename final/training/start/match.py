@@ -1,6 +1,6 @@
 """The `match` initialisation: the `select` cartridge's keys, with values fitted so it attends like the document.
 
-A `select` cartridge (final.distill.select) keeps p of the document's L positions per KV head. A token after it
+A `select` cartridge (final.training.start.select) keeps p of the document's L positions per KV head. A token after it
 then misses the rest: the kept positions' softmax is renormalised without them, and the tokens after the cartridge
 (the question, the answer so far) get the attention mass the dropped positions had. Keys fixed, both errors can be
 undone in the values by least squares, since a head's output is linear in them (attention matching, as in

@@ -19,9 +19,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from final.distill.convs import Conversation
-from final.distill.facts import (FactConfig, by_teacher, closed_answer, end_of_turn, fact_prompts, prompt_ids,
-                                 teacher_systems, token_offsets, token_range)
+from final.training.rows import Conversation
+from final.training.document.facts import FactConfig, closed_answer, end_of_turn, fact_prompts, prompt_ids, teacher_systems
+from final.training.teacher import by_teacher, token_offsets, token_range
 from final.errors import CartridgeError
 
 

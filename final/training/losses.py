@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from final.distill.hidden import hidden_error
-from final.distill.quiet import measured
+from final.training.hidden import hidden_error
+from final.training.quiet import measured
 
 LOSSES = ("forward_topk", "forward_topk_tail", "reverse_k1", "reverse_k3")
 
@@ -117,7 +117,7 @@ def step_loss(name: str, logq: torch.Tensor, t: Targets, hard: float = 0.0) -> S
 
 
 def distill_loss(student: Any, cache: Any, batch: Any, loss: str = "forward_topk", hard: float = 0.0) -> StepLoss:
-    """The step's loss over every target token of a batch (final.distill.train.Batch), with its KL figures: the
+    """The step's loss over every target token of a batch (final.training.train.Batch), with its KL figures: the
     student (student.Student) reads the batch after the cache's (student.TrainableKV) keys and values. Here, not
     beside train(), so that the trainer and both training loops import it without importing each other."""
     keys, values = cache.full(batch.beside)

@@ -1,10 +1,10 @@
-"""Does a cartridge know its document? Accuracy on questions users ask (final.distill.qa), beside KL.
+"""Does a cartridge know its document? Accuracy on questions users ask (final.training.evaluate.questions), beside KL.
 
 For each condition - no document (the plain chat), the document's first p tokens, its first k*p tokens, the whole
 document (in context: the ceiling), the cartridge and, when asked (`chunk_tokens`), the relevant chunk alone (each
 question after its own window of the document around its support span: what a long document's reader would see
 if it were handed the right passage) - every question is asked as a user asks it, after the condition's prefix (the
-teacher's system turn, final.distill.synth.teacher_ids, of the document cut, whole or chunked; or the cartridge):
+teacher's system turn, final.training.onpolicy.selfstudy.teacher_ids, of the document cut, whole or chunked; or the cartridge):
 - multiple choice, as lm-eval scores it: each option as the assistant's answer, by the sum of its tokens'
   log-likelihoods; `acc` takes the highest sum, `acc_norm` the highest sum per byte of the option;
 - open answer: a greedy generation of `open_tokens` tokens must contain the reference (`contains`; `exact`: the
@@ -27,10 +27,10 @@ import torch
 from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV
 from final.compat import chat_ids
-from final.distill.evaluate import kl_and_top1
-from final.distill.facts import teacher_window, token_offsets
-from final.distill.qa import Question, support_spans
-from final.distill.synth import teacher_ids
+from final.training.evaluate.heldout import kl_and_top1
+from final.training.teacher import teacher_window, token_offsets
+from final.training.evaluate.questions import Question, support_spans
+from final.training.teacher import teacher_ids
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from final.distill.train_cli import _model_args, open_engine, read_text
+from final.training.commands import _model_args, open_engine, read_text
 
 
 def register_eval(sub: Any) -> None:
@@ -84,7 +84,7 @@ def _read(args: argparse.Namespace, service: Any, report: dict) -> Any:
     """The cartridge PATH names, as served: a cartridge file (or run folder), or with --checkpoint the last step's
     cartridge in a training checkpoint (whose step goes in the report)."""
     from final.cartridges.manifest import check_matches_model
-    from final.distill.trainer import checkpoint_cartridge
+    from final.training.trainer import checkpoint_cartridge
     from final.errors import CartridgeError
 
     if not args.checkpoint:
@@ -103,8 +103,8 @@ def _read(args: argparse.Namespace, service: Any, report: dict) -> Any:
 def _eval_qa(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
     import dataclasses
 
-    from final.distill.qa import load_qa
-    from final.distill.qa_eval import qa_evaluate, table
+    from final.training.evaluate.questions import load_qa
+    from final.training.evaluate.accuracy import qa_evaluate, table
 
     qa = load_qa(args.qa, None if args.split == "all" else args.split, document=args.text)
     rows = qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
@@ -136,8 +136,8 @@ def _eval_compose(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
     import dataclasses
 
     from final.cartridges.service import CartridgeService
-    from final.distill.qa import load_qa
-    from final.distill.qa_compose import ComposeSet, compose_evaluate, compose_table
+    from final.training.evaluate.questions import load_qa
+    from final.training.evaluate.composed import ComposeSet, compose_evaluate, compose_table
 
     split = None if args.split == "all" else args.split
     qa_a, qa_b = load_qa(args.qa, split, document=args.text), load_qa(args.compose_qa, split)
@@ -159,9 +159,9 @@ def _eval_compose(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
 def _eval_kl(args: argparse.Namespace, inference: Any, cart: Any) -> dict:
     import dataclasses
 
-    from final.distill.convs import dedupe, read_conversations
-    from final.distill.evaluate import evaluate, table
-    from final.distill.synth import teacher_ids
+    from final.training.rows import dedupe, read_conversations
+    from final.training.evaluate.heldout import evaluate, table
+    from final.training.teacher import teacher_ids
 
     tok = inference.tokenizer
     text = read_text(args.text) if args.text is not None else read_text(args.qa.with_suffix(".txt"))

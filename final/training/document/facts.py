@@ -26,11 +26,12 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from final.distill.convs import Conversation, append
-from final.distill.sentences import MARKER, TITLES, table_headers, unwrap, unwrapped_sentences
-from final.distill.synth import ChunkContext, teacher_system
+from final.training.rows import Conversation, append
+from final.training.document.sentences import MARKER, TITLES, table_headers, unwrap, unwrapped_sentences
+from final.training.teacher import (ChunkContext, by_teacher, teacher_system, teacher_window, token_offsets,
+                                     token_range)
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
 
@@ -228,54 +229,6 @@ def asked(sentence: str, found: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def token_offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
-    """Each document token's character span: computed once per document, read by every window and span below."""
-    return [tuple(o) for o in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping]
-
-
-def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int,
-                   offsets: list[tuple[int, int]] | None = None, tiled: bool = False) -> str:
-    """The `tokens`-token window of `text` centred on the character span `span`: shifted, not shrunk, at the
-    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same);
-    `tiled`: the tile that holds the span (window_text). `offsets`: token_offsets(tokenizer, text), for callers
-    asking many windows of one document."""
-    offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
-    return window_text(text, offsets, token_range(offsets, span), tokens, tiled)
-
-
-def window_text(text: str, offsets: list[tuple[int, int]], tokens_of: Sequence[int], tokens: int,
-                tiled: bool = False) -> str:
-    """The `tokens`-token window of `text` around its tokens [first, last) (`tokens_of`; a fact row's `chunk`, so a
-    row's teacher window is found again from the row alone: final.distill.hidden.WindowTeacher). `tiled`: the
-    window is one of the document's fixed tiles (tile_start) where one holds the whole span, the centred one
-    otherwise."""
-    first, last = tokens_of
-    lo = tile_start(len(offsets), first, last, tokens) if tiled else None
-    if lo is None:
-        lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
-    hi = max(last, min(len(offsets), lo + tokens))
-    return text[offsets[lo][0]:offsets[hi - 1][1]]
-
-
-def tile_start(n: int, first: int, last: int, tokens: int) -> int | None:
-    """The first token of the tile that holds tokens [first, last) nearest its middle, of a document of `n` tokens
-    cut into `tokens`-token tiles that overlap by half (the last one ends at the document's end); None where no
-    tile holds the whole span (one longer than half a tile can straddle two)."""
-    stride = max(1, tokens // 2)
-    starts = sorted({min(s, max(0, n - tokens)) for s in range(0, max(1, n - tokens + stride), stride)})
-    fits = [s for s in starts if s <= first and last <= s + tokens]
-    if not fits:
-        return None
-    return min(fits, key=lambda s: abs(2 * s + tokens - first - last))
-
-
-def token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:
-    """The tokens [first, last) that overlap the character span."""
-    start, end = span
-    first = next(i for i, (_, b) in enumerate(offsets) if b > start)
-    last = max(i for i, (a, _) in enumerate(offsets) if a < end) + 1
-    return first, last
-
 
 def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16,
               given: Sequence[list[int]] | None = None) -> list[Conversation]:
@@ -311,6 +264,7 @@ def fact_rows(inference: Any, text: str, cfg: FactConfig, batch: int = 16,
     return [r for r in rows if r is not None]
 
 
+
 def teacher_systems(tok: Any, text: str, prompts: Sequence[FactPrompt], cfg: FactConfig,
                     offsets: list[tuple[int, int]]) -> list[str]:
     """Each fact prompt's teacher, as its system turn: the whole document, or the cfg.teacher_tokens window of it
@@ -318,17 +272,6 @@ def teacher_systems(tok: Any, text: str, prompts: Sequence[FactPrompt], cfg: Fac
     if not cfg.teacher_tokens:
         return [teacher_system(text)] * len(prompts)
     return [teacher_window(tok, text, fp.span, cfg.teacher_tokens, offsets, cfg.teacher_tiles) for fp in prompts]
-
-
-def by_teacher(inference: Any, systems: Sequence[str], tag: str) -> Iterator[tuple[ChunkContext, list[int]]]:
-    """(the teacher's context, the indices it serves) per distinct system turn of `systems`, in first-seen order:
-    rows sharing a teacher share one prefill, and each context is closed before the next opens."""
-    groups: dict[str, list[int]] = {}
-    for i, system in enumerate(systems):
-        groups.setdefault(system, []).append(i)
-    for g, (system, ids) in enumerate(groups.items()):
-        with ChunkContext(inference, system, f"{tag}-{g}") as ctx:
-            yield ctx, ids
 
 
 def teacher_answers(ctx: ChunkContext, fps: list[FactPrompt], end: int, tokens: int) -> list[list[int]]:

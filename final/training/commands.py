@@ -20,7 +20,7 @@ def open_engine(args: argparse.Namespace, device: str = "cpu"):
 
 
 def read_text(path: Path) -> str:
-    from final.distill.convs import read_utf8
+    from final.training.rows import read_utf8
     from final.errors import CartridgeError
 
     if not path.is_file():
@@ -95,7 +95,7 @@ def register_training(sub: Any) -> None:
     t.set_defaults(cartridge_func=_train)
     _register_distill(sub)
     _register_traces(sub)
-    from final.distill.eval_cli import register_eval
+    from final.training.evaluate.command import register_eval
 
     register_eval(sub)
 
@@ -166,7 +166,7 @@ def _register_traces(sub: Any) -> None:
 
 def _traces(args: argparse.Namespace) -> int:
     from final.config import load_config
-    from final.distill.traces import build_traces
+    from final.training.traces import build_traces
     from final.errors import ConfigError
 
     if not args.tools.is_file():
@@ -193,7 +193,7 @@ def _traces(args: argparse.Namespace) -> int:
 
 
 def _synth_config(args: argparse.Namespace, **kw: Any):
-    from final.distill.synth import SynthConfig
+    from final.training.onpolicy.selfstudy import SynthConfig
 
     return SynthConfig(min_chunk_tokens=args.chunk_tokens[0], max_chunk_tokens=args.chunk_tokens[1],
                        question_tokens=args.question_tokens, top_k=args.top_k, cot_probability=args.cot_probability,
@@ -212,7 +212,7 @@ def _inference(args: argparse.Namespace, device: str = "cpu"):
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from final.distill.synth import synthesize
+    from final.training.onpolicy.selfstudy import synthesize
 
     text = read_text(args.text)
     cfg = _synth_config(args, count=args.count, batch=args.batch, answer_tokens=args.answer_tokens,
@@ -231,7 +231,7 @@ def _synth(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from final.distill.train import TrainConfig, train_cartridge
+    from final.training.train import TrainConfig, train_cartridge
     from final.engine.engine import resolve_dtype
 
     cfg = TrainConfig(tokens=args.tokens, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -249,7 +249,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from final.distill.distill import DistillConfig, distill
+    from final.training.onpolicy.loop import DistillConfig, distill
 
     text = read_text(args.text)
     given = {k: getattr(args, k) for k in ("lr", "schedule", "init", "init_questions", "validate", "loss")

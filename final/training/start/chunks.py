@@ -6,9 +6,9 @@ after the first 4% is missing at step 0, and training has to write every later f
 (0.77), so the start is cut from the windows' KV, not the whole document's: the document is tiled into
 `chunk_tokens`-token chunks (one chunk, the whole document, without --teacher-tokens), each prefilled alone as the
 teacher's system turn - the KV its fact rows' teacher reads - and keeps its share of the P - frozen positions, per
-KV head, by the attention its own fact rows give them (final.distill.select: SnapKV's criterion, the rows as the
+KV head, by the attention its own fact rows give them (final.training.start.select: SnapKV's criterion, the rows as the
 observation window). With `fit` (`match`), each chunk's kept values are refitted so its rows' head outputs are the
-chunk's (final.distill.match). The leading `frozen` positions (the template's start, the same tokens in every
+chunk's (final.training.start.match). The leading `frozen` positions (the template's start, the same tokens in every
 chunk, so the same KV) are kept once.
 
 Positions: chunk i's kept keys are rotated by R_{P - L_i} (final.cartridges.positions), so a token after the
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from final.cartridges.positions import rotate, rotation
-from final.distill.convs import Conversation
+from final.training.rows import Conversation
 from final.errors import CartridgeError
 
 INITS = ("prefix", "select", "match")
@@ -67,7 +67,7 @@ def observed(convs: Sequence[Conversation], lo: int, hi: int, count: int) -> lis
 
 def template(tokenizer) -> tuple[int, int]:
     """How many of a system turn's ids come before its text and after it (the chat template's)."""
-    from final.distill.synth import teacher_ids
+    from final.training.teacher import teacher_ids
 
     a, b = teacher_ids(tokenizer, "A"), teacher_ids(tokenizer, "B")
     head = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -79,9 +79,9 @@ def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str
                  fit: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The p-token start K/V (per layer [1, kv_heads, p, D]) from the document's chunks (module docstring).
     `convs`: the fact rows (their `chunk` is the token range of the document they ask about)."""
-    from final.distill.facts import token_offsets
-    from final.distill.select import attention_mass, gather_kv, select_positions
-    from final.distill.synth import teacher_ids
+    from final.training.teacher import token_offsets
+    from final.training.start.select import attention_mass, gather_kv, select_positions
+    from final.training.teacher import teacher_ids
 
     offsets = token_offsets(tokenizer, text)
     head, tail = template(tokenizer)
@@ -106,7 +106,7 @@ def chunked_init(student: "Student", model_dir: str | Path, tokenizer, text: str
         positions = select_positions(mass, n + frozen, frozen)
         k, v = gather_kv(*student.prefill(ids), positions)
         if fit:
-            from final.distill.match import fit_values
+            from final.training.start.match import fit_values
 
             v = fit_values(student, ids, rows, positions, k, v, frozen)
         cos, sin = rotation(model_dir, p - len(ids), k[0].shape[-1], str(model_dir))
@@ -123,7 +123,7 @@ def start(student: "Student", path: Path, tok: Any, convs: Sequence[Conversation
     """train_cartridge's KV start, its manifest label and its fingerprint (what a resume must match): `first` (the
     first P ids and their label, train._init_ids) for prefix, else the select / match start (chunked_init); a
     resumed run prefills `first` for the shape only, the checkpoint's values replacing it."""
-    from final.distill.train import digest
+    from final.training.train import digest
     from final.prompts import document_ids
 
     ids, kind = first

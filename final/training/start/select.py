@@ -28,7 +28,7 @@ from final.errors import CartridgeError
 
 
 @torch.no_grad()
-def attention_mass(student: "Student", doc_ids: Sequence[int],  # noqa: F821 - final.distill.student.Student
+def attention_mass(student: "Student", doc_ids: Sequence[int],  # noqa: F821 - final.training.student.Student
                    rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """[layers, kv_heads, L]: the attention probability each document position gets from the rows' tokens (each
     row read after the whole document), summed over the rows' tokens and each KV head's query heads."""
@@ -92,7 +92,7 @@ def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int
                 rows: Sequence[Sequence[int]], p: int, frozen: int,
                 fit: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The `select` initial K/V of a p-token cartridge for the document (its teacher's ids) from observation rows;
-    with `fit`, the `match` one (the values refitted on the same rows, final.distill.match)."""
+    with `fit`, the `match` one (the values refitted on the same rows, final.training.start.match)."""
     if not rows:
         raise CartridgeError("select needs at least one observation conversation", field="init_questions")
     positions = select_positions(attention_mass(student, doc_ids, rows), p, frozen)
@@ -100,7 +100,7 @@ def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int
     # (~4e-6), and the cartridge should be exactly the KV the student serves for these positions
     keys, values = select_kv(*student.prefill(doc_ids), positions, model_dir)
     if fit:
-        from final.distill.match import fit_values
+        from final.training.start.match import fit_values
 
         values = fit_values(student, doc_ids, rows, positions, keys, values, frozen)
     return keys, values

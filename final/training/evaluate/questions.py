@@ -5,7 +5,7 @@ NAME.jsonl with one question a line:
    "answer": 2, "reference": "...", "support": "..."}
 
 - `choices`: the multiple-choice options (2 or more, distinct), `answer` the index of the right one; each option is
-  scored as the assistant's answer by log-likelihood (final.distill.qa_eval);
+  scored as the assistant's answer by log-likelihood (final.training.evaluate.accuracy);
 - `reference`: the short open answer a greedy generation must contain;
 - `support`: a verbatim span of the document that answers the question (checked here: it must occur in the
   document exactly once, whitespace aside - a hard-wrapped document breaks it over lines; its place gives
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from final.distill.convs import jsonl_objects, read_utf8
+from final.training.rows import jsonl_objects, read_utf8
 from final.errors import CartridgeError
 
 SPLITS = ("tune", "test")

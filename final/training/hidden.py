@@ -44,7 +44,7 @@ class HiddenTeacher:
     @torch.no_grad()
     def states(self, ids: torch.Tensor, where: torch.Tensor, rows: Sequence[Any] = ()) -> list[torch.Tensor]:
         """[N, hidden] per layer (fp32): the states the teacher's layers output at the `where` positions of the rows
-        `ids` [B, T] read after the document (the batch's own target positions, final.distill.train.Batch). `rows`
+        `ids` [B, T] read after the document (the batch's own target positions, final.training.train.Batch). `rows`
         (the batch's Conversations) is not needed: every row has this one teacher."""
         return [h.float() for h in self.student.states(self.keys, self.values, ids, where)]
 
@@ -52,11 +52,11 @@ class HiddenTeacher:
 class WindowTeacher:
     """The model after each row's own window of a long document (`--teacher-tokens`): the `tokens`-token window
     around the row's sentence, or the tile that holds it (`tiled`, `--teacher-tiles`) (its `chunk`,
-    final.distill.facts.window_text), the teacher its KL targets were scored by; each window prefilled when a row
+    final.training.document.facts.window_text), the teacher its KL targets were scored by; each window prefilled when a row
     needs it, the last KEPT_WINDOWS kept."""
 
     def __init__(self, student: Any, tokenizer: Any, text: str, tokens: int, tiled: bool = False):
-        from final.distill.facts import token_offsets
+        from final.training.teacher import token_offsets
 
         self.student, self.tokenizer, self.text, self.tokens, self.tiled = student, tokenizer, text, tokens, tiled
         self.offsets = token_offsets(tokenizer, text)
@@ -64,7 +64,7 @@ class WindowTeacher:
 
     def _window_text(self, chunk: Sequence[int]) -> str:
         """The window around the document's tokens `chunk` = [first, last), as its teacher read it."""
-        from final.distill.facts import window_text
+        from final.training.teacher import window_text
         from final.errors import CartridgeError
 
         first, last = chunk

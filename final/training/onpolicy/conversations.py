@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from final.distill.convs import Conversation
-from final.distill.synth import ChunkContext, Plan, ask, plan_batch, system_text
-from final.distill.train import Batch, make_batch
+from final.training.rows import Conversation
+from final.training.onpolicy.selfstudy import Plan, ask, plan_batch, system_text
+from final.training.teacher import ChunkContext
+from final.training.train import Batch, make_batch
 from final.prompts import continuation_ids
 
 VALIDATION_BATCH = -1001  # the validation set's first plan batch (observe's are -1, -2, ...)

@@ -4,7 +4,7 @@ The model is HF transformers' (autograd, the same weights the engine loads); the
 DynamicCache whose tensors are the trainable parameters, so gradients reach them. One code path for CPU and CUDA:
 the model runs in `resolve_dtype(dtype, device)` (fp32 on CPU, bf16 on CUDA for "auto"), the prefix is kept in
 fp32 and cast for each forward, and the loss is taken in fp32. Positions: the conversation starts at p, as final
-serves a cartridge ("after_prefix"). The training loop over them is final.distill.train.
+serves a cartridge ("after_prefix"). The training loop over them is final.training.train.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from final.cartridges.format import CartridgeKV
-from final.distill.hidden import layer_states
+from final.training.hidden import layer_states
 
 
 class Student:

@@ -1,4 +1,4 @@
-"""`final cartridge ...` (also runnable as `python -m final.distill.cli ...`); the training commands' flags and
+"""`final cartridge ...` (also runnable as `python -m final.cartridge_commands ...`); the training commands' flags and
 handlers are in final/distill/train_cli.py.
 
   build   --text FILE --out PATH     prefill the text, save its KV as a cartridge (+ manifest beside it)
@@ -12,7 +12,7 @@ handlers are in final/distill/train_cli.py.
   eval    PATH --qa QA.jsonl [--data JSONL]  QA accuracy (and KL): no doc, first P and K*P tokens, whole doc,
                                      cartridge [, the relevant chunk alone: --chunk-tokens N]
   eval    PATH --qa QA.jsonl --compose CART_B --compose-qa QA_B.jsonl   two cartridges served together
-                                     (final.distill.qa_compose): alone, composed, in context, both in context
+                                     (final.training.evaluate.composed): alone, composed, in context, both in context
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("out", type=Path)
     c.add_argument("--save-dtype", help="dtype of the written tensors (default: unchanged)")
     c.set_defaults(cartridge_func=_convert)
-    from final.distill.learn import register_learn
-    from final.distill.train_cli import register_training
+    from final.training.learn import register_learn
+    from final.training.commands import register_training
 
     register_training(sub)
     register_learn(sub)
@@ -81,13 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _open_engine(args: argparse.Namespace):
-    from final.distill.train_cli import open_engine
+    from final.training.commands import open_engine
 
     return open_engine(args)
 
 
 def _read_text(path: Path) -> str:
-    from final.distill.train_cli import read_text
+    from final.training.commands import read_text
 
     return read_text(path)
 

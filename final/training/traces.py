@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from final.distill.convs import Conversation, append, first_of_each_question
+from final.training.rows import Conversation, append, first_of_each_question
 from final.errors import ConfigError
 from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_problems,
                                     template_renders_tools)

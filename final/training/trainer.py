@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from final.distill.losses import distill_loss
+from final.training.losses import distill_loss
 from final.errors import CartridgeError
 
 
@@ -52,7 +52,7 @@ class Trainer:
         return len(self.history)
 
     def step(self, batch: Any, updates: int = 1, **extra: Any) -> dict:
-        """`updates` Adam steps on one batch (final.distill.train.Batch); returns and keeps the step's record. Its
+        """`updates` Adam steps on one batch (final.training.train.Batch); returns and keeps the step's record. Its
         loss and KL are the first update's: the batch as it came, before the cartridge learned from it."""
         t0 = time.perf_counter()
         first = None

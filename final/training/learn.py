@@ -43,11 +43,11 @@ LONG_DOCUMENT = 2048
 
 
 def register_learn(sub: Any) -> None:
-    from final.distill.chunks import INITS
-    from final.distill.facts import ANSWERS, DEFAULT_KINDS, KINDS
-    from final.distill.live import LiveConfig
-    from final.distill.train import TrainConfig
-    from final.distill.train_cli import _model_args
+    from final.training.start.chunks import INITS
+    from final.training.document.facts import ANSWERS, DEFAULT_KINDS, KINDS
+    from final.training.live import LiveConfig
+    from final.training.train import TrainConfig
+    from final.training.commands import _model_args
 
     p = sub.add_parser("learn", help="a cartridge of a document's facts: fact rows from every sentence, then "
                                      "off-policy training (the recipe measured on QA accuracy)")
@@ -113,7 +113,7 @@ def _teacher_args(p: argparse.ArgumentParser) -> None:
 
 def _training_args(p: argparse.ArgumentParser) -> None:
     """The flags of what the cartridge's gradient step trains, beside the KL to the teacher."""
-    from final.distill.train import TrainConfig
+    from final.training.train import TrainConfig
 
     p.add_argument("--key-lr", type=float, default=TrainConfig.key_lr, metavar="F",
                    help=f"the keys' learning rate as a share of --lr (default {TrainConfig.key_lr:g}; 0: the start's "
@@ -129,7 +129,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
 
 def _partner_args(p: argparse.ArgumentParser) -> None:
     """The flags of training for composition: steps beside a partner, and what is trained at them."""
-    from final.distill.quiet import MEASURES
+    from final.training.quiet import MEASURES
 
     p.add_argument("--beside", type=float, default=BESIDE, metavar="F",
                    help="train F of the steps beside another cartridge (of a text the model writes), in front "
@@ -147,9 +147,9 @@ def _partner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _learn(args: argparse.Namespace) -> int:
-    from final.distill.facts import FactConfig
-    from final.distill.train import TrainConfig, train_cartridge
-    from final.distill.train_cli import open_engine, read_text
+    from final.training.document.facts import FactConfig
+    from final.training.train import TrainConfig, train_cartridge
+    from final.training.commands import open_engine, read_text
 
     text = read_text(args.text)
     _only_with(args, ("answer_tokens",), args.answers == "teacher", "--answers teacher")
@@ -186,7 +186,7 @@ def _learn(args: argparse.Namespace) -> int:
         _write_inputs(inference, text, facts, made_with, data, partners if need_partners else None, args.tokens)
         texts = json.loads(partners.read_text()) if train.beside else []
         if train.on_policy:
-            from final.distill.live import LiveFacts
+            from final.training.live import LiveFacts
 
             source = LiveFacts(inference, text, facts, live)
         summary = train_cartridge(args.model, data, args.out, train, text=text, device=args.device,
@@ -211,7 +211,7 @@ def _check_length(args: argparse.Namespace, text: str, facts: Any, whole_start: 
     row's teacher: the run costs several times the windows' and the user may not know --teacher-tokens exists."""
     from transformers import AutoTokenizer
 
-    from final.distill.facts import end_of_turn, fact_prompts, prompt_ids
+    from final.training.document.facts import end_of_turn, fact_prompts, prompt_ids
     from final.errors import CartridgeError
     from final.models import model_positions, resolve_model_path
     from final.prompts import document_ids
@@ -275,7 +275,7 @@ def _init(args: argparse.Namespace, start_tokens: int | None) -> str:
 def _start_tokens(args: argparse.Namespace) -> int | None:
     """The chunk size the select / match start is cut from: --start-tokens (0: the whole document), else the
     teacher's windows (None: the whole document)."""
-    from final.distill.facts import MIN_WINDOW
+    from final.training.document.facts import MIN_WINDOW
     from final.errors import CartridgeError
 
     if args.start_tokens is None:
@@ -288,7 +288,7 @@ def _start_tokens(args: argparse.Namespace) -> int | None:
 
 def _live_config(args: argparse.Namespace) -> Any:
     """The on-policy rows' sampling settings (LiveConfig's defaults where a flag is not given)."""
-    from final.distill.live import LiveConfig
+    from final.training.live import LiveConfig
 
     live = LiveConfig(temperature=LiveConfig.temperature if args.sample_temperature is None
                       else args.sample_temperature,
@@ -299,7 +299,7 @@ def _live_config(args: argparse.Namespace) -> Any:
 
 def _hidden(args: argparse.Namespace) -> float:
     """--hidden as given, else HIDDEN where the rows' teacher is the whole document; under --teacher-tokens (each row
-    matched to its own window's states, final.distill.hidden.WindowTeacher) 0 unless given: not measured as the
+    matched to its own window's states, final.training.hidden.WindowTeacher) 0 unless given: not measured as the
     default there yet."""
     if args.hidden is None:
         return 0.0 if args.teacher_tokens else HIDDEN
@@ -317,8 +317,8 @@ def _write_inputs(inference: Any, text: str, facts: Any, made_with: dict, data: 
                   tokens: int) -> None:
     """What the training reads and a rerun keeps, where missing: the fact rows (with the settings they were made
     with) and, when `partners` is given, the partner texts."""
-    from final.distill.facts import write_fact_rows
-    from final.distill.partners import partner_texts
+    from final.training.document.facts import write_fact_rows
+    from final.training.compose import partner_texts
 
     t0 = time.perf_counter()
     if not data.is_file():

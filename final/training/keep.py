@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
-from final.distill.convs import Conversation
-from final.distill.facts import FactConfig, end_of_turn, fact_prompts, prompt_ids
-from final.distill.sentences import sentences
+from final.training.rows import Conversation
+from final.training.document.facts import FactConfig, end_of_turn, fact_prompts, prompt_ids
+from final.training.document.sentences import sentences
 from final.prompts import document_text_held
 
 

@@ -2,10 +2,10 @@
 
 The student is the frozen model plus a trainable KV prefix of p tokens (post-RoPE keys/values per layer,
 [1, H_kv, p, D]); it reads a conversation *without* the document and is trained, on every target token of the rows
-(final.distill.convs: every token after the system turn, as the repo, or the answer's only), to match the
-teacher's top-k distribution (final.distill.losses; the KL to the teacher is reported beside the loss). Adam
+(final.training.rows: every token after the system turn, as the repo, or the answer's only), to match the
+teacher's top-k distribution (final.training.losses; the KL to the teacher is reported beside the loss). Adam
 updates the prefix only; the first `frozen_tokens` stay fixed (the attention sink). The student - the frozen
-model, the trainable prefix, their positions and dtypes - is final.distill.student.
+model, the trainable prefix, their positions and dtypes - is final.training.student.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from final.distill.convs import Conversation
-from final.distill.losses import Targets
-from final.distill.quiet import MEASURES
-from final.distill.student import Student, TrainableKV
-from final.distill.trainer import Trainer
+from final.training.rows import Conversation
+from final.training.losses import Targets
+from final.training.quiet import MEASURES
+from final.training.student import Student, TrainableKV
+from final.training.trainer import Trainer
 from final.errors import CartridgeError
 
 
@@ -168,16 +168,16 @@ def train(student: Student, cache: TrainableKV, convs: Sequence[Conversation], c
     every cfg.checkpoint_every steps and at the end; returns every step's record (loss, forward_kl; resumed ones
     included). `identity` (data and init fingerprints) must match the checkpoint's, as cfg's settings must.
     `partners`: frozen cartridges (Partner), one served beside the trained one on cfg.beside of the steps, its
-    rows' answers kept at weight cfg.keep. `live` (final.distill.live.LiveFacts): the source of the cfg.on_policy
-    share of each step's rows, answered by the cache as it is at that step. `teacher` (final.distill.hidden.
+    rows' answers kept at weight cfg.keep. `live` (final.training.live.LiveFacts): the source of the cfg.on_policy
+    share of each step's rows, answered by the cache as it is at that step. `teacher` (final.training.hidden.
     HiddenTeacher or WindowTeacher): the rows' teacher, whose hidden states they match at weight cfg.hidden."""
     from tqdm import tqdm
 
     fresh = _live_rows(cfg)
     if fresh and live is None:
-        raise CartridgeError("on-policy rows need a source of them (final.distill.live)", field="on_policy")
+        raise CartridgeError("on-policy rows need a source of them (final.training.live)", field="on_policy")
     if cfg.hidden and teacher is None:
-        raise CartridgeError("matching hidden states needs the document's teacher (final.distill.hidden)",
+        raise CartridgeError("matching hidden states needs the document's teacher (final.training.hidden)",
                              field="hidden")
     key = {**_resume_key(cfg), **(identity or {}), **({"live": live.key()} if fresh else {})}
     trainer = Trainer(student, cache, cfg.lr, ckpt, key, hard=cfg.hard, key_lr=cfg.key_lr)
@@ -223,7 +223,7 @@ def _beside(batch: Batch, partner: Partner, front: bool, step: int, cfg: TrainCo
             device: torch.device) -> None:
     """Serve the step's batch beside `partner`, with half a batch of rows about it to keep (cfg.keep) and to be
     quiet to (cfg.quiet)."""
-    from final.distill.keep import keep_pick
+    from final.training.keep import keep_pick
 
     batch.beside = (partner.keys, partner.values, front)
     if (cfg.keep or cfg.quiet) and partner.rows:
@@ -249,7 +249,7 @@ def _hidden_teacher(student: Student, tok: Any, text: str | None, cfg: TrainConf
         return None
     if text is None:
         raise CartridgeError("matching the teacher's hidden states needs the document: give --text", field="hidden")
-    from final.distill.hidden import HiddenTeacher, KeptStates, WindowTeacher
+    from final.training.hidden import HiddenTeacher, KeptStates, WindowTeacher
     from final.prompts import document_ids
 
     if windows:
@@ -312,16 +312,16 @@ def train_cartridge(model: str, data: str | Path, out: str | Path, cfg: TrainCon
     The KV starts as the first P tokens of `init_text`, else of `text` (the document), else of the first
     conversation's own stream (a tool-use cartridge has no document: it starts as the prompt it is trained under).
     `partners`: texts whose first P tokens, as cartridges, are served beside this one on cfg.beside of the steps.
-    `live`: the source of on-policy rows (final.distill.live.LiveFacts), when cfg.on_policy > 0.
+    `live`: the source of on-policy rows (final.training.live.LiveFacts), when cfg.on_policy > 0.
     `init` select / match: the KV starts as the document's own, cut from its `chunk_tokens`-token chunks by the
-    attention of the rows about each (final.distill.chunks; `text` needed), computed unless a checkpoint will
+    attention of the rows about each (final.training.start.chunks; `text` needed), computed unless a checkpoint will
     replace it. `teacher_tokens`: the rows were scored by windows of `text` this long (`learn --teacher-tokens`),
     so their hidden states (cfg.hidden) are matched to each row's window's (`teacher_tiles`: its tile's)."""
     from transformers import AutoTokenizer
 
-    from final.distill.chunks import start
-    from final.distill.convs import read_conversations
-    from final.distill.keep import keep_rows
+    from final.training.start.chunks import start
+    from final.training.rows import read_conversations
+    from final.training.keep import keep_rows
     from final.cartridges.format import save_cartridge
     from final.cartridges.manifest import CartridgeManifest, sha256_file
     from final.models import resolve_model_path

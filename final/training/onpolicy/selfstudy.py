@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from final.distill.convs import Conversation, append, done_ids
+from final.training.rows import Conversation, append, done_ids
+from final.training.teacher import ChunkContext
 from final.errors import CartridgeError
-from final.prompts import continuation_ids, document_ids, is_ids
+from final.prompts import continuation_ids
 
 # The cartridges repo's SYSTEM_PROMPT_TEMPLATE (synthesizers/self_study.py): the teacher's view of a chunk.
 SYSTEM_TEMPLATE = (
@@ -78,18 +79,6 @@ def system_text(chunk: str, template: str | None = SYSTEM_TEMPLATE) -> str:
     """The question writer's system turn for a chunk (self-study's, in the repo's template by default)."""
     return template.format(subcorpus=chunk) if template else chunk
 
-
-def teacher_system(document: str) -> str:
-    """The teacher every cartridge is trained toward and judged against: how a user asks about a document, the
-    document itself as the system turn (no template). The one definition `distill` (its targets, its validation
-    set, the `match` start), `eval` and the QA evaluation (final.distill.qa_eval) share; a cartridge stands for
-    exactly this turn, so what follows it is the user's conversation as it would follow the document."""
-    return document
-
-
-def teacher_ids(tokenizer: Any, document: str) -> list[int]:
-    """The teacher's system turn as token ids (a cartridge of the whole document is these ids' KV)."""
-    return document_ids(tokenizer, teacher_system(document))
 
 
 @dataclass
@@ -204,50 +193,3 @@ def synth_batch(inference: Any, doc: list[int], b: int, ids: list[int], cfg: Syn
     return rows
 
 
-class ChunkContext:
-    """The teacher's context: a text in a system turn, served as a cartridge where the engine runs here (prefilled
-    once, shared by every row), else sent as text. generate() samples in it; teacher_tops() scores given tokens."""
-
-    def __init__(self, inference: Any, system: str, cartridge_id: str):
-        self.inference, self.system, self.cid = inference, system, cartridge_id
-        self.loaded = False
-        self.head: list[int] = []
-        self.doc_ids: list[int] = []  # the system turn's ids (set on entry)
-
-    def __enter__(self) -> "ChunkContext":
-        engine = self.inference.engine
-        ids = self.doc_ids = document_ids(self.inference.tokenizer, self.system)
-        if engine is not None and self.inference.cartridges is not None:
-            from final.cartridges.build import build_from_text
-
-            self.inference.cartridges.add(self.cid, build_from_text(engine, ids), pin=True)
-            self.loaded = True
-        else:
-            self.head = ids
-        return self
-
-    def generate(self, prompts: list, **sampling: Any) -> Any:
-        """prompts: conversations (message lists, rendered after the system turn) or continuation ids."""
-        if self.loaded:
-            return self.inference.generate(prompts, cartridge=self.cid, **sampling)
-        tok = self.inference.tokenizer
-        ids = [self.head + (p if is_ids(p) else continuation_ids(tok, p)) for p in prompts]
-        return self.inference.generate(ids, **sampling)
-
-    def teacher_scores(self, prompts: list[list[int]], answers: list[list[int]],
-                       k: int) -> list[tuple[list[Any], list[float]]]:
-        """Per row, for the tokens 1.. of prompt + answer: the teacher's top-k at the position predicting each,
-        and its logprob of the token itself (one prefill per row, nothing generated)."""
-        if self.loaded:
-            scores = self.inference.score(prompts, answers, top_logprobs=k, cartridge=self.cid)
-            skip = 1
-        else:
-            scores = self.inference.score([self.head + p for p in prompts], answers, top_logprobs=k)
-            skip = len(self.head) + 1
-        return [(s.prompt_top_logprobs[skip:] + s.continuation_top_logprobs,
-                 s.prompt_logprobs[skip:] + s.continuation_logprobs) for s in scores]
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.loaded:
-            self.inference.cartridges.unpin(self.cid)
-            self.inference.unload_cartridge(self.cid)

@@ -6,14 +6,14 @@ Each step:
   2. rollout: the student, the base model with the *current* cartridge, samples answers (T=1 by default, n per
      question) - in-process through InferenceEngine (`rollout="engine"`, the cartridge updated in memory) or
      through veRL's own AgentLoopManager -> the `tokasaurus` replica -> `final serve` (`rollout="verl"`,
-     final.distill.verl_rollout; the file is re-read at each step through force_redownload);
+     final.training.onpolicy.verl_rollout; the file is re-read at each step through force_redownload);
      with on_policy_fraction < 1 the remaining questions are answered by the teacher instead (T=0, off-policy,
      self-study's data made on the fly);
   3. teacher: the same base model with the whole document as its system turn (synth.teacher_system: the one
      teacher of training, validation, the `match` start and evaluation; the repo's template only frames the
      question writer's chunk in step 1), served as a cartridge built once and shared by every row, scores every
      token after the system turn with top-k logprobs (InferenceEngine.score: any backend);
-  4. gradient: the loss (final.distill.losses: forward_topk, reverse_k1 or reverse_k3 on the student's own tokens,
+  4. gradient: the loss (final.training.losses: forward_topk, reverse_k1 or reverse_k3 on the student's own tokens,
      forward top-k on the question's) on the HF student with the cartridge as its trainable KV prefix; Adam;
   5. sync: the cartridge is written atomically to OUT in the repo's layout (+ manifest) and the next step samples
      with it.
@@ -31,14 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from final.distill.chunks import INITS  # the starts distill and learn share
-from final.distill.convs import Conversation
-from final.distill.losses import LOSSES
-from final.distill.rows import ask_batch, make_row, observe, validation_rows
-from final.distill.synth import ChunkContext, SynthConfig, teacher_system
-from final.distill.student import Student, TrainableKV
-from final.distill.train import check_training, checkpoint_path, digest, initial_ids, make_batch
-from final.distill.trainer import SCHEDULES, Trainer
+from final.training.start.chunks import INITS  # the starts distill and learn share
+from final.training.rows import Conversation
+from final.training.losses import LOSSES
+from final.training.onpolicy.conversations import ask_batch, make_row, observe, validation_rows
+from final.training.onpolicy.selfstudy import SynthConfig
+from final.training.teacher import ChunkContext, teacher_system
+from final.training.student import Student, TrainableKV
+from final.training.train import check_training, checkpoint_path, digest, initial_ids, make_batch
+from final.training.trainer import SCHEDULES, Trainer
 from final.errors import CartridgeError
 
 ROLLOUTS = ("engine", "verl")
@@ -58,8 +59,8 @@ class DistillConfig:
     updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
     loss: str = "forward_topk_tail"  # measured (bench/RESULTS.md, sixth pass): forward_topk made a match start worse
     on_policy_fraction: float = 1.0
-    init: str = "match"  # final.distill.match: select's positions, values fitted (measured 0.42x before training);
-    # "select": final.distill.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
+    init: str = "match"  # final.training.start.match: select's positions, values fitted (measured 0.42x before training);
+    # "select": final.training.start.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
     init_questions: int = 16  # select/match: self-study conversations (teacher-answered) whose attention picks the KV
     validate: int = 12  # teacher-answered conversations (2 a chunk), never trained on, judging the cartridge at each
     # checkpoint: the best one judged is what OUT holds at the end (0: the last step's)
@@ -126,7 +127,7 @@ class Run:
     inference: Any
     doc: list[int]  # the document's tokens (chunks are drawn from them)
     teacher: ChunkContext
-    sampler: Any  # StudentSampler or final.distill.verl_rollout.VerlRollout
+    sampler: Any  # StudentSampler or final.training.onpolicy.verl_rollout.VerlRollout
     trainer: Trainer
     pad_id: int
 
@@ -275,8 +276,8 @@ def _keep_best(trainer: Trainer, save: Callable[..., Path]) -> None:
 def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], out: Path, cfg: DistillConfig, *,
              model: str, device: str, dtype: str) -> tuple[Trainer, dict]:
     """The trainer around the initial cartridge: `prefix` (the document's first p tokens), `select`
-    (final.distill.select, from init_questions teacher-answered conversations) or `match` (select, values fitted:
-    final.distill.match); select and match are skipped when a checkpoint will replace them. Also what the
+    (final.training.start.select, from init_questions teacher-answered conversations) or `match` (select, values fitted:
+    final.training.start.match); select and match are skipped when a checkpoint will replace them. Also what the
     initialisation did, for the first step's record (init_questions, init_s; empty when nothing ran)."""
     from final.models import resolve_model_path
 
@@ -284,7 +285,7 @@ def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], o
     student = Student(model_dir, device, dtype)
     info: dict = {}
     if cfg.init in ("select", "match") and not checkpoint_path(out).exists():
-        from final.distill.select import select_init
+        from final.training.start.select import select_init
 
         t0 = time.perf_counter()
         questions, rows = observe(inference, teacher, doc, cfg)
@@ -312,7 +313,7 @@ def _line(rec: dict, steps: int) -> str:
 def _sampler(inference: Any, out: Path, cfg: DistillConfig, *, model: str, dtype: str, server: str | None) -> Any:
     if cfg.rollout == "engine":
         return StudentSampler(inference, out, "__distill-student")
-    from final.distill.verl_rollout import VerlRollout
+    from final.training.onpolicy.verl_rollout import VerlRollout
 
     return VerlSampler(VerlRollout(model=model, cartridge=out, server=server, max_tokens=cfg.answer_tokens,
                                    temperature=cfg.temperature, dtype=dtype))

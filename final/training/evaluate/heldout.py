@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from final.cartridges.build import build_from_text
-from final.distill.convs import Conversation
+from final.training.rows import Conversation
 from final.cartridges.format import CartridgeKV
 from final.compat import chat_ids
 from final.errors import CartridgeError
