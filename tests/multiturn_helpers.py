@@ -237,7 +237,8 @@ def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path
     limit. One torch thread: on two cores the tiny model's ops are faster without OpenMP regions."""
     from final.config import load_config
     from final.training.traces import build_traces
-    from final.training.train import TrainConfig, train_cartridge
+    from final.training.settings import TrainConfig
+    from final.training.train import train_cartridge
 
     data = write_gsm8k(tmp / "gsm8k.jsonl")
     build_traces(load_config(tool_config(model, tools)), data, tmp / "traces.jsonl", progress=False)

@@ -24,7 +24,8 @@ LAYERS = [
     ("inf", {"inf", "calls", "weight_sync"}),
     ("training", {"training"}),  # training cartridges is an application of InferenceEngine (learn, traces, eval)
     # pool/: the Ray replica pool (ReplicaPool, its Replica actor, its chunking), a composition of InferenceEngines
-    ("apps", {"cli", "cartridge_commands", "chat", "server", "evals", "bench", "client", "pool", "__main__", "verl_replica", "verl_cpu"}),
+    ("apps", {"cli", "cartridge_commands", "cartridge_files", "chat", "server", "evals", "bench", "client", "pool",
+              "__main__", "verl_replica", "verl_cpu"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -1,5 +1,5 @@
-"""Training conversations on disk: one JSON object a line, written by `synth` (and `traces`), read by `train`,
-`distill` and `eval`.
+"""The rows a cartridge is trained on, on disk: one JSON object a line, written by `learn` (fact rows) and `traces`
+(tool-use rows), read by `train` and `learn`; the on-policy loop makes them in memory.
 
 A row is what distillation needs and nothing it must re-derive: the student's token stream after the cartridge
 (`prompt_ids` then `answer_ids`, no BOS: final.prompts.continuation_ids), and for every supervised token the
@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from final.cartridges.build import read_utf8
 from final.errors import CartridgeError
 
 T = TypeVar("T")
@@ -39,10 +40,6 @@ class Conversation:
     chunk: tuple[int, int] = (0, 0)  # the document's token window the teacher saw
     target_start: int | None = None  # None: the answer's first token (len(prompt_ids))
     mask: list[int] | None = field(default=None)  # per target: 1 = in the loss (None: all)
-    # on-policy rows (kept in memory by `distill`): the answer is the student's own sample, and the teacher's
-    # logprob of each target token (the reverse-KL losses need it)
-    sampled: bool = False
-    token_logprobs: list[float] | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -57,22 +54,9 @@ class Conversation:
         return slice(len(self.prompt_ids) - self.first_target, None)
 
     def to_json(self) -> str:
-        row = {k: v for k, v in asdict(self).items() if v is not None and k != "sampled"}
+        row = {k: v for k, v in asdict(self).items() if v is not None}
         row["top_logprobs"] = [[round(x, 5) for x in xs] for xs in self.top_logprobs]
         return json.dumps(row, ensure_ascii=False)
-
-
-def done_ids(path: Path) -> set[int]:
-    """Ids already written (a resumed synthesis skips them); a torn last line from a crash is ignored."""
-    if not path.is_file():
-        return set()
-    ids = set()
-    for line in path.read_text().splitlines():
-        try:
-            ids.add(int(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return ids
 
 
 def _cut_torn_tail(path: Path) -> None:
@@ -109,17 +93,6 @@ def append(path: Path, rows: Iterable[Conversation]) -> None:
             fh.write(row.to_json() + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def read_utf8(path: Path, field: str) -> str:
-    """A text file a user hands in (a document, a question set, training rows), as UTF-8 with any line endings;
-    one that is not UTF-8 (a Latin-1 or UTF-16 export) is a CartridgeError naming the file, the byte and `field`,
-    not a UnicodeDecodeError traceback."""
-    try:
-        return path.read_text(encoding="utf-8-sig")  # Notepad's "UTF-8 with BOM": the mark is no text
-    except UnicodeDecodeError as exc:
-        raise CartridgeError(f"is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
-                             "(save it as UTF-8)", file=str(path), field=field) from None
 
 
 def jsonl_objects(path: Path, field: str = "data") -> Iterator[tuple[int, object]]:
@@ -202,9 +175,3 @@ def first_of_each_question(items: Iterable[T], question: Callable[[T], str], see
             taken.add(key)
             out.append(item)
     return out
-
-
-def dedupe(heldout: list[Conversation], seen: Iterable[str]) -> list[Conversation]:
-    """Held-out rows whose question is not among `seen` (the training questions), each question once: a held-out
-    figure on questions the cartridge was trained on measures memory, not transfer."""
-    return first_of_each_question(heldout, lambda row: row.question, seen)

@@ -16,7 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from transformers import AutoModelForCausalLM, DynamicCache
+
 from final.cartridges.format import CartridgeKV
+from final.engine.engine import resolve_dtype
 from final.training.hidden import layer_states
 
 
@@ -24,10 +27,6 @@ class Student:
     """The frozen model; `log_probs` runs it after a KV prefix with positions continuing at the prefix length."""
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto"):
-        from transformers import AutoModelForCausalLM
-
-        from final.engine.engine import resolve_dtype
-
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype,
@@ -44,27 +43,25 @@ class Student:
                 [cache.layers[i].values.float() for i in range(len(cache.layers))])
 
     def log_probs(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
-                  where: torch.Tensor, share: bool = True, hidden: bool = False) -> Any:
+                  where: torch.Tensor, hidden: bool = False) -> Any:
         """ids [B, T] after the prefix; where [B, T] bool: the positions whose next-token log-probs [N, V] (fp32)
         are returned. `hidden`: (log-probs, every layer's output [N, hidden] at those positions) (states())."""
-        states = self.states(keys, values, ids, where, share, every=hidden)
+        states = self.states(keys, values, ids, where, every=hidden)
         logq = F.log_softmax(self.model.lm_head(states[-1]).float(), dim=-1)
         return (logq, states) if hidden else logq
 
     def states(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ids: torch.Tensor,
-               where: torch.Tensor, share: bool = True, every: bool = True) -> list[torch.Tensor]:
+               where: torch.Tensor, every: bool = True) -> list[torch.Tensor]:
         """Each layer's output [N, hidden] at the `where` positions of `ids` read after the prefix (`every`; else the
         last, the final norm's, alone). Right padding needs no mask: causal attention never lets a real token see
         a later pad.
 
         The rows' common leading tokens before the first target (e.g. the system prompt every tool-use trace
         shares) run once, as one row, and their KV is shared by the batch: exact, and a step costs the shared
-        part once instead of B times (share=False: not, so each layer is called once, on every row's tokens)."""
-        from transformers import DynamicCache
-
+        part once instead of B times."""
         B, T = ids.shape
         p = keys[0].shape[2]
-        shared = _shared_prefix(ids, where) if B > 1 and share else 0
+        shared = _shared_prefix(ids, where) if B > 1 else 0
         if shared:
             cache = DynamicCache([(k.to(self.dtype), v.to(self.dtype)) for k, v in zip(keys, values)])
             self._run(ids[:1, :shared], cache, p)

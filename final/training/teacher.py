@@ -13,9 +13,9 @@ from final.prompts import continuation_ids, document_ids, is_ids
 
 def teacher_system(document: str) -> str:
     """The teacher every cartridge is trained toward and judged against: how a user asks about a document, the
-    document itself as the system turn (no template). The one definition `distill` (its targets, its validation
-    set, the `match` start), `eval` and the QA evaluation (final.training.evaluate.accuracy) share; a cartridge stands for
-    exactly this turn, so what follows it is the user's conversation as it would follow the document."""
+    document itself as the system turn (no template). The one definition learn's rows, the on-policy loop (its
+    targets, its validation set, the `match` start) and `eval` share; a cartridge stands for exactly this turn, so
+    what follows it is the user's conversation as it would follow the document."""
     return document
 
 
@@ -77,39 +77,15 @@ def token_offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
 
 
 def teacher_window(tokenizer: Any, text: str, span: tuple[int, int], tokens: int,
-                   offsets: list[tuple[int, int]] | None = None, tiled: bool = False) -> str:
+                   offsets: list[tuple[int, int]] | None = None) -> str:
     """The `tokens`-token window of `text` centred on the character span `span`: shifted, not shrunk, at the
-    document's ends, and always the whole span (qa_eval's relevant-chunk row asks each question after the same);
-    `tiled`: the tile that holds the span (window_text). `offsets`: token_offsets(tokenizer, text), for callers
-    asking many windows of one document."""
+    document's ends, and always the whole span (eval's relevant-chunk row asks each question after the same).
+    `offsets`: token_offsets(tokenizer, text), for callers asking many windows of one document."""
     offsets = offsets if offsets is not None else token_offsets(tokenizer, text)
-    return window_text(text, offsets, token_range(offsets, span), tokens, tiled)
-
-
-def window_text(text: str, offsets: list[tuple[int, int]], tokens_of: Sequence[int], tokens: int,
-                tiled: bool = False) -> str:
-    """The `tokens`-token window of `text` around its tokens [first, last) (`tokens_of`; a fact row's `chunk`, so a
-    row's teacher window is found again from the row alone: final.training.hidden.WindowTeacher). `tiled`: the
-    window is one of the document's fixed tiles (tile_start) where one holds the whole span, the centred one
-    otherwise."""
-    first, last = tokens_of
-    lo = tile_start(len(offsets), first, last, tokens) if tiled else None
-    if lo is None:
-        lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
+    first, last = token_range(offsets, span)
+    lo = min(first, max(0, min(first - (tokens - (last - first)) // 2, len(offsets) - tokens)))
     hi = max(last, min(len(offsets), lo + tokens))
     return text[offsets[lo][0]:offsets[hi - 1][1]]
-
-
-def tile_start(n: int, first: int, last: int, tokens: int) -> int | None:
-    """The first token of the tile that holds tokens [first, last) nearest its middle, of a document of `n` tokens
-    cut into `tokens`-token tiles that overlap by half (the last one ends at the document's end); None where no
-    tile holds the whole span (one longer than half a tile can straddle two)."""
-    stride = max(1, tokens // 2)
-    starts = sorted({min(s, max(0, n - tokens)) for s in range(0, max(1, n - tokens + stride), stride)})
-    fits = [s for s in starts if s <= first and last <= s + tokens]
-    if not fits:
-        return None
-    return min(fits, key=lambda s: abs(2 * s + tokens - first - last))
 
 
 def token_range(offsets: list[tuple[int, int]], span: tuple[int, int]) -> tuple[int, int]:

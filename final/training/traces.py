@@ -30,10 +30,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from final.training.rows import Conversation, append, first_of_each_question
+from final.compat import chat_ids
 from final.errors import ConfigError
+from final.models import eos_token_ids, resolve_model_path
+from final.outputs import TRACE_KEY
+from final.prompts import build_dataproto, normalize_prompts
+from final.rollout.multi_turn import MultiTurnRollout
 from final.tools.gsm8k_task import (TOOL_NAME, Problem, build_messages, load_problems,
                                     template_renders_tools)
+from final.training.rows import Conversation, append, first_of_each_question
 
 ANNOTATION = re.compile(r"<<[^>]*>>")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -167,8 +172,6 @@ class TraceBuilder:
     """MultiTurnRollout (final's, with tools.yaml's tools) over a ReplayEngine, one problem at a time."""
 
     def __init__(self, config: Any, tokenizer: Any, eos_token_id: int):
-        from final.rollout.multi_turn import MultiTurnRollout
-
         self.tokenizer = tokenizer
         self.engine = ReplayEngine(tokenizer, eos_token_id)
         # no scoring pass (a replay has no logprobs) and no tokenization check (it only logs template diffs)
@@ -183,8 +186,6 @@ class TraceBuilder:
         self.pad = self.rollout.pad_token_id
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        from final.compat import chat_ids
-
         return chat_ids(self.tokenizer, build_messages(problem, self.schemas, self.renders_tools),
                         add_generation_prompt=True)
 
@@ -200,8 +201,6 @@ class TraceBuilder:
     def play(self, problem: Problem, turns: Sequence[str | Turn] | None = None) -> tuple[list[TraceRow], list[dict]]:
         """One problem through the rollout, answered with `turns` (default: its reference turns): its rows and the
         tool calls it made (name, arguments, response)."""
-        from final.outputs import TRACE_KEY
-        from final.prompts import build_dataproto, normalize_prompts
         messages = build_messages(problem, self.schemas, self.renders_tools)
         batch = build_dataproto([self.prompt_ids(problem)], normalize_prompts([messages]), self.pad, [self.engine.eos],
                                 meta_info={"do_sample": False, "validate": True, TRACE_KEY: True},
@@ -245,8 +244,6 @@ def build_traces(config: Any, data: str | Path, out: str | Path, *, skip: int = 
     a cartridge file): rows from its own first turns instead (student_turns), each at most `student_tokens`."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from final.models import eos_token_ids, resolve_model_path
 
     out = Path(out)
     if out.exists():

@@ -1,19 +1,22 @@
-"""A document's sentences, for the fact rows (final/distill/facts.py): every sentence is asked about, so where one
-ends decides what a row quotes and what a blank leaves around it.
+"""A document's sentences, for the fact rows (facts.py): every sentence is asked about, so where one ends decides
+what a row quotes and what a blank leaves around it.
 
-A sentence ends at an end mark, at a full-width one (CJK text puts no space after it), or at a line break - but
-not at a hard wrap's: a .txt file wrapped at 60-80 columns breaks its sentences, and the names in them
-("Sallow\\nRiver"), across lines; read line by line, its rows would quote half-sentences and blank half-names.
-unwrap() tells a wrap's line break from a paragraph's or a list's by the paragraph's shape, and keeps the text's
-length, so a sentence's span is the document's own. A period after an abbreviation ("Dr. Lund", "No. 3", "e.g. a
-tern", "J. R. Ailes") ends nothing: split there, "Dr." would be a sentence and "Lund" a name without its title. A
-run without end marks (a transcript, a list run together) is cut
-at clause marks so that no row's answer is the whole document.
+The block structure is Markdown's, read by a parser (markdown.py): a code block (fenced or indented) holds no
+sentence, a table's row is one sentence read under its header, a delimiter row, a setext underline or a thematic
+break is none. Inside prose, list items and headings the splitter is ours: a sentence ends at an end mark, at a
+full-width one (CJK text puts no space after it), or at a line break - but not at a hard wrap's: a .txt file
+wrapped at 60-80 columns breaks its sentences, and the names in them ("Sallow\\nRiver"), across lines. unwrap()
+tells a wrap's line break from a paragraph's or a list's by the paragraph's shape, and keeps the text's length, so
+a sentence's span is the document's own. A period after an abbreviation ("Dr. Lund", "No. 3", "e.g. a tern",
+"J. R. Ailes") ends nothing. A run without end marks (a transcript, a list run together) is cut at clause marks so
+that no row's answer is the whole document.
 """
 
 from __future__ import annotations
 
 import re
+
+from final.training.document.markdown import CODE, RULE, TABLE_HEAD, TABLE_ROW, blocks
 
 # A sentence ends at . ! ? … (and a closing quote or bracket, straight or curly) before whitespace, at a full-width
 # 。！？ (CJK text has no space after them), or at a line break that is not a hard wrap (unwrap below).
@@ -36,17 +39,13 @@ _BLOCK = re.compile(r" {0,3}(?:#|[-*+>]\s|\d{1,3}[.)]\s|\||```)|\t| {4}")
 # ends a sentence or is an item itself
 _NUMBERED = re.compile(r" {0,3}\d{1,3}[.)]\s")
 _ENDED = re.compile(r"[.!?:;。！？][」』\"')\]]*$")
-# A Markdown table (GitHub's): a header row and a rule row ("|---|:--:|"), then its rows, each line opening with "|".
-# A row is one record, read with its header (table_headers); the header and the rule are no sentences of their own.
-_TABLE_RULE = re.compile(r" {0,3}\|(?:[ \t]*:?-+:?[ \t]*\|)+(?:[ \t]*:?-+:?[ \t]*)?$")
-_TABLE_LINE = re.compile(r" {0,3}\|")
 # a line of three or more -, =, * or _ alone: a setext heading's underline or a thematic break, no sentence
 _RULE = re.compile(r" {0,3}([-=*_])(?:[ \t]*\1){2,}[ \t]*$")
 # A paragraph whose longest line is this long may be hard-wrapped prose (wrapped text is 60-80 columns; a list of
 # short "Key: value" lines without markers keeps one sentence a line).
 WRAPPED = 32
 # The most characters of one sentence: a run without end marks (a transcript, a list run together) is cut at its
-# clause marks so that no fact row's answer is the whole document (bench/qa's longest sentence: 275).
+# clause marks so that no fact row's answer is the whole document (data/qa's longest sentence: 275).
 LONGEST_SENTENCE = 400
 
 
@@ -59,13 +58,12 @@ def sentences(text: str) -> list[tuple[int, int]]:
 def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
     """sentences() of a text already unwrapped (unwrap is not idempotent: a joined paragraph is one long line)."""
     spans = []
-    lines = _lines(flat)
-    rows = _table_rows(flat, lines)
-    for i, (lo, hi) in enumerate(lines):
-        if i in rows:  # a table's row is one sentence, whatever its cells hold; its header and rule are none
-            spans += _cut(flat, lo, hi) if rows[i] is not None else []
+    roles = blocks(flat).roles
+    for (lo, hi), role in zip(_lines(flat), roles):
+        if role == TABLE_ROW:  # a table's row is one sentence, whatever its cells hold; its header and rule are none
+            spans += _cut(flat, lo, hi)
             continue
-        if _RULE.match(flat, lo, hi):
+        if role in (CODE, RULE, TABLE_HEAD) or _RULE.match(flat, lo, hi):
             continue
         start = lo
         item = _NUMBERED.match(flat, lo, hi)  # "1. Moor at the quay." is one sentence, not "1." and the rest
@@ -78,34 +76,22 @@ def unwrapped_sentences(flat: str) -> list[tuple[int, int]]:
     return spans
 
 
+def code_spans(flat: str) -> list[tuple[int, int]]:
+    """The character spans of the text's code lines (fenced or indented blocks, their fences included): no sentence
+    is read there, and a quote that runs on to the next sentence stops before one."""
+    return [span for span, role in zip(_lines(flat), blocks(flat).roles) if role == CODE]
+
+
 def table_headers(flat: str) -> dict[int, tuple[int, int]]:
     """Where each table row of an unwrapped text starts (its sentence's start) -> its table's header row's span: a
     row's cells are named by the header ("| Sunday | 09:30 | 17:00 |" is the last sailing at 17:00 only beside
     "| Day | First sailing | Last sailing |"), so a row is asked about and quoted with it (facts.py)."""
     lines = _lines(flat)
     out = {}
-    for i, head in _table_rows(flat, lines).items():
-        if head is not None:
-            row, header = _cut(flat, *lines[i]), _cut(flat, *lines[head])
-            if row and header:
-                out[row[0][0]] = header[0]
-    return out
-
-
-def _table_rows(flat: str, lines: list[tuple[int, int]]) -> dict[int, int | None]:
-    """The lines of the text's tables, by index: a row's -> its header's index; the header's and the rule's -> None.
-    A table is a "|" line, a rule line under it, and the "|" lines after without a blank one between."""
-    out: dict[int, int | None] = {}
-    i = 0
-    while i + 1 < len(lines):
-        if not (_TABLE_LINE.match(flat, *lines[i]) and _TABLE_RULE.match(flat, *lines[i + 1])):
-            i += 1
-            continue
-        head, i = i, i + 2
-        out[head] = out[head + 1] = None
-        while i < len(lines) and _TABLE_LINE.match(flat, *lines[i]) and not _TABLE_RULE.match(flat, *lines[i]):
-            out[i] = head
-            i += 1
+    for row, head in blocks(flat).headers.items():
+        cells, header = _cut(flat, *lines[row]), _cut(flat, *lines[head])
+        if cells and header:
+            out[cells[0][0]] = header[0]
     return out
 
 
@@ -139,14 +125,15 @@ def unwrap(text: str) -> str:
     `text`: a span of it is the document's span (a word joined across a hyphen's wrap moves by a character)."""
     out = list(text)
     lines = text.split("\n")
+    code = [role == CODE for role in blocks(text).roles]  # never joined: a code block's lines are not prose
     ends = [hi for _, hi in _lines(text)]  # where each line's break is
-    widest = 0  # the paragraph's longest line: a paragraph is a run of non-blank lines
+    widest = 0  # the paragraph's longest line: a paragraph is a run of non-blank lines, code apart
     words = {w.lower() for w in re.findall(r"[^\W\d_]+(?:-[^\W\d_]+)*", text)}  # as the document spells them
     for i, line in enumerate(lines):
-        if i == 0 or not lines[i - 1].strip():
-            j = next((j for j in range(i, len(lines)) if not lines[j].strip()), len(lines))
+        if i == 0 or not lines[i - 1].strip() or code[i - 1] != code[i]:
+            j = next((j for j in range(i, len(lines)) if not lines[j].strip() or code[j] != code[i]), len(lines))
             widest = max((len(x.rstrip()) for x in lines[i:j]), default=0)
-        if i + 1 < len(lines) and _wrapped(line, lines[i + 1], widest):
+        if i + 1 < len(lines) and not code[i] and not code[i + 1] and _wrapped(line, lines[i + 1], widest):
             out[ends[i]] = " "
             _join_hyphen(text, out, ends[i], words)
     return "".join(out)

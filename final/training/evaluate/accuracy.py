@@ -4,9 +4,10 @@ For each condition - no document (the plain chat), the document's first p tokens
 document (in context: the ceiling), the cartridge and, when asked (`chunk_tokens`), the relevant chunk alone (each
 question after its own window of the document around its support span: what a long document's reader would see
 if it were handed the right passage) - every question is asked as a user asks it, after the condition's prefix (the
-teacher's system turn, final.training.onpolicy.selfstudy.teacher_ids, of the document cut, whole or chunked; or the cartridge):
+teacher's system turn, final.training.teacher.teacher_ids, of the document cut, whole or chunked; or the
+cartridge):
 - multiple choice, as lm-eval scores it: each option as the assistant's answer, by the sum of its tokens'
-  log-likelihoods; `acc` takes the highest sum, `acc_norm` the highest sum per byte of the option;
+  log-likelihoods; `acc` takes the highest sum, `acc_norm` the highest sum per character of the option (choose);
 - open answer: a greedy generation of `open_tokens` tokens must contain the reference (`contains`; `exact`: the
   whole answer is the reference, case, spacing and punctuation aside);
 - KL(whole document || condition) per token of the right option, the teacher being the whole document in context.
@@ -23,18 +24,18 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from final.cartridges.build import build_from_text
 from final.cartridges.format import CartridgeKV
 from final.compat import chat_ids
-from final.training.evaluate.heldout import kl_and_top1
-from final.training.teacher import teacher_window, token_offsets
-from final.training.evaluate.questions import Question, support_spans
-from final.training.teacher import teacher_ids
 from final.errors import CartridgeError
 from final.prompts import continuation_ids
+from final.training.evaluate.questions import Question, support_spans
+from final.training.teacher import teacher_ids, teacher_window, token_offsets
 
 WHOLE = "whole document"
+MULTIPLE = 8  # the first-k*p-tokens row: what a prefix 8x the cartridge's bytes answers
 CHUNK = "relevant chunk"
 
 
@@ -54,6 +55,12 @@ class QARow:
     kl_ci: tuple[float, float]
     kv_bytes: int  # the relevant-chunk row: prefix tokens and KV bytes are the mean over its questions' chunks
     right: tuple[str, ...] = ()  # the ids of the questions `acc` counts right (a JSON report can be broken down)
+
+
+def kl_and_top1(teacher: torch.Tensor, student: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position KL(teacher || student) and argmax agreement, from logits [N, V]."""
+    t, s = F.log_softmax(teacher.float(), -1), F.log_softmax(student.float(), -1)
+    return (t.exp() * (t - s)).sum(-1), (t.argmax(-1) == s.argmax(-1)).float()
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -98,10 +105,9 @@ def conditions(engine: Any, tokenizer: Any, text: str, cart: CartridgeKV | None,
 
 
 def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: CartridgeKV | None = None, *,
-                p: int | None = None, multiple: int = 8, open_tokens: int = 32,
-                chunk_tokens: int | None = None, others: Sequence[tuple[str, CartridgeKV]] = ()) -> list[QARow]:
-    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows; `others`:
-    more (name, cartridge) rows after it, asked the same way (e.g. a run's last step beside its written file);
+                p: int | None = None, multiple: int = MULTIPLE, open_tokens: int = 32,
+                chunk_tokens: int | None = None) -> list[QARow]:
+    """One row per condition (conditions()); `cart` (served convention) or `p` sets the first-p rows;
     `chunk_tokens`: add the relevant-chunk row (relevant_chunks()), last."""
     if not questions:
         raise CartridgeError("no questions to ask", field="qa")
@@ -111,7 +117,7 @@ def qa_evaluate(inference: Any, text: str, questions: Sequence[Question], cart: 
         raise CartridgeError(f"must be at least 1, got {chunk_tokens}", field="chunk_tokens")
     engine, tok = inference.engine, inference.tokenizer
     chunks = relevant_chunks(tok, text, questions, chunk_tokens) if chunk_tokens is not None else None
-    conds = conditions(engine, tok, text, cart, p, multiple) + list(others)
+    conds = conditions(engine, tok, text, cart, p, multiple)
     scored = {name: _ask_after(inference, kv, questions, open_tokens) for name, kv in conds}
     teacher = [logits for _, _, _, logits in scored[WHOLE]]
     rows = [row(name, *_size(kv), scored[name], teacher, questions) for name, kv in conds]
@@ -173,21 +179,30 @@ def ask(inference: Any, questions: Sequence[Question], cartridges: tuple[str, ..
                        chat_ids(tok, user, add_generation_prompt=True))
     out = []
     for q, prompt in zip(questions, prompts):
-        sums, norms, right = [], [], None
+        sums, right = [], None
         for i, choice in enumerate(q.choices):
             cids = tok(choice, add_special_tokens=False).input_ids
             logits, _ = engine.call(lambda runner, ids=prompt + cids: runner.forward_full(ids, prefix))
             logits = logits[len(prompt) - 1:len(prompt) - 1 + len(cids)].float()
             lp = float(torch.log_softmax(logits, -1).gather(1, torch.tensor(cids)[:, None]).sum())
             sums.append(lp)
-            norms.append(lp / len(choice.encode()))
             if i == q.answer:
                 right = logits
-        out.append([_argmax(sums) == q.answer, _argmax(norms) == q.answer, "", right])
+        acc, norm = choose(sums, q.choices)
+        out.append([acc == q.answer, norm == q.answer, "", right])
     gen = inference.generate(prompts, cartridge=list(cartridges) or None, temperature=0.0, max_tokens=open_tokens)
     for got, text in zip(out, gen.completions):
         got[2] = text
     return [tuple(got) for got in out]
+
+
+def choose(loglikelihoods: Sequence[float], choices: Sequence[str]) -> tuple[int, int]:
+    """The options `acc` and `acc_norm` pick, as lm-eval 0.4.13 does for a multiple-choice task (api/task.py,
+    process_results): the highest log-likelihood, and the highest log-likelihood per character of the option
+    (`completion_len = len(choice)`; its `acc_bytes` divides by UTF-8 bytes instead); the first on a tie, as
+    np.argmax. Per character, an option with accents or CJK weighs as its letters, not as its bytes."""
+    norms = [lp / len(choice) for lp, choice in zip(loglikelihoods, choices)]
+    return _argmax(loglikelihoods), _argmax(norms)
 
 
 def _argmax(xs: Sequence[float]) -> int:

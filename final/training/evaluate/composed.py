@@ -1,11 +1,11 @@
-"""Two cartridges served together: do they still answer questions about both documents? (issue 42, composition)
+"""Two cartridges served together: do they still answer questions about both documents?
 
 For two documents A and B, each with its question set (final.training.evaluate.questions) and its cartridge, every question of each
 set is asked as final.training.evaluate.accuracy asks it (MC acc / acc_norm by log-likelihood, a greedy open answer, KL per
 token of the right option) after each of these prefixes, in table order:
 
   no document                      the plain chat
-  A in context, B in context       each whole document alone, as its system turn (the teacher, synth.teacher_ids)
+  A in context, B in context       each whole document alone, as its system turn (the teacher, teacher_ids)
   A + B in context (and B + A)     both documents as ONE system turn: the first's text with its trailing newlines
                                    stripped, then SEPARATOR (a blank line, "\\n\\n"), then the second's text
   cartridge A, cartridge B         each cartridge alone
@@ -72,7 +72,7 @@ class ComposeResult:
     def pooled(self) -> float | None:
         """Questions right composed / right alone over both sets, each question counted once. A set's own ratio
         divides by one cartridge's score on ~45 questions, which swung from 30 to 18 right alone between two
-        starts of equal KL (orrin_vale, match and select: 0.400 and 0.403; bench/RESULTS.md): the pooled ratio is
+        starts of equal KL (bench/HISTORY.md, "The same starts on the two fresh documents"): the pooled ratio is
         the steadier figure beside keeps()."""
         right = {"alone": 0.0, "composed": 0.0}
         for name, rows in self.rows.items():

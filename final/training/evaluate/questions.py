@@ -1,4 +1,4 @@
-"""Question sets that judge a cartridge by what users ask (bench/qa/*.jsonl): a document NAME.txt and, beside it,
+"""Question sets that judge a cartridge by what users ask (data/qa/*.jsonl): a document NAME.txt and, beside it,
 NAME.jsonl with one question a line:
 
   {"id": "brennock-01", "split": "tune", "question": "...", "choices": ["...", "...", "...", "..."],
@@ -20,8 +20,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from final.training.rows import jsonl_objects, read_utf8
+from final.cartridges.build import read_utf8
 from final.errors import CartridgeError
+from final.training.rows import jsonl_objects
 
 SPLITS = ("tune", "test")
 FIELDS = ("id", "split", "question", "choices", "answer", "reference", "support")

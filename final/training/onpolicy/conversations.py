@@ -1,14 +1,13 @@
-"""The distill loop's rows: a batch's questions, a supervised row, and the teacher-answered conversations the
-initialisation reads (`observe`) and the validation set is made of (`validation_rows`).
+"""The on-policy loop's conversations: a step's questions, a supervised row, and the teacher-answered conversations
+the start reads (`observe`) and the validation set is made of (`validation_rows`).
 
-Every draw is a synth plan batch seeded by (seed, batch): the loop's steps use batches 0, 1, ...; the
+Every draw is a self-study plan batch seeded by (seed, batch): the loop's steps use batches 0, 1, ...; the
 initialisation's observation conversations -1, -2, ...; the validation set's -1001, -1002, ... . So none of them
 shares a question draw, and a resumed run makes the same validation set again.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from final.training.rows import Conversation
@@ -19,30 +18,30 @@ from final.prompts import continuation_ids
 
 VALIDATION_BATCH = -1001  # the validation set's first plan batch (observe's are -1, -2, ...)
 # two questions a chunk: 8 from one chunk judged a run the opposite way to the 48 held-out rows from 6 chunks
-# (bench/RESULTS.md, sixth pass): a few of a chunk's facts carry most of a set's KL
+# (bench/HISTORY.md, "Sixth pass ...: fit the values"): a few of a chunk's facts carry most of a set's KL
 VALIDATION_PER_CHUNK = 2
 
 
 def ask_batch(inference: Any, doc: list[int], step: int, ids: list[int],
               cfg: Any) -> tuple[Plan, list[str], list[list[int]]]:
-    """A step's questions (synth's plan for batch `step`, written with the chunk in context) and their ids."""
+    """A step's questions (self-study's plan for batch `step`, written with the chunk in context) and their ids."""
     tok = inference.tokenizer
-    plan = plan_batch(len(doc), step, ids, cfg.synth)
-    chunk = system_text(tok.decode(doc[plan.window[0]:plan.window[1]]), cfg.synth.template)
+    plan = plan_batch(len(doc), step, ids, cfg.synth, cfg.seed)
+    chunk = system_text(tok.decode(doc[plan.window[0]:plan.window[1]]))
     with ChunkContext(inference, chunk, f"__distill-chunk-{step}") as ctx:
         questions = ask(ctx, plan, ids, cfg.synth, cfg.seed * 1_000_003 + step * 1009)
     return plan, questions, [continuation_ids(tok, [{"role": "user", "content": q}]) for q in questions]
 
 
-def make_row(q: int, prompt: list[int], answer: list[int], tops: list, lps: list[float], sampled: bool,
-             question: str, kind: str, window: tuple[int, int], cfg: Any) -> Conversation:
-    """A supervised row: every token after the system turn (supervise="all") or the answer's, with the teacher's
-    top-k (tops: one [(id, logprob)] per prompt + answer token after the first)."""
-    start = 1 if cfg.supervise == "all" else len(prompt)
-    tops, lps = tops[start - 1:], lps[start - 1:]
+def make_row(q: int, prompt: list[int], answer: list[int], tops: list, question: str, kind: str,
+             window: tuple[int, int], answer_only: bool = False) -> Conversation:
+    """A supervised row: every token after the system turn (the repo's; the question's names are targets too) or,
+    `answer_only`, the answer's, with the teacher's top-k (tops: one [(id, logprob)] per prompt + answer token
+    after the first)."""
+    start = len(prompt) if answer_only else 1
+    tops = tops[start - 1:]
     return Conversation(q, prompt, answer, [[t for t, _ in top] for top in tops],
-                        [[lp for _, lp in top] for top in tops], kind, question, "", window, start, None,
-                        sampled, lps)
+                        [[lp for _, lp in top] for top in tops], kind, question, "", window, start)
 
 
 def teacher_answered(inference: Any, teacher: ChunkContext, doc: list[int], cfg: Any, count: int,
@@ -81,7 +80,7 @@ def validation_rows(inference: Any, teacher: ChunkContext, doc: list[int], cfg: 
     questions, prompts, answers = teacher_answered(inference, teacher, doc, cfg, cfg.validate, VALIDATION_BATCH,
                                                    VALIDATION_PER_CHUNK)
     scored = teacher.teacher_scores(prompts, answers, cfg.top_k)
-    answer_only = replace(cfg, supervise="answer")  # judged as the held-out rows are: on what the model says
-    rows = [make_row(i, p, a, tops, lps, False, questions[i], "validation", (0, len(doc)), answer_only)
-            for i, (p, a, (tops, lps)) in enumerate(zip(prompts, answers, scored)) if a]
+    # judged on what the model says: the answers' tokens only
+    rows = [make_row(i, p, a, tops, questions[i], "validation", (0, len(doc)), answer_only=True)
+            for i, (p, a, (tops, _)) in enumerate(zip(prompts, answers, scored)) if a]
     return questions, make_batch(rows, pad_id, device) if rows else None

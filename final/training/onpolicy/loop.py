@@ -1,20 +1,19 @@
 """On-policy cartridge distillation: the loop seed 000 was written for, with final as the teacher.
 
 Each step:
-  1. questions: a chunk of the document and self-study seed prompts (synth's plan, seeded by the step), the
-     model writes the user messages with the chunk in context (T=0.6, CoT instructions as synth);
+  1. questions: a chunk of the document and self-study seed prompts (selfstudy.py, seeded by the step), the
+     model writes the user messages with the chunk in context (T=0.6, CoT instructions as the repo);
   2. rollout: the student, the base model with the *current* cartridge, samples answers (T=1 by default, n per
      question) - in-process through InferenceEngine (`rollout="engine"`, the cartridge updated in memory) or
      through veRL's own AgentLoopManager -> the `tokasaurus` replica -> `final serve` (`rollout="verl"`,
      final.training.onpolicy.verl_rollout; the file is re-read at each step through force_redownload);
-     with on_policy_fraction < 1 the remaining questions are answered by the teacher instead (T=0, off-policy,
-     self-study's data made on the fly);
-  3. teacher: the same base model with the whole document as its system turn (synth.teacher_system: the one
+  3. teacher: the same base model with the whole document as its system turn (teacher.teacher_system: the one
      teacher of training, validation, the `match` start and evaluation; the repo's template only frames the
      question writer's chunk in step 1), served as a cartridge built once and shared by every row, scores every
      token after the system turn with top-k logprobs (InferenceEngine.score: any backend);
-  4. gradient: the loss (final.training.losses: forward_topk, reverse_k1 or reverse_k3 on the student's own tokens,
-     forward top-k on the question's) on the HF student with the cartridge as its trainable KV prefix; Adam;
+  4. gradient: the forward KL over the teacher's top-k and a bucket for the rest (losses.forward_topk_tail) on the
+     HF student with the cartridge as its trainable KV prefix; Adam on a cosine lr (RESULTS, "On-policy
+     distillation");
   5. sync: the cartridge is written atomically to OUT in the repo's layout (+ manifest) and the next step samples
      with it.
 One token stream throughout: the student sees cartridge + continuation_ids(messages) when it samples, when it is
@@ -25,74 +24,27 @@ killed run resumes where its last checkpoint was.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from final.training.start.chunks import INITS  # the starts distill and learn share
-from final.training.rows import Conversation
-from final.training.losses import LOSSES
-from final.training.onpolicy.conversations import ask_batch, make_row, observe, validation_rows
-from final.training.onpolicy.selfstudy import SynthConfig
-from final.training.teacher import ChunkContext, teacher_system
-from final.training.student import Student, TrainableKV
-from final.training.train import check_training, checkpoint_path, digest, initial_ids, make_batch
-from final.training.trainer import SCHEDULES, Trainer
+from tqdm import tqdm
+
+from final.cartridges.format import save_cartridge
+from final.cartridges.manifest import CartridgeManifest
 from final.errors import CartridgeError
+from final.models import resolve_model_path
+from final.training.onpolicy.conversations import ask_batch, make_row, observe, validation_rows
+from final.training.rows import Conversation
+from final.training.settings import DistillConfig
+from final.training.start.initial import initial_ids, select_start
+from final.training.student import Student, TrainableKV
+from final.training.teacher import ChunkContext, teacher_system
+from final.training.train import make_batch
+from final.training.trainer import Trainer, checkpoint_path, digest
 
-ROLLOUTS = ("engine", "verl")
-
-
-@dataclass
-class DistillConfig:
-    tokens: int  # p: the cartridge's length
-    steps: int = 40
-    questions: int = 8  # questions per step
-    n: int = 1  # student samples per question
-    temperature: float = 1.0  # the student's sampling temperature
-    answer_tokens: int = 128
-    top_k: int = 20
-    lr: float = 2e-3  # measured (RESULTS): 2e-3 beat 5e-3 from a select start; 5e-3 beat 1e-2..6e-2 from prefix
-    schedule: str = "cosine"  # the lr over the step budget (trainer.SCHEDULES); measured: constant's best was mid-run
-    updates: int = 1  # Adam steps on each step's rows: generating them costs several times one gradient step
-    loss: str = "forward_topk_tail"  # measured (bench/RESULTS.md, sixth pass): forward_topk made a match start worse
-    on_policy_fraction: float = 1.0
-    init: str = "match"  # final.training.start.match: select's positions, values fitted (measured 0.42x before training);
-    # "select": final.training.start.select's positions and own values (0.75x); "prefix": the first p tokens (1x)
-    init_questions: int = 16  # select/match: self-study conversations (teacher-answered) whose attention picks the KV
-    validate: int = 12  # teacher-answered conversations (2 a chunk), never trained on, judging the cartridge at each
-    # checkpoint: the best one judged is what OUT holds at the end (0: the last step's)
-    supervise: str = "all"  # "all": every token after the system turn (the repo's); "answer": the answer's only
-    frozen_tokens: int = 1
-    seed: int = 0
-    checkpoint_every: int = 5
-    rollout: str = "engine"
-    synth: SynthConfig = field(default_factory=lambda: SynthConfig(min_chunk_tokens=512, max_chunk_tokens=2048,
-                                                                   question_tokens=64))
-
-    def check(self) -> None:
-        check_training(self, ("tokens", "steps", "questions", "n", "answer_tokens", "top_k", "checkpoint_every",
-                              "updates", "init_questions"))
-        for key, ok in (("temperature", self.temperature > 0 and math.isfinite(self.temperature)),
-                        ("validate", self.validate >= 0),
-                        ("on_policy_fraction", 0 <= self.on_policy_fraction <= 1)):
-            if not ok:
-                raise CartridgeError(f"out of range: {getattr(self, key)}", field=key)
-        for key, allowed in (("loss", LOSSES), ("rollout", ROLLOUTS), ("supervise", ("all", "answer")),
-                             ("schedule", SCHEDULES), ("init", INITS)):
-            if getattr(self, key) not in allowed:
-                raise CartridgeError(f"must be one of {list(allowed)}, got {getattr(self, key)!r}", field=key)
-        self.synth.check()
-
-    def resume_key(self) -> dict:
-        """What must match for a resume to continue the same run (the step budget may grow)."""
-        key = {k: v for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "synth", "rollout")}
-        return {**key, "synth": {k: v for k, v in asdict(self.synth).items() if k not in ("count", "batch")}}
-
-    def on_policy_rows(self) -> int:
-        return round(self.questions * self.on_policy_fraction)
+LOSS = "forward_topk_tail"  # a true KL: forward_topk made a match start worse (RESULTS, "On-policy distillation")
 
 
 class StudentSampler:
@@ -133,25 +85,20 @@ class Run:
 
 
 def step_rows(run: Run, step: int) -> tuple[list[Conversation], dict]:
-    """Steps 1-3 of one step: its questions, the student's (and teacher's) answers, the teacher's targets."""
+    """Steps 1-3 of one step: its questions, the student's answers, the teacher's targets."""
     cfg = run.cfg
     seed = cfg.seed * 1_000_003 + step * 1009
     t0 = time.perf_counter()
     plan, questions, prompts = ask_batch(run.inference, run.doc, step, list(range(cfg.questions)), cfg)
     convs = [[{"role": "user", "content": q}] for q in questions]
     t1 = time.perf_counter()
-    m = cfg.on_policy_rows()
-    samples = run.sampler.sample(convs[:m], prompts[:m], cfg.n, seed + 1, cfg) if m else []
-    drawn = [a for _, _, a in samples]  # the student's own samples, kept in the step's record
-    if m < len(prompts):  # off-policy rows: the teacher answers greedily
-        answers = run.teacher.generate(prompts[m:], temperature=0.0, max_tokens=cfg.answer_tokens)
-        samples += [(m + i, prompts[m + i], list(a)) for i, a in enumerate(answers.token_ids)]
+    samples = run.sampler.sample(convs, prompts, cfg.n, seed + 1, cfg)
     t2 = time.perf_counter()
     scored = run.teacher.teacher_scores([p for _, p, _ in samples], [a for _, _, a in samples], cfg.top_k)
-    rows = [make_row(q, prompt, answer, tops, lps, q < m, questions[q], plan.kinds[q], plan.window, cfg)
-            for (q, prompt, answer), (tops, lps) in zip(samples, scored) if answer]
+    rows = [make_row(q, prompt, answer, tops, questions[q], plan.kinds[q], plan.window)
+            for (q, prompt, answer), (tops, _) in zip(samples, scored) if answer]
     info = {"question_s": t1 - t0, "rollout_s": t2 - t1, "teacher_s": time.perf_counter() - t2,
-            "questions": questions, "samples": drawn}
+            "questions": questions, "samples": [a for _, _, a in samples]}
     return rows, info
 
 
@@ -164,7 +111,7 @@ def run_step(run: Run, step: int, save: Callable[[Any], Path], first: dict | Non
         info = {**info, **first, "questions": first["questions"] + info["questions"]}
     if not rows:
         raise CartridgeError(f"step {step + 1}: every answer was empty; raise --answer-tokens", field="answer_tokens")
-    rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), run.cfg.updates, **info,
+    rec = run.trainer.step(make_batch(rows, run.pad_id, run.trainer.student.device), **info,
                            answer_tokens=sum(len(r.answer_ids) for r in rows))
     t0 = time.perf_counter()
     cart = run.trainer.cache.cartridge()
@@ -203,12 +150,10 @@ def distill(inference: Any, text: str, out: str | Path, cfg: DistillConfig, *, m
             on_start: Callable[[int, TrainableKV], None] | None = None) -> list[dict]:
     """Run (or resume) the loop for cfg.steps steps; the cartridge is at `out` after every step, and at the end
     the best one the validation set judged (the start included; the last step's when cfg.validate is 0). Returns
-    every step's record (loss, forward_kl, tail_kl, reverse_kl, seconds per stage, validation_kl at checkpoints,
+    every step's record (loss, forward_kl, tail_kl, seconds per stage, validation_kl at checkpoints,
     and in the last one kept_step and kept_validation_kl: what OUT holds; a fresh run's first record also lists
     the questions drawn before it, for the initialisation and the validation set, their seconds, init_s and
     validation_set_s, and start_validation_kl). on_start(steps done, cache) runs once before the first step."""
-    from tqdm import tqdm
-
     cfg.check()
     out = Path(out)
     tok = inference.tokenizer
@@ -275,44 +220,37 @@ def _keep_best(trainer: Trainer, save: Callable[..., Path]) -> None:
 
 def _trainer(inference: Any, teacher: ChunkContext, text: str, doc: list[int], out: Path, cfg: DistillConfig, *,
              model: str, device: str, dtype: str) -> tuple[Trainer, dict]:
-    """The trainer around the initial cartridge: `prefix` (the document's first p tokens), `select`
-    (final.training.start.select, from init_questions teacher-answered conversations) or `match` (select, values fitted:
-    final.training.start.match); select and match are skipped when a checkpoint will replace them. Also what the
-    initialisation did, for the first step's record (init_questions, init_s; empty when nothing ran)."""
-    from final.models import resolve_model_path
-
+    """The trainer around the start (start/initial.py): the document's first p tokens (`prefix`), or select /
+    match from init_questions teacher-answered conversations, skipped when a checkpoint will replace them. Also
+    what the start did, for the first step's record (init_questions, init_s; empty when nothing ran)."""
     model_dir = resolve_model_path(model)
     student = Student(model_dir, device, dtype)
     info: dict = {}
-    if cfg.init in ("select", "match") and not checkpoint_path(out).exists():
-        from final.training.start.select import select_init
-
+    if cfg.init != "prefix" and not checkpoint_path(out).exists():
         t0 = time.perf_counter()
         questions, rows = observe(inference, teacher, doc, cfg)
-        kv = select_init(student, model_dir, teacher.doc_ids, rows, cfg.tokens, cfg.frozen_tokens,
-                         fit=cfg.init == "match")
+        kv = select_start(student, model_dir, teacher.doc_ids, rows, cfg.tokens, cfg.frozen_tokens, cfg.init)
         info = {"init_questions": questions, "init_s": time.perf_counter() - t0}
     else:  # prefix; or a resume, where the checkpoint replaces the cache (its shape is the same)
         kv = student.prefill(initial_ids(inference.tokenizer, text, cfg.tokens))
     cache = TrainableKV(*kv, cfg.frozen_tokens)
     trainer = Trainer(student, cache, cfg.lr, checkpoint_path(out),
-                      {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=cfg.loss,
-                      schedule=cfg.schedule, steps=cfg.steps)
+                      {**cfg.resume_key(), "model": model, "document": digest(doc)}, loss=LOSS,
+                      schedule="cosine", steps=cfg.steps)
     return trainer, info
 
 
 def _line(rec: dict, steps: int) -> str:
-    rev = "" if rec["reverse_kl"] is None else f" reverse_kl {rec['reverse_kl']:.4f}"
-    if "validation_kl" in rec:
-        rev += f" validation_kl {rec['validation_kl']:.4f}"
+    val = f" validation_kl {rec['validation_kl']:.4f}" if "validation_kl" in rec else ""
     cost = " ".join(f"{k[:-2]} {rec[k]:.1f}s" for k in ("question_s", "rollout_s", "teacher_s", "gradient_s",
                                                           "sync_s"))
-    return f"step {rec['step']}/{steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}{rev} | {cost}"
+    return f"step {rec['step']}/{steps} loss {rec['loss']:.4f} kl {rec['forward_kl']:.4f}{val} | {cost}"
 
 
 def _sampler(inference: Any, out: Path, cfg: DistillConfig, *, model: str, dtype: str, server: str | None) -> Any:
     if cfg.rollout == "engine":
         return StudentSampler(inference, out, "__distill-student")
+    # veRL's agent loop, hydra and Ray: imported only for a run that samples through them
     from final.training.onpolicy.verl_rollout import VerlRollout
 
     return VerlSampler(VerlRollout(model=model, cartridge=out, server=server, max_tokens=cfg.answer_tokens,
@@ -321,13 +259,9 @@ def _sampler(inference: Any, out: Path, cfg: DistillConfig, *, model: str, dtype
 
 def _saver(out: Path, model: str, cfg: DistillConfig) -> Callable[[Any], Path]:
     """Write the cartridge (atomically: save_cartridge renames a finished temp file) and its manifest."""
-    from final.cartridges.format import save_cartridge
-    from final.cartridges.manifest import CartridgeManifest
-
     def save(cart: Any, **extra: str) -> Path:
         path = save_cartridge(cart, out)
-        labels = {"format": "chat", "method": f"on-policy distillation ({cfg.loss})", "init": cfg.init,
-                  "on_policy_fraction": str(cfg.on_policy_fraction), **extra}
+        labels = {"format": "chat", "method": f"on-policy distillation ({LOSS})", "init": cfg.init, **extra}
         CartridgeManifest.describe(cart, path, cartridge_id=out.stem, model_id=model, labels=labels,
                                    positions="after_prefix").write(path)
         return path

@@ -51,10 +51,10 @@ import httpx
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from final.compat import STANDALONE_OVERRIDES, chat_ids, standalone_agent_loop
-from final.process_group import free_port
 from final.errors import BackendUnavailableError, CartridgeError, PromptError, SamplingError
 from final.models import resolve_model_path
-from final.prompts import after_system_turn, default_system_ids, normalize_prompts
+from final.process_group import free_port
+from final.prompts import after_system_turn, default_system_ids, normalize_prompts, object_array
 from final.sampling import check_params, row_seed
 
 REPLICA_MODULE = "final.verl_replica"  # veRL imports it by name (its plug-in hook); never imported from here
@@ -151,8 +151,6 @@ class VerlRollout:
     @staticmethod
     def _batch(chats: list[list[dict]], seed: int, greedy: bool) -> Any:
         from verl import DataProto
-
-        from final.prompts import object_array
 
         return DataProto.from_dict(non_tensors={
             "raw_prompt": object_array(chats), "agent_name": object_array([AGENT] * len(chats)),

@@ -19,10 +19,9 @@ layer is fitted to the teacher's queries at that layer. The frozen positions (th
 Keys are unchanged, and (R_{p+m} q)·(R_{p-L} k) = (R_{L+m} q)·k (select.py), so the fit is exact in the teacher's
 positions.
 
-Measured (bench/RESULTS.md, p=64 on the 1,525-token benchmark document, 48 held-out rows): held-out KL 0.0426,
-0.42x the first-64-tokens prefix (select: 0.75x; the first 512 tokens: 0.52x), before any training; ~16 s for 16
-conversations on a 2-core CPU. Fitting layer by layer to the student's own queries (`sequential`) gave 0.0427 at
-6x the cost, 32 conversations instead of 16 gave 0.0423, and the ridge (0 to 0.1) moved it by < 3%.
+Before any training it is closer to the document than `select` and than the document's first 8p tokens; fitting
+layer by layer to the student's own queries (`sequential`), more conversations or another ridge changed it by a
+few per cent at several times the cost (bench/HISTORY.md, "Sixth pass ...: fit the values").
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from final.training.student import Student
 
 ATTN = "final_match"
 
@@ -102,7 +103,7 @@ def solve(gram: torch.Tensor, rhs: torch.Tensor, values: torch.Tensor, frozen: i
 
 
 @torch.no_grad()
-def fit_values(student: "Student", doc_ids: Sequence[int], rows: Sequence[Sequence[int]],  # noqa: F821
+def fit_values(student: Student, doc_ids: Sequence[int], rows: Sequence[Sequence[int]],
                positions: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], frozen: int,
                ridge: float = 1e-3, sequential: bool = False) -> list[torch.Tensor]:
     """Per layer [1, kv_heads, p, D]: the kept positions' values (`keys`/`values`: select_kv's) refitted so the

@@ -12,8 +12,8 @@ p.. . Every kept key is rotated by R_{p-L} (final.cartridges.positions), so a to
 exactly as the teacher's token at the same place after the whole document does: (R_{p+m} q)·(R_{p-L} k) =
 (R_{L+m} q)·k. Without the rotation the kept keys are ~L positions too close and the cartridge is useless.
 
-Measured (bench/RESULTS.md): on the 1,525-token benchmark document, p=64 selected this way scores 0.75x the
-first-64-tokens prefix's held-out KL before any training (what 40 steps of training from that prefix reached).
+Before any training such a start is already as close to the document as 40 steps from its first p tokens get
+(bench/HISTORY.md, "Fifth pass ...: start from the document's own KV").
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import torch
 
 from final.cartridges.positions import rotate, rotation
 from final.errors import CartridgeError
+from final.training.student import Student
+from final.training.start.match import fit_values
 
 
 @torch.no_grad()
-def attention_mass(student: "Student", doc_ids: Sequence[int],  # noqa: F821 - final.training.student.Student
+def attention_mass(student: Student, doc_ids: Sequence[int],
                    rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """[layers, kv_heads, L]: the attention probability each document position gets from the rows' tokens (each
     row read after the whole document), summed over the rows' tokens and each KV head's query heads."""
@@ -88,7 +90,7 @@ def select_kv(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], posi
     return [rotate(k, cos.to(k.device), sin.to(k.device)) for k in kept_k], kept_v
 
 
-def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int],  # noqa: F821
+def select_init(student: Student, model_dir: str | Path, doc_ids: Sequence[int],
                 rows: Sequence[Sequence[int]], p: int, frozen: int,
                 fit: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The `select` initial K/V of a p-token cartridge for the document (its teacher's ids) from observation rows;
@@ -100,7 +102,5 @@ def select_init(student: "Student", model_dir: str | Path, doc_ids: Sequence[int
     # (~4e-6), and the cartridge should be exactly the KV the student serves for these positions
     keys, values = select_kv(*student.prefill(doc_ids), positions, model_dir)
     if fit:
-        from final.training.start.match import fit_values
-
         values = fit_values(student, doc_ids, rows, positions, keys, values, frozen)
     return keys, values
