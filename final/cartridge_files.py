@@ -16,10 +16,11 @@ from final.cartridges.manifest import (CartridgeManifest, check_matches_manifest
                                        verify_checksum)
 from final.cartridges.service import CartridgeService
 from final.engine.engine import resolve_dtype
-from final.inf import local_engine
 
 
 def build(args: argparse.Namespace) -> int:
+    from final.inf import local_engine  # veRL: only the commands that run the model load it
+
     text = read_document(args.text, "text")
     inference = local_engine(args.model, dtype=args.dtype)
     try:
@@ -66,6 +67,8 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
+    from final.inf import local_engine  # veRL: only the commands that run the model load it
+
     text = read_document(args.text, "text")
     inference = local_engine(args.model, dtype=args.dtype)
     engine, tok = inference.engine, inference.tokenizer

@@ -9,7 +9,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from final.config import default_config_path
 from final.errors import FinalError
+from final.pool import open_engine as open_pool
 
 if TYPE_CHECKING:
     from final.inf import InferenceEngine
@@ -56,9 +58,6 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
     """The command's engine: an InferenceEngine, or a pool of replicas on Ray with --replicas N / --ray-address
     (final.pool; the same API). Says which config file it uses when the command did not name one."""
-    from final.config import default_config_path
-    from final.pool import open_engine as open_pool
-
     config = args.config if args.config is not None else default_config_path()
     engine = open_pool(config, replicas=getattr(args, "replicas", None),
                        ray_address=getattr(args, "ray_address", None), **overrides)

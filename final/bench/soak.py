@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from final.cartridges.format import CartridgeKV, save_cartridge
+from final.models import resolve_model_path
+from final.process_group import free_port
+
 GOALS = {"unexpected": 0, "rss_drift": 0.05, "cartridge_refs": 0}
 MIX = {"complete": 30, "chat_n": 15, "stream_full": 10, "stream_cut": 15, "bad": 15, "cartridge": 15}
 CARTRIDGE_FILES, CARTRIDGE_TOKENS, BUDGET_CARTRIDGES = 6, 32, 3  # more files than the budget holds
@@ -73,9 +77,6 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
     """Random cartridges of the model's shape (the soak tests serving them, not what they say)."""
     import torch
 
-    from final.cartridges.format import CartridgeKV, save_cartridge
-    from final.models import resolve_model_path
-
     cfg = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
     heads, layers = cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["num_hidden_layers"]
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -93,8 +94,6 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
 
 def _start(config: Path, folder: str) -> tuple[subprocess.Popen, str]:
     import httpx
-
-    from final.process_group import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port", str(port),

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from final.cli import add_replica_args
+from final.cli import add_replica_args, open_engine
 from final.sampling import Limits
 
 DEFAULT_PORT = 10210  # Tokasaurus' default
@@ -84,7 +84,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from final.cli import open_engine
     from final.server.app import create_app
     from final.server.limits import Drain, DrainingServer
 

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from final import compat, process_group as dist
 from final.errors import BackendUnavailableError, ConfigError, SamplingError
+from final.rollout.sglang.procs import survive_sigquit
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def require_sglang(device: str = "cuda") -> None:
 def preflight(engine_config: Any) -> None:
     """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
     requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
-    from final.rollout.sglang.procs import survive_sigquit
-
     require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
     survive_sigquit()
 
