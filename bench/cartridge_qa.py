@@ -1,16 +1,16 @@
-"""Do cartridges know their documents? QA accuracy and KL per method and p on the question sets (bench/qa).
+"""Do cartridges know their documents? QA accuracy and KL per method and p on the question sets (data/qa).
 
     .venv/bin/python bench/cartridge_qa.py [--sets brennock,kestrel,lake_ivra] [--split tune] [--tokens 64]
-        [--command learn|distill] [--multiple 8] [--chunk-tokens N] [--work DIR] [--label NAME] [--last]
-        [-- flags...]
+        [--command learn|distill] [--chunk-tokens N] [--work DIR] [--label NAME] [-- flags...]
 
 For each set: `final cartridge learn` (or `distill`: --command) of its document at p = --tokens with the flags
-given after `--` (none: the defaults), timed, then `final.distill.qa_eval` on the set's --split half (tune unless told: the test
-half is for final figures only) - no document, the first p and k*p tokens, the whole document, the cartridge -
-MC acc / acc_norm, open answers, KL to the whole document, 95% intervals. Prints a table per set, one pooled over
-the sets (every question counted once) and the pooled MC acc by the kind of answer (a name, a number, an ordinary
-word: what the fact rows ask about differs by kind), and writes summary.json in --work. Runs resume: a finished cartridge in
---work is evaluated again without training (its minutes are read back from summary.json).
+given after `--` (none: the defaults; e.g. `-- --settings FILE`), timed, then final.training.evaluate.accuracy on
+the set's --split half (tune unless told: the test half is for final figures only) - no document, the first p
+and 8p tokens, the whole document, the cartridge - MC acc / acc_norm, open answers, KL to the whole document, 95%
+intervals. Prints a table per set, one pooled over the sets (every question counted once) and the pooled MC acc by
+the kind of answer (a name, a number, an ordinary word: what the fact rows ask about differs by kind), and writes
+summary.json in --work. Runs resume: a finished cartridge in --work is evaluated again without training (its
+minutes are read back from summary.json).
 """
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from final.cartridge_commands import main as cli  # noqa: E402 - after the repository is on the path
+from final.cartridges.service import CartridgeService  # noqa: E402
+from final.inf import local_engine  # noqa: E402
+from final.models import DEFAULT_MODEL  # noqa: E402
+from final.training.document.facts import NUMBER_WORDS  # noqa: E402
+from final.training.evaluate.accuracy import qa_evaluate, table  # noqa: E402
+from final.training.evaluate.questions import load_qa  # noqa: E402
+
+QA = ROOT / "data" / "qa"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -37,14 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--command", choices=("learn", "distill"), default="learn",
                    help="how the cartridge is trained (default learn, the fact recipe)")
-    p.add_argument("--multiple", type=int, default=8)
     p.add_argument("--chunk-tokens", type=int, help="add the relevant-chunk row (each question after the N-token "
                                                     "window around its support alone)")
     p.add_argument("--work", type=Path, default=Path("/tmp/cartridge_qa"))
     p.add_argument("--label", help="the method's name in the table (default: the command, with its flags)")
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    p.add_argument("--last", action="store_true", help="add the row of the cartridge after the run's last step "
-                   "(its checkpoint, OUT.ckpt): what the written file is not under --average")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     args = p.parse_args(argv)
     args.label = args.label or " ".join([args.command, *extra])
     args.work.mkdir(parents=True, exist_ok=True)
@@ -57,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {"minutes": minutes, "command": args.command, "flags": extra, "split": args.split,
                          "rows": [dataclasses.asdict(r) for r in rows]}
         summary_path.write_text(json.dumps(summary, indent=2))
-        from final.distill.qa_eval import table
-
         print(f"\n{name} ({args.split}, {rows[0].questions} questions; {args.label}: {minutes:.1f} min)")
         print(table(rows), flush=True)
         for r in rows:
@@ -77,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def answer_kind(reference: str) -> str:
     """What a question's answer is: a number (digits or a number word), a name (capitalised) or an ordinary word."""
-    from final.distill.facts import NUMBER_WORDS
-
     if re.search(r"\d", reference) or re.search(rf"\b(?:{NUMBER_WORDS})\b", reference.lower()):
         return "number"
     return "name" if re.search(r"\b[A-Z]", reference) else "word"
@@ -97,19 +100,11 @@ def print_by_kind(pooled: dict[str, list], kinds: dict[str, str]) -> None:
 
 
 def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: float | None):
-    from final.cartridges.service import CartridgeService
-    from final.distill.cli import main as cli
-    from final.distill.qa import load_qa
-    from final.distill.qa_eval import qa_evaluate
-    from final.distill.train import checkpoint_path
-    from final.distill.trainer import checkpoint_cartridge
-    from final.inf import local_engine
-
-    qa = load_qa(ROOT / "bench" / "qa" / f"{name}.jsonl", None if args.split == "all" else args.split)
+    qa = load_qa(QA / f"{name}.jsonl", None if args.split == "all" else args.split)
     out = args.work / f"{name}_p{args.tokens}.pt"
     if minutes is None or not out.is_file():
         t0 = time.perf_counter()
-        code = cli(["cartridge", args.command, "--model", args.model, "--text", str(ROOT / "bench" / "qa" / f"{name}.txt"),
+        code = cli(["cartridge", args.command, "--model", args.model, "--text", str(QA / f"{name}.txt"),
                     "--tokens", str(args.tokens), "--out", str(out), "--quiet", *extra])
         if code:
             raise SystemExit(code)
@@ -117,9 +112,8 @@ def run_set(name: str, args: argparse.Namespace, extra: list[str], minutes: floa
     inference = local_engine(args.model, dtype="float32")
     try:
         cart = CartridgeService(inference.engine, inference.model_dir).read_served(out)
-        others = [("last step", checkpoint_cartridge(checkpoint_path(out))[0])] if args.last else []
-        return qa_evaluate(inference, qa.document, qa.questions, cart, multiple=args.multiple,
-                           chunk_tokens=args.chunk_tokens, others=others), minutes, qa.questions
+        return qa_evaluate(inference, qa.document, qa.questions, cart, chunk_tokens=args.chunk_tokens), minutes, \
+            qa.questions
     finally:
         inference.shutdown()
 

@@ -9,13 +9,16 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from final.adapters import adapter_name
+from final.config import default_config_path
 from final.errors import AdapterError, FinalError
+from final.pool import open_engine as open_pool
 
 if TYPE_CHECKING:
     from final.inf import InferenceEngine
 
 # Feature modules that add subcommands: each has register(subparsers).
-SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.distill.cli", "final.evals.cli", "final.server.cli",
+SUBCOMMAND_MODULES: list[str] = ["final.chat", "final.cartridge_commands", "final.evals.cli", "final.server.cli",
                                   "final.bench.cli"]
 
 
@@ -56,9 +59,6 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def open_engine(args: argparse.Namespace, **overrides) -> "InferenceEngine":
     """The command's engine: an InferenceEngine, or a pool of replicas on Ray with --replicas N / --ray-address
     (final.pool; the same API). Says which config file it uses when the command did not name one."""
-    from final.config import default_config_path
-    from final.pool import open_engine as open_pool
-
     config = args.config if args.config is not None else default_config_path()
     engine = open_pool(config, replicas=getattr(args, "replicas", None),
                        ray_address=getattr(args, "ray_address", None), **overrides)
@@ -84,8 +84,6 @@ def add_lora_arg(p: argparse.ArgumentParser) -> None:
 
 def lora_specs(specs: list[str] | None) -> list[tuple[str, str]]:
     """--lora values as (name, folder): NAME=DIR, or DIR alone (named after its folder)."""
-    from final.adapters import adapter_name
-
     out = []
     for spec in specs or []:
         name, sep, path = spec.partition("=")

@@ -25,8 +25,9 @@ from typing import Any
 import yaml
 
 from final.compat import check_mode
-from final.errors import ConfigError
-from final.sampling import Limits
+from final.errors import ConfigError, SamplingError
+from final.models import model_positions
+from final.sampling import Limits, check_params
 from final.protocol.bodies import check_cartridge_sources
 from final.protocol.cartridge_spec import check_cartridge_specs
 
@@ -103,8 +104,6 @@ class EngineConfig:
 
     def check_against_model(self, local_path: str) -> int:
         """Check lengths against the model's positions; returns max_model_len."""
-        from final.models import model_positions
-
         cfg = json.loads((Path(local_path) / "config.json").read_text())
         max_pos = model_positions(local_path)
         factor = (cfg.get("rope_scaling") or {}).get("factor", 1.0) if isinstance(cfg.get("rope_scaling"), dict) else 1.0
@@ -312,9 +311,6 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 def _check_sampling_defaults(rollout: dict, path: str | None) -> None:
     """The rollout's default sampling and its val_kwargs go into every request: SGLang's value rules now, so a
     NaN temperature in the config is a ConfigError at start rather than a refused request later."""
-    from final.errors import SamplingError
-    from final.sampling import check_params
-
     sections = (("rollout.", rollout), ("rollout.val_kwargs.", rollout.get("val_kwargs") or {}))
     for where, values in sections:
         for key in SAMPLING_DEFAULTS:

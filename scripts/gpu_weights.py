@@ -8,8 +8,7 @@ The model is SmolLM2-135M's architecture (30 layers, 576 wide, 9 heads / 3 KV he
 with random weights drawn from a seed: the update path and its numerics do not depend on what the weights learned.
 
     python scripts/gpu_weights.py --device cuda            # fp32 and bf16, prints one JSON line
-    (a bare image without pydantic, which final's config imports: carry its wheels, e.g. from
-    scripts/gpu_grpo/prepare.sh's .grpo-gpu/whl, and put them on PYTHONPATH first)
+    (final's config imports pydantic: install final with pip first, or put its wheels on PYTHONPATH)
     python scripts/gpu_weights.py --device cpu --layers 2  # the same checks on this machine, small
 Exit code 0 when every parity check passed.
 """

@@ -236,8 +236,9 @@ def train_tool_cartridge(model: str, tools: Path, tmp: Path) -> tuple[Path, Path
     p=32 at lr 0.2 did on one EPYC and stalled at 0.6 on another: float differences move a run this close to its
     limit. One torch thread: on two cores the tiny model's ops are faster without OpenMP regions."""
     from final.config import load_config
-    from final.distill.traces import build_traces
-    from final.distill.train import TrainConfig, train_cartridge
+    from final.training.traces import build_traces
+    from final.training.settings import TrainConfig
+    from final.training.train import train_cartridge
 
     data = write_gsm8k(tmp / "gsm8k.jsonl")
     build_traces(load_config(tool_config(model, tools)), data, tmp / "traces.jsonl", progress=False)

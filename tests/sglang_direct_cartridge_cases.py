@@ -184,14 +184,14 @@ def test_cartridges_repo_files_give_hf_logprobs(engines, tmp_path, layout, posit
 
 
 def test_a_trained_cartridge_gives_localrollouts_dataproto(engines, tmp_path):
-    """A cartridge from `final cartridge train` (self-study through the local engine, distilled on HF's model)."""
-    from final.distill.synth import SynthConfig, synthesize
-    from final.distill.train import TrainConfig, train_cartridge
+    """A cartridge from `final cartridge train` (fact rows through the local engine, distilled on HF's model)."""
+    from final.training.document.facts import write_fact_rows
+    from final.training.settings import FactConfig, TrainConfig
+    from final.training.train import train_cartridge
 
     sglang, local, _ = engines
-    data = tmp_path / "convs.jsonl"
-    synthesize(local, DOC, data, SynthConfig(count=2, batch=2, min_chunk_tokens=16, max_chunk_tokens=16,
-                                             question_tokens=4, answer_tokens=4, top_k=5), progress=False)
+    data = tmp_path / "rows.jsonl"
+    write_fact_rows(local, DOC, data, FactConfig(top_k=5))
     out = tmp_path / "trained.pt"
     train_cartridge(local.config.model_path, data, out, TrainConfig(tokens=8, steps=2, batch=2), text=DOC,
                     progress=False)

@@ -1,4 +1,4 @@
-"""`final cartridge build|inspect|verify`, run as a real subprocess (python -m final.distill.cli)."""
+"""`final cartridge build|inspect|verify`, run as a real subprocess (python -m final.cartridge_commands)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "final.distill.cli", "cartridge", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "final.cartridge_commands", "cartridge", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from final.config import load_config
-from final.distill.convs import read_conversations
-from final.distill.traces import TraceBuilder, build_traces, reference_turns, student_turns, trace_rows
+from final.training.rows import read_conversations
+from final.training.traces import TraceBuilder, build_traces, reference_turns, student_turns, trace_rows
 from final.errors import ConfigError
 from final.models import resolve_model_path
 from final.tools.gsm8k_task import load_problems
@@ -186,14 +186,14 @@ def test_a_trained_tool_cartridge_makes_the_model_call_the_tool(tool_model, tmp_
     assert len(TOOL_PROBLEMS) == len(results.read_text().splitlines())
 
 
-def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_model, tmp_path):
+def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_model, tmp_path, monkeypatch):
     """Student.log_probs runs the rows' common leading tokens (the tool system prompt) once for the batch: the
     log-probs and the cartridge's gradient equal those of every row run whole."""
     import torch
 
-    import final.distill.student as students
-    from final.distill.convs import Conversation
-    from final.distill.train import make_batch
+    import final.training.student as students
+    from final.training.rows import Conversation
+    from final.training.train import make_batch
 
     build_traces(load_config(tool_config(tool_model, TOOLS)), write_gsm8k(tmp_path / "g.jsonl"),
                  tmp_path / "t.jsonl", progress=False)
@@ -205,15 +205,16 @@ def test_a_shared_prompt_runs_once_and_gives_the_same_loss_and_gradient(tool_mod
     assert students._shared_prefix(batch.ids, batch.where) == len(row.prompt_ids) - 1
     cache = students.TrainableKV(*student.prefill(row.ids[:8]), 1)
 
-    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         for p in cache.trainable_keys:
             p.grad = None
-        logq = student.log_probs(*cache.full(), batch.ids, batch.where, share=share)
-        logq.gather(1, batch.targets.token_ids[:, None]).sum().backward()
+        logq = student.log_probs(*cache.full(), batch.ids, batch.where)
+        logq.gather(1, batch.targets.top_ids[:, :1]).sum().backward()  # the hard targets: top-1
         return logq.detach(), [p.grad.clone() for p in cache.trainable_keys]
 
-    shared, grads = run(True)
-    whole, whole_grads = run(False)
+    shared, grads = run()
+    monkeypatch.setattr(students, "_shared_prefix", lambda ids, where: 0)  # every row run whole
+    whole, whole_grads = run()
     assert torch.allclose(shared, whole, atol=1e-4)
     for g, w in zip(grads, whole_grads):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))

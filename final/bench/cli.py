@@ -23,8 +23,17 @@ import sys
 from typing import Any, Sequence
 
 from final.bench.isolate import isolated
+from final.bench.dp import describe as describe_dp, run_dp
+from final.bench.memory import describe, run_memory
+from final.bench.multiturn import describe as describe_multiturn, run_multiturn
+from final.bench.overhead import run_overhead
+from final.bench.peer import describe as describe_peer, run_peer
+from final.bench.soak import describe as describe_soak, run_soak
+from final.bench.throughput import roofline, run_throughput
+from final.bench.timing import machine
+from final.bench.ttft import run_ttft
+from final.models import DEFAULT_MODEL, resolve_model_path
 
-DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 QUICK_MODEL = "builtin:tiny-random-llama"
 GOALS = {"p1": 2.0, "p2": 20.0, "p2_spread": 1.5, "p3": 1.1, "p4_ms": 1.0}
 
@@ -74,9 +83,6 @@ def run(args: argparse.Namespace) -> dict:
     """Run the selected measurements and return the result object (what --json prints)."""
     import torch
 
-    from final.bench.timing import machine
-    from final.models import resolve_model_path
-
     only = {x.strip().lower() for x in args.only.split(",")}
     repeats = args.repeats or (1 if args.quick else 3)
     name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
@@ -102,8 +108,6 @@ def section(target: str, args: dict, model: str, repeats: int) -> dict:
 
 
 def _p1(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.throughput import roofline, run_throughput
-
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     batches = _ints(args.batches) if args.batches else ([2, 4] if args.quick else [8, 32])
     new_tokens = args.new_tokens or (8 if args.quick else 64)
@@ -121,8 +125,6 @@ def _p1(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _p2(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.ttft import run_ttft
-
     lengths = _ints(args.ttft_lengths) if args.ttft_lengths else ([64, 128, 256] if args.quick
                                                                   else [512, 1024, 2048, 4096, 7168])
     p2 = run_ttft(model, lengths, repeats, args.ttft_dtype, args.device)
@@ -138,8 +140,6 @@ def _p2(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _p3(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.memory import run_memory
-
     p3 = run_memory(model, 256 if args.quick else 2048, 4 if args.quick else 32, 16, args.ttft_dtype, args.device)
     return {"p3": {"ours": p3["all_rows"]["cartridge_bytes_held"], "reference": p3["cartridge_bytes"],
                    "ratio": p3["ratio"], "unit": "bytes", "goal": GOALS["p3"], "met": p3["ratio"] <= GOALS["p3"],
@@ -147,8 +147,6 @@ def _p3(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _p4(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.overhead import run_overhead
-
     # The wrapper's cost is what is measured, so the model is the tiny one and generations are short.
     # A call lasts a fraction of a second, so more repeats are cheap and steady the small difference.
     p4 = run_overhead(QUICK_MODEL, args.p4_prompts or (16 if args.quick else 256), 2, 2 * repeats + 1)
@@ -157,8 +155,6 @@ def _p4(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _peer(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.peer import run_peer
-
     name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     batches = _ints(args.peer_batches) if args.peer_batches else ([1, 2] if args.quick else [1, 8])
     return run_peer(name, model, batches, args.new_tokens or (8 if args.quick else 64), repeats, args.device,
@@ -166,15 +162,11 @@ def _peer(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.dp import run_dp
-
     return {"dp": run_dp(model, args.dp_prompts or (8 if args.quick else 64), args.new_tokens or (8 if args.quick
                          else 64), repeats, args.dp_replicas, args.device)}
 
 
 def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.soak import run_soak
-
     # robustness, not speed: the tiny model keeps 2,000 requests to minutes on a CPU
     soak_model = args.model or QUICK_MODEL
     soak = run_soak(soak_model, args.soak_requests or (200 if args.quick else 2000), args.soak_seconds,
@@ -183,8 +175,6 @@ def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _multiturn(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    from final.bench.multiturn import run_multiturn
-
     name = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     batches = _ints(args.mt_batches) if args.mt_batches else ([1, 2] if args.quick else [1, 8])
     return run_multiturn(name, model, batches, args.mt_turns or (3 if args.quick else 8),
@@ -239,8 +229,6 @@ def _table(res: dict) -> list[str]:
         for r in p["rows"]:
             lines.append(f"  {r['p']:>6} {r['ours_ms']:>10.1f} {r['reference_ms']:>10.1f} {r['ratio']:>7.1f}x")
     if "p3" in res:
-        from final.bench.memory import describe
-
         p = res["p3"]
         lines += ["", f"P3 memory (goal <= {p['goal']}x: {ok(p['met'])})", "  " + describe(p)]
     if "p4" in res:
@@ -257,21 +245,13 @@ def _sections(res: dict) -> list[str]:
     """The lines of the sections outside P1-P4 (each module describes its own)."""
     lines: list[str] = []
     if "peer" in res:
-        from final.bench.peer import describe as describe_peer
-
         lines += ["", "Peer: llama.cpp on the same weights, greedy, tok/s", *describe_peer(res["peer"])]
     if "dp" in res:
-        from final.bench.dp import describe as describe_dp
-
         lines += ["", f"DP data parallelism, greedy, tok/s ({res['dp']['note']})", "  " + describe_dp(res["dp"])]
     if "multiturn" in res:
-        from final.bench.multiturn import describe as describe_multiturn
-
         lines += ["", "Multi-turn tool loop: prefix cache vs none, HF generate, llama.cpp (wall time, TTFT by turn)",
                   *describe_multiturn(res["multiturn"])]
     if "soak" in res:
-        from final.bench.soak import describe as describe_soak
-
         s = res["soak"]
         lines += ["", f"Soak: final serve under mixed load (goals: 0 unexpected statuses, RSS drift < 5%, 0 cartridge "
                       f"references held, alive: {'met' if s['met'] else 'NOT met'})", "  " + describe_soak(s)]

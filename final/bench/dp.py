@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from final.bench.throughput import chat_prompts
 from final.bench.timing import side_by_side
+from final.pool import ReplicaPool
 
 
 def run_dp(model: str, prompts: int, new_tokens: int, repeats: int, replicas: int = 2,
            device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
 
-    from final.bench.throughput import chat_prompts
-    from final.pool import ReplicaPool
     from final.inf import InferenceEngine
 
     config = {"model_path": model, "progress": False,

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from final.bench.ttft import QUESTION, random_cartridge
+from final.cartridges.footprint import measure_sharing
 
 
 def run_memory(model_dir: str, cartridge_tokens: int, rows: int, new_tokens: int = 16, dtype: str = "auto",
                device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
 
-    from final.cartridges.footprint import measure_sharing
     from final.inf import local_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

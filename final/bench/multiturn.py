@@ -30,7 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from final.bench.peer import INSTALL, LlamaCpp, llama_cpp_weights
 from final.bench.timing import on_own_thread
+from final.engine import EmbeddedEngine
 
 TOOLS = [("get_weather", "Current weather for a city", {"city": "string", "unit": "string"}),
          ("search_web", "Search the web and return the top results", {"query": "string", "limit": "integer"}),
@@ -95,8 +97,6 @@ class Peer(abc.ABC):
 
 class Ours(Peer):
     def __init__(self, model_dir: str, cache: bool, max_len: int, rows: int):
-        from final.engine import EmbeddedEngine
-
         self.name = "ours, prefix cache" if cache else "ours, no cache"
         self.engine = EmbeddedEngine(model_dir, dtype="float32", prefix_cache=cache, max_model_len=max_len,
                                      max_running_requests=rows)
@@ -161,8 +161,6 @@ class LlamaCppSlots(Peer):
     name = "llama.cpp"
 
     def __init__(self, weights: Any, threads: int, rows: int, max_len: int, on: Callable[[Callable], Any]):
-        from final.bench.peer import LlamaCpp
-
         self.on = on  # runs a function on the thread that runs everything (the engine's, as the peer section)
         self.peer = on(lambda: LlamaCpp(weights, threads, rows, max_len))
         self.kept: list[list[int]] = [[] for _ in range(rows)]
@@ -200,8 +198,6 @@ def run_multiturn(model_name: str, model_dir: str, batches: list[int], turns: in
                   repeats: int, samples: int = 8, sample_prompt: int = 1024) -> dict:
     """The multiturn section: each batch size's table, and the n-samples row."""
     from transformers import AutoTokenizer
-
-    from final.bench.peer import INSTALL, llama_cpp_weights
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tail = tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
@@ -258,8 +254,6 @@ def _measure(peers: list[Peer], convs: list, generated: int, tail: list[int], re
 
 def run_samples(model_dir: str, tokenizer: Any, n: int, length: int, generated: int, repeats: int) -> dict:
     """n samples of one `length`-token prompt, with and without the cache (flushed before each run)."""
-    from final.engine import EmbeddedEngine
-
     rng = random.Random(1)
     prompt = (system_ids(tokenizer) + turn_ids(tokenizer, rng, length))[:length]
     params = {"max_new_tokens": generated, "temperature": 0.8, "seed": 1, "n": n, "ignore_eos": True}

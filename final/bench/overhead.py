@@ -9,11 +9,11 @@ difference divided by the number of prompts is the wrapper's cost per prompt.
 from __future__ import annotations
 
 from final.bench.timing import side_by_side
+from final.prompts import build_dataproto, normalize_prompts, tokenize
 
 
 def run_overhead(model: str, prompts: int, new_tokens: int, repeats: int) -> dict:
     from final.inf import InferenceEngine
-    from final.prompts import build_dataproto, normalize_prompts, tokenize
 
     config = {"model_path": model, "progress": False,
               "rollout": {"name": "local", "prompt_length": 128, "response_length": max(new_tokens, 1),

@@ -26,6 +26,10 @@ from typing import Any
 import numpy as np
 
 from final.bench.isolate import isolated
+from final.bench.throughput import chat_prompts
+from final.bench.timing import side_by_side
+from final.engine import EmbeddedEngine
+from final.models import cache_dir, smollm2_gguf_path
 
 INSTALL = ('pip install "final[bench]"  (llama-cpp-python, compiled from source: about 10 minutes on 2 cores; '
            'CMAKE_ARGS="-DGGML_NATIVE=ON" builds for this CPU)')
@@ -33,8 +37,6 @@ INSTALL = ('pip install "final[bench]"  (llama-cpp-python, compiled from source:
 
 def gguf_source(model_name: str) -> Path | None:
     """The GGUF a model was converted from, where it has one (None: the peer cannot be given the same weights)."""
-    from final.models import smollm2_gguf_path
-
     if model_name == "builtin:smollm2-135m-instruct":
         return smollm2_gguf_path()
     path = Path(model_name).expanduser()
@@ -44,8 +46,6 @@ def gguf_source(model_name: str) -> Path | None:
 def f32_gguf(src: Path) -> Path:
     """`src` with every tensor dequantized to F32 (metadata copied), built once into $FINAL_CACHE/gguf."""
     import gguf
-
-    from final.models import cache_dir
 
     out = cache_dir() / "gguf" / f"{src.stem}.F32.gguf"
     if out.exists():
@@ -225,8 +225,6 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
     import torch
     from transformers import AutoTokenizer
 
-    from final.bench.throughput import chat_prompts
-
     threads = torch.get_num_threads()
     src = gguf_source(model_name)
     modes = ["fp32"] + [m for m, on in (("int8", int8), ("bf16", bf16)) if on]
@@ -270,9 +268,6 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
              quantization: str | None) -> dict:
     """One row: our engine and llama.cpp, alternating on the engine thread (so one thread runs all the work)."""
     import statistics
-
-    from final.bench.timing import side_by_side
-    from final.engine import EmbeddedEngine
 
     B = len(prompts)
     # llama.cpp clears its context before each call, so ours keeps no prefix cache between the repeats either

@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from final.cartridges.format import CartridgeKV, save_cartridge
+from final.models import resolve_model_path
+from final.process_group import free_port
+
 GOALS = {"unexpected": 0, "rss_drift": 0.05, "cartridge_refs": 0}
 MIX = {"complete": 30, "chat_n": 15, "stream_full": 10, "stream_cut": 15, "bad": 15, "cartridge": 15, "weights": 3}
 UPDATES = ("tweak.safetensors", "base.safetensors")  # alternately: one layer perturbed, then the model's own
@@ -80,9 +84,6 @@ def _cartridge_files(model: str, folder: Path) -> tuple[list[str], int]:
     """Random cartridges of the model's shape (the soak tests serving them, not what they say)."""
     import torch
 
-    from final.cartridges.format import CartridgeKV, save_cartridge
-    from final.models import resolve_model_path
-
     cfg = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
     heads, layers = cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["num_hidden_layers"]
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -102,8 +103,6 @@ def _start(config: Path, folder: str, tries: int = 3) -> tuple[subprocess.Popen,
     """`final serve` on a free port; a port taken between the choice and the bind (another process under load)
     makes the server exit at once: then another port."""
     import httpx
-
-    from final.process_group import free_port
 
     for _ in range(tries):
         port = free_port()
@@ -234,8 +233,6 @@ def _weight_files(model: str, folder: Path) -> None:
     """The model's own weights (base) and a copy of one matrix perturbed (tweak): updates to and fro."""
     import torch
     from safetensors.torch import load_file, save_file
-
-    from final.models import resolve_model_path
 
     folder.mkdir()
     state: dict = {}

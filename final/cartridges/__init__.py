@@ -1,6 +1,6 @@
 """Cartridges: trained KV caches served as a prefilled prefix (format, manifest, sources, store, build, service).
 
-Names are imported on first use so that `final.distill.cli` (loaded by every `final` command) stays light.
+Names are imported on first use so that `final.cartridge_commands` (loaded by every `final` command) stays light.
 """
 
 import importlib

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from final.cartridges.format import CartridgeKV
@@ -21,6 +22,24 @@ from final.prompts import continuation_ids, document_ids  # noqa: F401 - re-expo
 
 DEFAULT_QUESTIONS = ("What is this document about?", "Summarize the document in one sentence.",
                      "List one specific fact stated in the document.")
+
+
+def read_utf8(path: Path, field: str) -> str:
+    """A text file a user hands in (a document, a question set, training rows), as UTF-8 with any line endings;
+    one that is not UTF-8 (a Latin-1 or UTF-16 export) is a CartridgeError naming the file, the byte and `field`,
+    not a UnicodeDecodeError traceback."""
+    try:
+        return path.read_text(encoding="utf-8-sig")  # Notepad's "UTF-8 with BOM": the mark is no text
+    except UnicodeDecodeError as exc:
+        raise CartridgeError(f"is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                             "(save it as UTF-8)", file=str(path), field=field) from None
+
+
+def read_document(path: Path, field: str = "text") -> str:
+    """The document a cartridge is built from (or trained for): an existing UTF-8 file (read_utf8)."""
+    if not path.is_file():
+        raise CartridgeError("text file does not exist", file=str(path), field=field)
+    return read_utf8(path, field)
 
 
 def build_from_text(engine: Any, ids: Sequence[int], num_frozen_tokens: int = 1) -> CartridgeKV:

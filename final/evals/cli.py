@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
+from final.cli import run_command
 from final.evals import gsm8k, verl_eval
 
 
@@ -23,8 +24,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from final.cli import run_command
-
     parser = argparse.ArgumentParser(prog="python -m final.evals.cli")
     sub = parser.add_subparsers(dest="eval_name", required=True)
     gsm8k.register(sub)

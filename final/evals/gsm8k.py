@@ -17,10 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from final.cli import add_replica_args, load_cartridges, open_engine
+from final.config import PACKAGE_TOOLS
 from final.errors import ConfigError
 from final.evals.runner import (CallableGenerator, EngineGenerator, Generator, add_constraint_flag, constraint_of,
                                 run_rows)
 from final.evals.verl_data import Row
+from final.evals.verl_reward import format_metrics, load_scorer, validation_metrics
 from final.tools.gsm8k_task import (DATA_SOURCE, TOOL_NAME, Problem, build_messages, load_problems,  # noqa: F401
                                     template_renders_tools)
 if TYPE_CHECKING:  # the CLI imports this module; veRL and torch load only when an eval runs
@@ -54,8 +57,6 @@ def evaluate(generate: Generate | Generator, problems: list[Problem], tool_schem
              tokenizer: Any = None) -> dict:
     """Run the problems in batches, score them, write one JSON line per problem, return the summary (with veRL's
     validation metrics under "metrics")."""
-    from final.evals.verl_reward import load_scorer, validation_metrics
-
     generator = CallableGenerator(generate) if callable(generate) else generate
     run = run_rows(problem_rows(problems, tool_schemas, renders_tools), generator, load_scorer(None), tokenizer,
                    multi_turn=bool(tool_schemas), batch_size=batch_size, out_path=out_path, extend=gsm8k_fields)
@@ -100,8 +101,6 @@ def format_table(summary: dict) -> str:
 # ---- command line: `final eval gsm8k ...` (final/evals/cli.py registers it) ---------------------------------------
 def register(subparsers: Any) -> None:
     """Add `gsm8k` to the subparsers of `final eval`."""
-    from final.cli import add_replica_args
-
     p = subparsers.add_parser("gsm8k", help="GSM8K accuracy (veRL's scorer), with or without calc_gsm8k_reward")
     p.add_argument("--config", default=None, help="config file (default: $FINAL_CONFIG, ./config.yaml, or the "
                                                  "package's): any backend")
@@ -131,8 +130,6 @@ def overrides_from_args(args: Any) -> dict:
     if args.response_length is not None:
         rollout["response_length"] = args.response_length
     if args.tools is not None:
-        from final.config import PACKAGE_TOOLS
-
         path = args.tools or ("tools.yaml" if Path("tools.yaml").exists() else str(PACKAGE_TOOLS))
         rollout["multi_turn"] = {"enable": True, "tool_config_path": path,
                                  # the tokenization sanity check only logs template diffs: skip its extra work
@@ -146,9 +143,6 @@ def overrides_from_args(args: Any) -> dict:
 
 
 def run_cli(args: Any) -> int:
-    from final.cli import load_cartridges, open_engine
-    from final.evals.verl_reward import format_metrics
-
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
     problems = load_problems(args.data, args.limit)

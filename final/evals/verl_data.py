@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from final.compat import chat_ids
 from final.errors import ConfigError, DataError, PromptError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -127,8 +128,6 @@ def render(rows: list[Row], tokenizer: Any, max_prompt_length: int, truncation: 
            filter_overlong: bool = False, chat_kwargs: dict | None = None, prompt_key: str = "prompt"
            ) -> tuple[list[Row], list[Row]]:
     """Each row's prompt ids as RLHFDataset computes them -> (kept rows, rows filter_overlong_prompts dropped)."""
-    from final.compat import chat_ids
-
     kwargs = dict(chat_kwargs or {})
     if kwargs.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError("the tokenizer has no chat template; set data.apply_chat_template_kwargs.chat_template",

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from final.cli import add_replica_args, load_cartridges
+from final.config import PACKAGE_TOOLS
 from final.errors import ConfigError, DataError
 from final.evals import verl_config
 from final.evals.runner import EngineGenerator, Run, add_constraint_flag, constraint_of, run_rows
 from final.evals.verl_data import Row, check_tools, load_rows, render
 from final.evals.verl_reward import check_sources, format_metrics, load_scorer, validation_metrics
+from final.pool import open_engine
+from final.tools.gsm8k_task import HERMES_TOOLS, template_renders_tools
 
 DEFAULT_OUT = "verl_eval.jsonl"
 
@@ -60,8 +64,6 @@ def load_settings(data: str | Sequence[str] | None = None, verl_config_path: str
 
 def default_tools() -> str:
     """./tools.yaml where it exists, else the tools.yaml shipped in the package."""
-    from final.config import PACKAGE_TOOLS
-
     return "tools.yaml" if Path("tools.yaml").exists() else str(PACKAGE_TOOLS)
 
 
@@ -112,8 +114,6 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
     check_sources(scorer, rows, settings.reward_fn_key)
     owned = engine is None
     if owned:
-        from final.pool import open_engine
-
         engine = open_engine(config, replicas=replicas, ray_address=ray_address, **engine_overrides(settings, model))
     try:
         return _evaluate(engine, settings, rows, scorer, tools_in_system=tools_in_system, cartridge=cartridge,
@@ -127,8 +127,6 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
 def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], scorer: Any, *,
               tools_in_system: bool, cartridge: Any, out: str | None, metrics_out: str | None, batch_size: int,
               seed: int | None, resume: bool, progress: bool, constraint: dict[str, Any]) -> VerlEval:
-    from final.cli import load_cartridges
-
     multi_turn = bool(engine.rollout_config.multi_turn.enable)
     if settings.tools_enabled and not multi_turn:
         raise ConfigError("the engine has no tool calling on (rollout.multi_turn.enable) for this tool config",
@@ -162,8 +160,6 @@ def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], 
 def describe_tools(rows: list[Row], tokenizer: Any, schemas: list[dict]) -> None:
     """--tools-in-system: each tool-offering row's system message gets its tools in the hermes format when the
     chat template ignores `tools` (the prompt `final eval gsm8k` and `final cartridge traces` build)."""
-    from final.tools.gsm8k_task import HERMES_TOOLS, template_renders_tools
-
     by_name = {s["function"]["name"]: s for s in schemas}
     if not by_name or template_renders_tools(tokenizer, schemas):
         return
@@ -220,8 +216,6 @@ def format_summary(summary: dict) -> str:
 
 # ---- command line: `final eval verl ...` (final/evals/cli.py registers it) ----------------------------------------
 def register(subparsers: Any) -> None:
-    from final.cli import add_replica_args
-
     p = subparsers.add_parser("verl", help="veRL's validation metrics on a veRL dataset (parquet), any backend")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="Hydra overrides of veRL's trainer config (ppo_trainer.yaml): data.max_response_length=256")

@@ -36,6 +36,7 @@ from final.admission import Admission
 from final.calls import off_loop, progress_bar, run_blocking, within_deadline
 from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
+from final.models import resolve_model_path
 from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
 from final.versions import PolicyVersions
@@ -360,7 +361,5 @@ def _cartridge_usage(engine: Any) -> dict | None:
 
 def _tokenizer(config: Any) -> Any:
     """The model's tokenizer, as InferenceEngine loads it (veRL's HFModelConfig)."""
-    from final.models import resolve_model_path
-
     model_config = config.model_config(resolve_model_path(config.model_path))
     return getattr(model_config.tokenizer, "tokenizer", model_config.tokenizer)

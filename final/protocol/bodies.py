@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from final.errors import ConfigError
+
 CartridgeSource = Literal["wandb", "local", "huggingface", "s3"]
 CartridgePositions = Literal["after_prefix", "from_zero"]
 
@@ -43,8 +45,6 @@ def check_cartridge_sources(value: Any, path: str | None = None, key: str = "car
     """`cartridge_sources` (and `final serve --cartridge-sources`): which sources HTTP requests may name, a list
     or comma-separated string of local, hf (huggingface), s3, wandb. Remote ones download with the server's own
     credentials, so they are off unless listed."""
-    from final.errors import ConfigError
-
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
         raise ConfigError(f"must be a list of sources (local, hf, s3, wandb), got {value!r}", key=key, path=path)

@@ -23,6 +23,7 @@ from final.errors import ToolConfigError, UnsupportedError
 from final.outputs import Completion
 from final.rollout.base import Backend, Observer
 from final.rollout.batch import assemble_batch, base_sampling_params, logprob_request, pad_token_id, plan_rows
+from final.rollout.multi_turn import MultiTurnRollout
 
 
 class EngineRollout(Backend):
@@ -49,8 +50,6 @@ class EngineRollout(Backend):
         self.sampling_params = base_sampling_params(config)
         self.multi_turn = None
         if config.multi_turn.enable:  # built now so a bad tools.yaml fails at start, not at the first request
-            from final.rollout.multi_turn import MultiTurnRollout
-
             if config.calculate_log_probs and not self.capabilities.prompt_logprobs:
                 raise ToolConfigError(f"multi-turn with calculate_log_probs scores each conversation's tokens, "
                                       f"which the {self.name} backend cannot (no prompt logprobs)",

@@ -12,6 +12,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, TypeVar
 
+from final.errors import EngineError
+
 T = TypeVar("T")
 
 
@@ -48,8 +50,6 @@ def run_until_complete(coro) -> Any:
     A thread with no (or a closed) current loop gets a fresh one; inside a running loop (a Jupyter cell) this
     raises a clear error instead of deadlocking — InferenceEngine avoids that case with its RolloutThread.
     """
-    from final.errors import EngineError
-
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from final.cli import add_lora_arg, add_replica_args
+from final.cli import add_lora_arg, add_replica_args, load_adapters, open_engine
 from final.sampling import Limits
 
 DEFAULT_PORT = 10210  # Tokasaurus' default
@@ -85,7 +85,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from final.cli import load_adapters, open_engine
     from final.server.app import create_app
     from final.server.limits import Drain, DrainingServer
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from final.errors import (BackendUnavailableError, CartridgeError, CartridgeSourceError, ConfigError, DeadlineError,
                           EngineError, FinalError, OverloadedError, PromptError, SamplingError, SequenceError,
                           UnsupportedError)
+from final.models import cache_dir
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop", "top_logprobs_num": "top_logprobs",
@@ -65,8 +66,6 @@ class Redactor:
     @classmethod
     def for_server(cls, cartridge_dir: Path | str | None, weights_dir: Path | str | None = None,
                    model_path: str | None = None) -> "Redactor":
-        from final.models import cache_dir
-
         home = os.path.expanduser("~")
         model = model_path if model_path and os.path.isabs(model_path) else None
         return cls([cartridge_dir, weights_dir], [model, cache_dir(), sys.prefix, os.getcwd(), home])

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from final.cartridges.sources import folder_file, sanitize_cartridge_id
 from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError
 from final.protocol.bodies import (Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest, CompletionsRequest,
                                    GenerateRequest)
@@ -259,8 +260,6 @@ def _local_under(folder: Path | None, name: str, field: str = "id") -> Path | No
     inside the folder too, so a symlink in it cannot lead out. A lookup the OS refuses (a folder on the way the
     server may not read; a symlink loop, which pathlib raises as RuntimeError) is the client's CartridgeError
     naming `field`, not a 500."""
-    from final.cartridges.sources import folder_file, sanitize_cartridge_id
-
     try:
         path = _under(folder, name)
         toka_name = sanitize_cartridge_id(name)  # slashes become '-': a long id may make a name no folder can have

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from final.engine.kernels import abi
+from final.models import cache_dir, locked
 
 SOURCE = Path(__file__).with_name("gemv.c")
 # what SOURCE includes (in the cache key too)
@@ -55,8 +56,6 @@ def flags(isa: str) -> list[str]:
 
 
 def library_path(cc: str, isa: str = "avx2") -> Path:
-    from final.models import cache_dir
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     text = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS)) + abi.header().encode()
     key = hashlib.sha256(text + " ".join(flags(isa)).encode() + version.encode()).hexdigest()[:16]
@@ -66,8 +65,6 @@ def library_path(cc: str, isa: str = "avx2") -> Path:
 def build(isa: str = "avx2", fresh: bool = False) -> Path:
     """The shared library for this source, instruction set and compiler: the cached one, else compiled under the
     key's lock. fresh: compile again even if one is cached (it could not be loaded or checked)."""
-    from final.models import locked
-
     cc = compiler()
     out = library_path(cc, isa)
     if out.exists() and not fresh:

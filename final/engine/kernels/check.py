@@ -11,15 +11,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from final.engine.kernels import abi
+from final.engine.kernels import PREP_GLU, PREP_NORM, abi, address, dequantize, quantize
 from final.engine.kernels.builds import KernelError
 
 
 def as_kind(w: torch.Tensor, kind: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """w fp32 [N, K] as the kernel takes it in `kind` (weight, int8 scale or None) and the fp32 weight it then
     multiplies by (the reference's)."""
-    from final.engine.kernels import dequantize, quantize
-
     if kind == torch.int8:
         q, scale = quantize(w)
         return q, scale, dequantize(q, scale)
@@ -31,8 +29,6 @@ def as_kind(w: torch.Tensor, kind: torch.dtype) -> tuple[torch.Tensor, torch.Ten
 def product_cases(kernel, g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Every prep and epilogue on odd shapes (tails of rows, of K and of row pairs) at 1 and 3 rows, and each
     weight kind with bias and residual: (name, kernel's, torch's)."""
-    from final.engine.kernels import PREP_GLU, PREP_NORM
-
     out = []
     for m in (1, 3):
         w, x = torch.randn(13, 37, generator=g), torch.randn(m, 74, generator=g)
@@ -154,8 +150,6 @@ def reference_step(case: DecodeCase, eps: float = 1e-6) -> tuple[torch.Tensor, l
 
 def run_step(kernel, case: DecodeCase, eps: float = 1e-6) -> torch.Tensor:
     """The same step on the kernel (case.caches written in place): logits [M, vocab]."""
-    from final.engine.kernels import address
-
     def addr(ref: dict, name: str) -> int:
         return address(ref[name])
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from final import compat, process_group as dist
 from final.errors import BackendUnavailableError, ConfigError, SamplingError, UnsupportedError
 from final.rollout.base import NO_OP, Capabilities
+from final.rollout.sglang.procs import survive_sigquit
 from final.sampling import CONSTRAINT_KEYS
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,6 @@ def require_sglang(device: str = "cuda") -> None:
 def preflight(engine_config: Any) -> None:
     """What InferenceEngine runs first when rollout.name resolves to sglang, on the caller's thread: the
     requirements check (before any model download) and SIGQUIT survival (only the main thread can set it)."""
-    from final.rollout.sglang.procs import survive_sigquit
-
     require_sglang(sglang_device(engine_config.rollout.get("engine_kwargs")))
     survive_sigquit()
 

@@ -30,6 +30,7 @@ from final.engine.grammar import GrammarCompiler
 from final.engine.messages import Submission
 from final.errors import EngineError, PromptError, SamplingError, UnsupportedError
 from final.models import model_eos_token_ids
+from final.rollout.sglang import scheduler
 from final.rollout.sglang.cartridges import SGLangCartridges, check_prefix_hit, flush_until_idle, shift_starts
 from final.rollout.sglang.config import check_sampling_key
 from final.rollout.sglang.procs import (POLL_S, ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
@@ -59,8 +60,6 @@ def check_sampling_params(params: dict, vocab_size: int) -> None:
 def engine_class() -> type:
     """sglang.Engine whose scheduler child adds final's cartridge RPCs (scheduler.py) before it serves."""
     from sglang.srt.entrypoints.engine import Engine  # `sglang.Engine` is a LazyImport, not a class to subclass
-
-    from final.rollout.sglang import scheduler
 
     class FinalEngine(Engine):
         run_scheduler_process_func = staticmethod(scheduler.run_scheduler_process)

@@ -42,9 +42,9 @@ def run_scheduler_process(server_args: Any, *args: Any, **kwargs: Any) -> None:
 
     install(scheduler.Scheduler)
     if server_args.grammar_backend == "final":  # 0.5.12 (rollout_0512.py): the embedded engine's constraints
-        from final.rollout.sglang import grammar_backend
+        from final.rollout.sglang.grammar_backend import register
 
-        grammar_backend.register()
+        register()
     if server_args.skip_tokenizer_init:  # 0.5.12's engine (rollout_0512.py) loads its tokenizer: nothing to lend
         install_stop_strings(schedule_batch.Req, StopStringDecoder(server_args))
     scheduler.run_scheduler_process(server_args, *args, **kwargs)
