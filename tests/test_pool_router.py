@@ -94,6 +94,15 @@ def test_only_what_one_replica_holds_beyond_the_others_counts():
     router.release(0, 1)
     ran(router, system + tokens(3000, 4), [1], free=[1])  # ... until both do
     assert [one_call(router, system + tokens(5000 + 100 * i, 4)) for i in range(4)] == [1, 0, 1, 0]  # by load
+    # a conversation after that system prompt: its own history pulls it back, though it is short next to the
+    # system prompt (what counts is what the other replica would have to compute)
+    router.release(0, 2)
+    router.release(1, 2)
+    history = system + tokens(8000, 30)
+    home = ran(router, history, tokens(9000, 8))
+    with router.lock:
+        router.take(home, 1)
+    assert one_call(router, history + tokens(9000, 8) + tokens(9500, 20)) == home
     # a short common stretch (under CACHE_THRESHOLD of the prompt) does not pull a prompt either
     router = pool_router()
     ran(router, tokens(0, 16) + tokens(100, 30), [1])

@@ -143,6 +143,16 @@ class ReplicaPool:
         return list(self._router.load)
 
     @property
+    def routing(self) -> str:
+        """"cache_aware" (a chunk goes to the replica holding its prompts' prefix unless that one is much busier)
+        or "least_loaded"; settable, for the calls that start after."""
+        return self._router.routing
+
+    @routing.setter
+    def routing(self, value: str) -> None:
+        self._router.routing = check_routing(value)
+
+    @property
     def max_restarts(self) -> int:
         """Restarts allowed per replica before it is dropped for good."""
         return self._replicas.max_restarts

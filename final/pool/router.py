@@ -13,9 +13,10 @@ keeps an approximate map instead, as SGLang's router (`cache_aware` policy) and 
 - Load: rows in flight per replica, over every call of the pool, counted from a chunk's send until its replica
   returns it (a chunk of a cancelled call counts until its replica finishes it).
 - Choice (SGLang's, with the load in rows): the replica holding the most of a chunk's prompt tokens takes it if
-  that is more than some other serving replica holds by at least one block and a CACHE_THRESHOLD share of them
-  (what every replica holds, a shared system prompt served on each, weighs nothing), unless it is much busier
-  than the least loaded replica: more than BALANCE_ABS_ROWS rows and BALANCE_REL times its rows. Otherwise the
+  it holds more than another serving replica by at least one block and a CACHE_THRESHOLD share of the tokens
+  that one would compute (what every replica holds, a shared system prompt served on each, weighs nothing),
+  unless it is much busier than the least loaded replica: more than BALANCE_ABS_ROWS rows and BALANCE_REL times
+  its rows. Otherwise the
   least loaded replica takes it (ties: the one that has served fewer rows, so unrelated prompts spread even one
   call at a time).
 
@@ -34,10 +35,12 @@ from final.pool.chunks import Chunk
 ROUTING = ("cache_aware", "least_loaded")
 BLOCK = 16  # tokens a block (the engine's prefix_cache.MIN_HIT: a shorter hit is not used)
 MAX_BLOCKS = 1 << 16  # blocks in the map (a few MB), over all replicas
-CACHE_THRESHOLD = 0.5  # share of a chunk's prompt tokens a replica must hold beyond the least loaded one's
-# A replica runs one chunk at a time, so a row sent to a busy one waits for what is ahead of it: the preferred
-# replica is given up sooner than in SGLang's router (32 requests, 1.1x), whose workers batch what they are sent.
-BALANCE_ABS_ROWS = 4
+CACHE_THRESHOLD = 0.5  # share of what the least prepared replica would compute that the preferred one holds
+# A replica runs one chunk at a time, so a row sent to a busy one waits for everything ahead of it, where a miss
+# costs only a prefill: the preferred replica is given up far sooner than in SGLang's router (32 requests and
+# 1.1x; 64 and 1.5x in later versions), whose workers batch what they are sent. It also keeps affinity from
+# locking in an uneven start (clients sharing a system prompt all pulled to the replica that ran it first).
+BALANCE_ABS_ROWS = 1
 BALANCE_REL = 1.5
 
 
@@ -178,16 +181,16 @@ class CallRoute:
         return picks
 
     def _affine(self, c: int, free: list[int], alive: list[int]) -> int | None:
-        """The free replica holding the most of chunk c's prompts, if that is enough more than some serving replica
-        holds and it is not much busier than the least loaded one."""
+        """The free replica holding the most of chunk c's prompts, if it holds enough more than another serving
+        replica and is not much busier than the least loaded one."""
         if self.hashes is None or not alive:
             return None
         gains, router = self._gain(c), self.router
         best = max(free, key=lambda r: (gains.get(r, 0), -router.load[r]))
-        chunk = self.chunks[c]
-        tokens = sum(len(self.ids[p]) for p in range(chunk.p0, chunk.p1))
-        extra = gains.get(best, 0) - min(gains.get(r, 0) for r in alive)
-        if extra < max(BLOCK, CACHE_THRESHOLD * tokens) or router.much_busier(best, router.least_loaded(alive)):
+        chunk, least_held = self.chunks[c], min(gains.get(r, 0) for r in alive)
+        new = sum(len(self.ids[p]) for p in range(chunk.p0, chunk.p1)) - least_held  # prefilled on the worst one
+        extra = gains.get(best, 0) - least_held
+        if extra < max(BLOCK, CACHE_THRESHOLD * new) or router.much_busier(best, router.least_loaded(alive)):
             return None
         return best
 
