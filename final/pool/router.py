@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Iterator
 
 from final.errors import ConfigError
+from final.outputs import GenerationOutput
 from final.pool.chunks import Chunk
+from final.pool.replicas import Replicas
+from final.request import Request
 
 ROUTING = ("cache_aware", "least_loaded")
 BLOCK = 16  # tokens a block (the engine's prefix_cache.MIN_HIT: a shorter hit is not used)
@@ -69,7 +72,7 @@ def _bits(mask: int) -> Iterator[int]:
 class Router:
     """One pool's load and prefix map (the module doc); shared by its calls, safe from any thread."""
 
-    def __init__(self, replicas: Any, routing: str = "cache_aware"):
+    def __init__(self, replicas: Replicas, routing: str = "cache_aware"):
         self.replicas, self.routing = replicas, check_routing(routing)
         size = len(replicas.actors)
         self.load = [0] * size  # rows in flight
@@ -78,7 +81,7 @@ class Router:
         self._blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> bit mask of the replicas that ran it
         self._generation = list(replicas.generation)  # the start of each replica the map describes
 
-    def call(self, request: Any, chunks: list[Chunk]) -> "CallRoute":
+    def call(self, request: Request, chunks: list[Chunk]) -> "CallRoute":
         """The routing of one call's chunks."""
         return CallRoute(self, request, chunks)
 
@@ -150,7 +153,7 @@ class Router:
 class CallRoute:
     """Where one call's chunks go: `assign` picks replicas for waiting chunks, `returned` records what ran."""
 
-    def __init__(self, router: Router, request: Any, chunks: list[Chunk]):
+    def __init__(self, router: Router, request: Request, chunks: list[Chunk]):
         self.router, self.chunks, self.ids = router, chunks, request.ids
         self._gains: dict[int, dict[int, int]] = {}  # chunk -> replica -> its prompt tokens that replica holds
         self.hashes: list[list[int]] | None = None
@@ -211,7 +214,7 @@ class CallRoute:
             for p in range(self.chunks[c].p0, self.chunks[c].p1):
                 self.router.remember(self.hashes[p], replica, generation)
 
-    def returned(self, c: int, replica: int, generation: int, out: Any) -> None:
+    def returned(self, c: int, replica: int, generation: int, out: GenerationOutput) -> None:
         """Chunk c came back from the replica: its rows' prompt + output are in that replica's cache now."""
         if self.hashes is None:
             return
