@@ -77,9 +77,11 @@ def test_eval_with_replicas_gives_the_same_answers(ray_cluster, tmp_path, capsys
 
 
 def rows(out) -> list[tuple]:
-    """A GenerationOutput's rows without the pool's own metadata key (which replica ran the row) and the weights
-    version (the shared pool's count of updates, test_weight_updates_reach_every_replica_under_one_version's)."""
-    return [(c, t, {k: v for k, v in m.items() if k not in ("replica", "weights_version")})
+    """A GenerationOutput's rows without the pool's own metadata key (which replica ran the row), the weights
+    version (the shared pool's count of updates, test_weight_updates_reach_every_replica_under_one_version's) and
+    cached_tokens (what that replica's prefix cache held: each replica has its own, and a prompt's samples split
+    over chunks share no prefill)."""
+    return [(c, t, {k: v for k, v in m.items() if k not in ("replica", "weights_version", "cached_tokens")})
             for c, t, m in zip(out.completions, out.token_ids, out.metadata)]
 
 
@@ -124,6 +126,51 @@ def test_scores_equal_one_engine(pool, tiny_inference):
         assert (a.prompt_ids, a.continuation_ids, a.is_greedy) == (b.prompt_ids, b.continuation_ids, b.is_greedy)
         assert a.prompt_logprobs[1:] + a.continuation_logprobs == \
             pytest.approx(b.prompt_logprobs[1:] + b.continuation_logprobs, abs=1e-5)  # batched differently
+
+
+def idle(pool) -> None:
+    """Wait until no replica has rows in flight: a row leaves its replica's count when the replica ends its call,
+    which Ray reports on its own thread (and chunks of a cancelled call run to their end)."""
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a measurement
+    while any(pool.load) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.load == [0, 0]
+
+
+def test_concurrent_one_prompt_calls_spread_over_the_replicas(pool, tiny_inference):
+    """`final serve` over a pool: each client's one-prompt call goes to the replica with the fewest rows in flight
+    over every call (they all went to replica 0 before), and each still gets its own rows."""
+    idle(pool)
+    prompts = [[20 + i, 300 + 7 * i, 1000 + 11 * i] for i in range(4)]  # unrelated: no prefix pulls them
+
+    async def clients():
+        return await asyncio.gather(*(pool.agenerate([p], temperature=0, max_tokens=6) for p in prompts))
+
+    outs = asyncio.run(clients())
+    assert {out.metadata[0]["replica"] for out in outs} == {0, 1}
+    for p, out in zip(prompts, outs):
+        assert rows(out) == rows(tiny_inference.generate([p], temperature=0, max_tokens=6))
+    idle(pool)
+
+
+def test_a_conversation_goes_back_to_the_replica_that_cached_it(pool):
+    """Each turn of a conversation sent as its own call goes to the replica whose prefix cache holds the turns
+    before it, which prefills only the new tokens; unrelated prompts still spread over both replicas."""
+    idle(pool)
+    prompt, served, cached = [20 + (37 * i) % 4000 for i in range(34)], [], []
+    for turn in range(3):  # 34 -> 48 -> 62 prompt tokens (prompt_length 64)
+        out = pool.generate([prompt], temperature=0, max_tokens=8)
+        served.append(out.metadata[0]["replica"])
+        cached.append(out.metadata[0]["cached_tokens"])
+        prompt = prompt + out.token_ids[0] + [4100 + turn] * (14 - len(out.token_ids[0]))  # the answer, a new turn
+    assert len(set(served)) == 1, served
+    assert all(c >= 34 for c in cached[1:]), cached  # at least the first turn's prompt came from the cache
+
+    async def unrelated():
+        return await asyncio.gather(*(pool.agenerate([[50 + i, 2000 + i, 3000 + i]], max_tokens=2) for i in range(2)))
+
+    assert {out.metadata[0]["replica"] for out in asyncio.run(unrelated())} == {0, 1}
+    idle(pool)
 
 
 def test_constrained_rows_validate_on_every_replica(pool, tiny_inference):

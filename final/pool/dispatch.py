@@ -1,33 +1,33 @@
-"""The work queue of one pool call: chunks handed to whichever serving replica is free, a dead replica's chunk put
-back in front once (final.pool's module doc)."""
+"""The work queue of one pool call: chunks handed to the replicas free of this call's work, each to the one its
+route picks (final.pool.router: the replica holding its prefix, else the least loaded over every call), a dead
+replica's chunk put back in front once (final.pool's module doc)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any
 
 from final.errors import ReplicaError
 from final.pool.chunks import Chunk
 from final.pool.replica import deaths, raise_cause
 from final.pool.replicas import Replicas
+from final.pool.router import CallRoute
 
 
-async def dispatch(replicas: Replicas, chunks: list[Chunk], args_for: Any, bar: Any) -> dict[int, tuple[int, Any]]:
+async def dispatch(replicas: Replicas, route: CallRoute, chunks: list[Chunk], args_for: Any,
+                   bar: Any) -> dict[int, tuple[int, Any]]:
     """Run every chunk once: chunk index -> (replica, its output). Each serving replica without a chunk of this call
-    takes the next one; with nothing running, the call waits for a replica being restarted."""
-    queue = deque(range(len(chunks)))
+    may take one (route.assign says which); with nothing running, the call waits for a replica being restarted."""
+    waiting = list(range(len(chunks)))
     lost: dict[int, list[tuple[int, str]]] = {}  # chunk -> replicas that died running it, and why
     running: dict[asyncio.Future, tuple[int, int, int]] = {}  # -> (replica, its generation, chunk)
     done: dict[int, tuple[int, Any]] = {}
     try:
-        while queue or running:
+        while waiting or running:
             busy = {r for r, _, _ in running.values()}
-            for r in (r for r in replicas.alive if r not in busy):
-                if not queue:
-                    break
-                c = queue.popleft()
-                fut, gen = _submit(replicas, r, "run", args_for(chunks[c]))
+            for c, r in route.assign(waiting, [r for r in replicas.alive if r not in busy]):
+                waiting.remove(c)
+                fut, gen = _submit(replicas, route, r, len(chunks[c].rows()), args_for(chunks[c]))
                 running[fut] = (r, gen, c)
             restarts = {asyncio.wrap_future(f) for f in replicas.restarting.values()}
             if not running and not restarts:
@@ -38,6 +38,7 @@ async def dispatch(replicas: Replicas, chunks: list[Chunk], args_for: Any, bar: 
                 why = _death(replicas, fut, r, gen)
                 if why is None:
                     done[c] = (r, fut.result())
+                    route.returned(c, r, gen, done[c][1])
                     if bar is not None:
                         bar.update(len(chunks[c].rows()))
                     continue
@@ -46,7 +47,7 @@ async def dispatch(replicas: Replicas, chunks: list[Chunk], args_for: Any, bar: 
                     rows = chunks[c].rows()
                     raise ReplicaError(f"rows {rows[0]}..{rows[-1]} (prompt, sample) were lost twice: the replicas "
                                        "running them died", dict(lost[c]))
-                queue.appendleft(c)
+                waiting.insert(0, c)
     finally:
         for fut in running:  # an error or a cancelled call: drop what is still out (replicas finish it)
             fut.cancel()
@@ -67,6 +68,14 @@ def _death(replicas: Replicas, fut: asyncio.Future, replica: int, generation: in
     return None
 
 
-def _submit(replicas: Replicas, replica: int, method: str, *args: Any) -> tuple[asyncio.Future, int]:
+def _submit(replicas: Replicas, route: CallRoute, replica: int, rows: int, request: Any) -> tuple[asyncio.Future, int]:
+    """Send a chunk's request to the replica. Its rows stay the replica's load until the replica ends the call (a
+    result, an error or its death), even if this call stops waiting for it first."""
     actor, generation = replicas.handle(replica)
-    return asyncio.wrap_future(getattr(actor, method).remote(*args).future()), generation
+    try:
+        ref = actor.run.remote(request)
+    except BaseException:
+        route.router.release(replica, rows)
+        raise
+    ref.future().add_done_callback(lambda _: route.router.release(replica, rows))
+    return asyncio.wrap_future(ref.future()), generation

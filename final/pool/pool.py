@@ -7,13 +7,15 @@
   has GPUs, CPUs otherwise). A call is prepared here once, exactly as one InferenceEngine prepares it (typed
   errors name the caller's prompt indices; the same prepare/run/astream API, so `final serve` and evals take a pool
   as they take an engine), cut into chunks of whole prompts (or of one prompt's samples when n is large), and the
-  chunks are handed out as a work queue: a replica that finishes early takes the next one. Rows come back as one
-  GenerationOutput in the caller's order.
+  chunks are handed out as a work queue: each replica free of the call's work takes one, a replica that finishes
+  early takes the next. Which chunk goes where (router.py): to the replica whose prefix cache holds its prompts'
+  prefix (a conversation's earlier turns) unless that one is much busier, else to the replica with the fewest
+  rows in flight over every call of the pool. Rows come back as one GenerationOutput in the caller's order.
 - Seeds: InferenceEngine gives row i of a call seed+i (final.sampling.row_seed, on the batch and multi-turn
   paths). A chunk whose first row is global row r is sent with seed+r, so every row samples with the seed it has
   on one engine.
-- Cartridges are loaded on every replica: any row can then run anywhere, so load sharing and retries need no
-  routing, at the cost of one copy per replica (small next to the model).
+- Cartridges are loaded on every replica: any row can then run anywhere, so load sharing and retries do not
+  depend on where a cartridge is, at the cost of one copy per replica (small next to the model).
 - A replica that dies (killed, crashed, out of memory) is restarted in the background (up to max_restarts times,
   then dropped for good) and brought to the pool's weights and cartridges before it takes rows (replicas.py).
   Its unfinished chunk goes back to the front of the queue, once: a chunk whose second replica dies too fails the
@@ -41,13 +43,14 @@ from final.outputs import Completion, GenerationOutput, Score
 from final.request import CallRules, Request, prepare, prepare_score
 from final.versions import PolicyVersions
 from final.weights import named_tensors
-from final.pool.chunks import Chunk, assemble, plan_chunks
+from final.pool.chunks import assemble, plan_chunks
 from final.pool.dispatch import dispatch
 from final.pool.replica import (acquire_ray, config_dict, forget_pool, release_ray, replica_spec, start_replicas,
                                 stop_actors, watch_pool)
 from final.pool.replicas import Replicas
+from final.pool.router import Router, check_routing
 
-POOL_OPTIONS = ("num_gpus", "num_cpus", "runtime_env", "chunk_rows", "start_timeout_s", "max_restarts")
+POOL_OPTIONS = ("num_gpus", "num_cpus", "runtime_env", "chunk_rows", "start_timeout_s", "max_restarts", "routing")
 
 def open_engine(config: str | Path | dict | None = None, *, replicas: int | None = None,
                 ray_address: str | None = None, **overrides: Any):
@@ -73,15 +76,18 @@ class ReplicaPool:
     def __init__(self, config: str | Path | dict | None = None, *, replicas: int | None = None,
                  ray_address: str | None = None, num_gpus: float | None = None, num_cpus: float | None = None,
                  runtime_env: dict | None = None, chunk_rows: int | None = None, start_timeout_s: float = 600.0,
-                 max_restarts: int = 3, **overrides: Any):
+                 max_restarts: int = 3, routing: str = "cache_aware", **overrides: Any):
         """num_gpus / num_cpus per replica default to one GPU when the cluster has GPUs, else an equal share of
         its CPUs; runtime_env is Ray's (e.g. a working_dir for a multi-node cluster); chunk_rows overrides the
         chunk size (rows per generate call on a replica); max_restarts: how often each replica is restarted after
-        its process died before it is dropped for good (0: never)."""
+        its process died before it is dropped for good (0: never); routing: "cache_aware" (a chunk goes to the
+        replica holding its prompts' prefix unless that one is much busier, else to the least loaded) or
+        "least_loaded" (final.pool.router)."""
         self.config = load_config(config, overrides)  # a bad config fails here, before Ray starts
         self.replicas = check_replicas(self.config.replicas if replicas is None else replicas)
         address = check_ray_address(self.config.ray_address if ray_address is None else ray_address)
         self.chunk_rows = chunk_rows
+        routing = check_routing(routing)
         self._closed = False
         self._admission = Admission(self.config.limits.max_queued_rows)
         self._versions = PolicyVersions()  # one version for every replica: no call sees two
@@ -93,6 +99,7 @@ class ReplicaPool:
         except BaseException:
             release_ray(self._owns_ray)
             raise
+        self._router = Router(self._replicas, routing)
         watch_pool(self)
         try:  # calls are prepared here, exactly as one InferenceEngine prepares them, then run on the replicas
             facts = self.call(lambda engine: engine.facts(), replica=0)
@@ -130,6 +137,21 @@ class ReplicaPool:
     def restarts(self) -> list[int]:
         """How many times each replica has been restarted after its process died."""
         return list(self._replicas.restarts)
+
+    @property
+    def load(self) -> list[int]:
+        """Rows in flight per replica, over every call: sent and not yet returned (final.pool.router)."""
+        return list(self._router.load)
+
+    @property
+    def routing(self) -> str:
+        """"cache_aware" (a chunk goes to the replica holding its prompts' prefix unless that one is much busier)
+        or "least_loaded"; settable, for the calls that start after."""
+        return self._router.routing
+
+    @routing.setter
+    def routing(self, value: str) -> None:
+        self._router.routing = check_routing(value)
 
     @property
     def max_restarts(self) -> int:
@@ -186,7 +208,8 @@ class ReplicaPool:
         return run_blocking(self.arun(request))
 
     async def arun(self, request: Request) -> GenerationOutput:
-        """Run a prepared request: its chunks go to whichever replica is free (see the module doc)."""
+        """Run a prepared request: its chunks go to the replicas free of it, each to the one holding its prefix or
+        else the least loaded (see the module doc)."""
         self._require_open()
         if not self.alive and not self._replicas.restarting:
             raise self._replicas.none_left()
@@ -202,7 +225,8 @@ class ReplicaPool:
         chunks = plan_chunks(len(request.ids), n, len(self.alive), self.rollout_config.max_num_seqs, self.chunk_rows)
         bar = progress_bar(request.rows) if request.show_progress else None
         try:
-            done = await self._dispatch(chunks, lambda c: request.part(c.p0, c.p1, c.s0, c.k), bar)
+            done = await dispatch(self._replicas, self._router.call(request, chunks), chunks,
+                                  lambda c: request.part(c.p0, c.p1, c.s0, c.k), bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -258,6 +282,7 @@ class ReplicaPool:
         with self._replicas.lock:
             results = self._on_all_or_raise("unload_cartridge", cartridge_id)
             self._replicas.unloaded(cartridge_id)
+        self._router.forget()  # what the replicas cached behind it is gone
         if self._cartridges is not None and cartridge_id in self._cartridges:
             self._cartridges.remove(cartridge_id)
         return any(results.values())
@@ -293,6 +318,7 @@ class ReplicaPool:
             ref = ray.put(named)
             self._on_all_or_raise("update_weights", ref, keep_cartridges)
             self._replicas.updated(ref, [name for name, _ in named], keep_cartridges)  # what a restart replays
+            self._router.forget()  # each replica emptied its prefix cache
         return version
 
     async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
@@ -316,6 +342,8 @@ class ReplicaPool:
         self._require_open()
         with self._versions.exclusive():
             self._on_all_or_raise("sleep", release)
+            if release:
+                self._router.forget()  # release() frees each replica's prefix cache
 
     def shutdown(self) -> None:
         """Stop every replica (its engine first, then its process) and the Ray this pool started, if any."""
@@ -335,9 +363,6 @@ class ReplicaPool:
         self.shutdown()
 
     # ---- internals -----------------------------------------------------------------------------------
-    async def _dispatch(self, chunks: list[Chunk], args_for: Any, bar: Any) -> dict[int, tuple[int, Any]]:
-        return await dispatch(self._replicas, chunks, args_for, bar)
-
     def _on_all(self, method: str, *args: Any, only: list[int] | None = None) -> dict[int, Any]:
         """Run a method on every serving replica (or those in `only`): replica -> result or its exception."""
         return self._replicas.on_all(method, *args, only=only)
