@@ -45,7 +45,14 @@ class LocalRollout(EngineRollout):
             prefix_cache_bytes=local.get("prefix_cache_mb", DEFAULT_PREFIX_CACHE_BYTES >> 20) << 20,
         )
         super().__init__(config, model_config, engine, device_mesh, own_engine=own)
-        self.merged = MergedAdapter(LiveBase(self.engine.current_weights))  # a trainer's adapter (veRL's LoRA)
+        self._merged: MergedAdapter | None = None
+
+    @property
+    def merged(self) -> MergedAdapter:
+        """A trainer's adapter (veRL's LoRA) over the engine's live weights, made at the first update."""
+        if self._merged is None:
+            self._merged = MergedAdapter(LiveBase(self.engine.current_weights))
+        return self._merged
 
     @property
     def cartridge_target(self) -> CartridgeTarget:

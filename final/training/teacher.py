@@ -55,15 +55,16 @@ class ChunkContext:
     def teacher_scores(self, prompts: list[list[int]], answers: list[list[int]],
                        k: int) -> list[tuple[list[Any], list[float]]]:
         """Per row, for the tokens 1.. of prompt + answer: the teacher's top-k at the position predicting each,
-        and its logprob of the token itself (one prefill per row, nothing generated)."""
+        and its logprob of the token itself (one prefill per row, nothing generated). The answer is scored as
+        part of the prompt, so it is bounded by the prompt budget, not by rollout.response_length."""
+        rows = [p + a for p, a in zip(prompts, answers)]
         if self.loaded:
-            scores = self.inference.score(prompts, answers, top_logprobs=k, cartridge=self.cid)
+            scores = self.inference.score(rows, [None] * len(rows), top_logprobs=k, cartridge=self.cid)
             skip = 1
         else:
-            scores = self.inference.score([self.head + p for p in prompts], answers, top_logprobs=k)
+            scores = self.inference.score([self.head + r for r in rows], [None] * len(rows), top_logprobs=k)
             skip = len(self.head) + 1
-        return [(s.prompt_top_logprobs[skip:] + s.continuation_top_logprobs,
-                 s.prompt_logprobs[skip:] + s.continuation_logprobs) for s in scores]
+        return [(s.prompt_top_logprobs[skip:], s.prompt_logprobs[skip:]) for s in scores]
 
     def __exit__(self, *exc: Any) -> None:
         if self.loaded:
