@@ -18,7 +18,7 @@ from final.weights import check_update, named_tensors
 
 class LocalRollout(EngineRollout):
     name = "local"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True)
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, engine: EmbeddedEngine | None = None):
         local = (config.engine_kwargs or {}).get("local") or {}

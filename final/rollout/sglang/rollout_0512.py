@@ -75,7 +75,7 @@ def server_args(config: Any, device: str) -> dict:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True)
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:

@@ -1,0 +1,61 @@
+"""tool_choice and response_format -> the constraint sampling keys (SGLang's names, served by the grammar backend):
+`structural_tag` for tool calls in the model's own format, `json_schema` for JSON answers.
+
+A call constraint is xgrammar's `triggered_tags` structural tag (SGLang's `get_structure_constraint`, xgrammar's
+builtin tags for llama / qwen_3): text is free until the model writes the format's trigger (`<tool_call>`,
+`<|python_tag|>`, `[TOOL_CALLS]`), then one of the offered tools' tags is enforced, its arguments held to the tool's
+JSON schema (`{"type": "object"}` where the tool declares `strict: false` or no parameters).
+  tool_choice "required"  every tool's tag, at least one call
+  tool_choice {function}  that tool's tag only, at least one call, stopping after it
+  tool_choice "auto"      constrained only when a tool says `strict: true` (SGLang's rule); no call is required
+  tool_choice "none"      nothing
+parallel_tool_calls false stops after the first call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# (begin prefix before the name, between the name and the arguments, end, trigger) per family
+_TAGS = {
+    "hermes": ('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>"),
+    "qwen25": ('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>"),
+    "llama3": ('<|python_tag|>{"name": "', '", "parameters": ', "}", "<|python_tag|>"),
+    "mistral": ('[TOOL_CALLS] [{"name": "', '", "arguments": ', "}]", "[TOOL_CALLS]"),
+}
+ANY_OBJECT = {"type": "object"}
+
+
+def tool_constraint(family: str, tools: list[dict], choice: Any, parallel: bool) -> dict[str, Any]:
+    """The sampling keys that hold a call to `choice` ({} where nothing is constrained)."""
+    if choice == "none" or not tools:
+        return {}
+    if choice == "auto" and not any(t["function"].get("strict") is True for t in tools):
+        return {}
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    offered = [t for t in tools if named is None or t["function"]["name"] == named]
+    prefix, middle, end, trigger = _TAGS[family]
+    tags = [{"type": "tag", "begin": f"{prefix}{t['function']['name']}{middle}",
+             "content": {"type": "json_schema", "json_schema": _arguments_schema(t["function"])}, "end": end}
+            for t in offered]
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": choice != "auto",
+        "stop_after_first": named is not None or not parallel}}
+    return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
+
+
+def _arguments_schema(function: dict) -> dict:
+    if function.get("strict") is False or not function.get("parameters"):
+        return ANY_OBJECT
+    return function["parameters"]
+
+
+def response_constraint(response_format: dict | None) -> dict[str, Any]:
+    """response_format (checked by final.tools.spec.check_response_format) -> {"json_schema": ...} or {}."""
+    if response_format is None or response_format["type"] == "text":
+        return {}
+    if response_format["type"] == "json_object":
+        return {"json_schema": json.dumps(ANY_OBJECT)}
+    schema = response_format["json_schema"].get("schema") or ANY_OBJECT
+    return {"json_schema": json.dumps(schema, ensure_ascii=False)}
