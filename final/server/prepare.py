@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError
+from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError, UnsupportedError
 from final.protocol.bodies import (IGNORED, UNSERVED, Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest,
                                    CompletionsRequest, GenerateRequest)
 from final.protocol.cartridge_spec import MAX_PART_BYTES, REQUEST_CARTRIDGE_KEYS, check_cartridge_spec, shown
@@ -100,9 +100,9 @@ def _unserved_and_ignored(req: ChatCompletionRequest) -> None:
     nothing here (store, service_tier, ...): accepted, and logged once per field, as vLLM logs ignored fields."""
     for field, instead in UNSERVED.items():
         if getattr(req, field, None) is not None:
-            raise SamplingError(f"is not served ({instead})", field)
+            raise UnsupportedError("final serve", field, f"is not served ({instead})")
     if req.modalities is not None and req.modalities != ["text"]:
-        raise SamplingError(f"only ['text'] is served, got {req.modalities!r:.80}", "modalities")
+        raise UnsupportedError("final serve", "modalities", f"only ['text'] is served, got {req.modalities!r:.80}")
     for field in IGNORED:
         if getattr(req, field, None) is not None and field not in _ignored_logged:
             _ignored_logged.add(field)
