@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from final.errors import FinalError
+from final.errors import AdapterError, FinalError
 
 if TYPE_CHECKING:
     from final.inf import InferenceEngine
@@ -76,11 +76,51 @@ def load_cartridges(engine: "InferenceEngine", names: list[str] | None) -> list[
     return list(names) if names else None
 
 
+def add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                   help="serve the PEFT LoRA adapter folder DIR under NAME (DIR alone: its folder's name); repeat "
+                        "for several")
+
+
+def lora_specs(specs: list[str] | None) -> list[tuple[str, str]]:
+    """--lora values as (name, folder): NAME=DIR, or DIR alone (named after its folder)."""
+    from final.adapters import adapter_name
+
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        out.append((adapter_name(path, name), path) if sep else (adapter_name(spec), spec))
+    return out
+
+
+def load_adapters(engine: "InferenceEngine", specs: list[str] | None) -> list[str]:
+    """A command's --lora NAME=DIR values loaded into the engine (one engine: not with --replicas); their names."""
+    from final.inf import InferenceEngine
+
+    if specs and not isinstance(engine, InferenceEngine):
+        raise AdapterError("adapters are served by one engine: drop --replicas / --ray-address", field="--lora")
+    return [engine.load_adapter(path, name=name) for name, path in lora_specs(specs)]
+
+
+def _generation_adapter(args: argparse.Namespace) -> str | None:
+    """generate's adapter: --adapter NAME ('base': none), else the one --lora names (several: --adapter says
+    which), checked before any model loads."""
+    names = [name for name, _ in lora_specs(args.lora)]
+    if args.adapter is not None:
+        return None if args.adapter == "base" else args.adapter
+    if len(names) > 1:
+        raise AdapterError(f"{len(names)} adapters given ({', '.join(names)}): say which with --adapter NAME",
+                           field="--adapter")
+    return names[0] if names else None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"model_path": args.model} if args.model else {}
+    adapter = _generation_adapter(args)
     with open_engine(args, **overrides) as engine:
+        load_adapters(engine, args.lora)
         out = engine.generate(args.prompt, raw=args.raw, n=args.n, cartridge=load_cartridges(engine, args.cartridge),
-                              progress=False, **sampling_from_args(args))
+                              progress=False, **({"adapter": adapter} if adapter else {}), **sampling_from_args(args))
     if args.json:
         print(json.dumps({"completions": out.completions, "metadata": out.metadata}))
     else:
@@ -103,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text (no chat template)")
     gen.add_argument("--cartridge", action="append", help="cartridge id or .pt/.safetensors file (repeat to compose)")
     gen.add_argument("--json", action="store_true", help="print JSON with metadata")
+    add_lora_arg(gen)
+    gen.add_argument("--adapter", default=None, metavar="NAME",
+                     help="the adapter to generate with (default: the one --lora loaded; 'base' for none)")
     gen.set_defaults(func=_cmd_generate)
     import importlib
 

@@ -158,6 +158,20 @@ class ReplicaError(EngineError):
         super().__init__(f"{message} ({why})" if why else message)
 
 
+class AdapterError(FinalError, ValueError):
+    """A LoRA adapter cannot be served: a folder without a PEFT adapter in it, a config it cannot apply (DoRA,
+    biases, an embedding target...), or a name no loaded adapter has. `field` names the config key or the request
+    field (`adapter`, `model`), `path` the adapter's folder. A wrong tensor is a WeightsError naming the tensor."""
+
+    def __init__(self, message: str, field: str | None = None, path: str | None = None):
+        self.field = field
+        self.path = path
+        where = [f"adapter {path}"] if path else []
+        if field:
+            where.append(f"field '{field}'")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
 class WeightsError(FinalError, ValueError):
     """A weight update is wrong: an unknown parameter name, a wrong shape or dtype, a NaN/Inf, an unreadable
     file. `parameter` names the offending parameter (None: the update as a whole). Raised before any tensor is

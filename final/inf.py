@@ -18,6 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from final.adapters import adapter_name
 from final.admission import Admission
 from final.calls import CallObserver, aholding, holding, loop_running, off_loop, until_deadline, within_deadline
 from final.config import EngineConfig, load_config
@@ -88,13 +89,15 @@ class InferenceEngine:
                  **options: Any) -> GenerationOutput:
         """Generate for a str, list[str], a message list, a list of message lists, or token ids.
 
-        options: prepare()'s (cartridge, tools_kwargs, raw, progress; tools, tool_choice, parallel_tool_calls,
-        response_format, chat_template_kwargs, max_turns) and the sampling keys (seed 003 plus ours): temperature,
-        top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop, stop_token_ids, ignore_eos, logprobs,
-        presence/frequency/repetition_penalty, min_new_tokens; top_logprobs=k (metadata "top_logprobs": the k most
-        likely (token id, logprob) at each generated token) and prompt_logprobs=True (metadata "prompt_logprobs":
-        every prompt token's; max_tokens may then be 0). With tools, `GenerationOutput.tool_calls` has each row's
-        calls (its completion is the text before them); with max_turns the calls run and the conversation goes on.
+        options: prepare()'s (cartridge, tools_kwargs, raw, progress, adapter; tools, tool_choice,
+        parallel_tool_calls, response_format, chat_template_kwargs, max_turns) and the sampling keys (seed 003 plus
+        ours): temperature, top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop, stop_token_ids, ignore_eos,
+        logprobs, presence/frequency/repetition_penalty, min_new_tokens; top_logprobs=k (metadata "top_logprobs": the
+        k most likely (token id, logprob) at each generated token) and prompt_logprobs=True (metadata
+        "prompt_logprobs": every prompt token's; max_tokens may then be 0); the constraint keys json_schema, regex,
+        ebnf, structural_tag. adapter=NAME (or one name or None per prompt): a LoRA adapter from load_adapter. With
+        tools, `GenerationOutput.tool_calls` has each row's calls (its completion is the text before them); with
+        max_turns the calls run and the conversation goes on.
         on_event sees each tool call and result of a multi-turn call as it happens."""
         return self.run(self.prepare(prompts, **options), on_event=on_event)
 
@@ -131,7 +134,7 @@ class InferenceEngine:
                              cartridge=cartridge, chat=template_call(chat_template_kwargs))
 
     def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                progress: bool | None = None, tools: Any = None, tool_choice: Any = None,
+                progress: bool | None = None, adapter: Any = None, tools: Any = None, tool_choice: Any = None,
                 parallel_tool_calls: bool | None = None, response_format: dict | None = None,
                 chat_template_kwargs: dict | None = None, max_turns: int | None = None, **sampling: Any) -> Request:
         """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both).
@@ -145,7 +148,7 @@ class InferenceEngine:
         {"type": "json_schema", "json_schema": {"name", "schema"}}. chat_template_kwargs: template variables."""
         self._require_open()
         return prepare_call(prompts, self.rules, Reading.of(self.config), sampling=sampling, raw=raw,
-                            cartridge=cartridge, tools_kwargs=tools_kwargs, progress=progress,
+                            cartridge=cartridge, tools_kwargs=tools_kwargs, progress=progress, adapter=adapter,
                             chat={"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
                                   "response_format": response_format, "chat_template_kwargs": chat_template_kwargs,
                                   "max_turns": max_turns})
@@ -157,7 +160,7 @@ class InferenceEngine:
         return CallRules(self.tokenizer, rollout.prompt_length, rollout.response_length, self.config.limits,
                          self.backend, self.capabilities,
                          self.tool_names() if rollout.multi_turn.enable else None, self.cartridge_ids,
-                         self._known_cartridges, self.config.progress, PROGRESS_MIN_ROWS)
+                         self._known_cartridges, self.config.progress, PROGRESS_MIN_ROWS, self.adapter_names)
 
     def run(self, request: Request, *, on_event: Callable[[dict], None] | None = None) -> GenerationOutput:
         """Run a prepared request and wait. Raises OverloadedError when limits.max_queued_rows are taken, and
@@ -230,22 +233,38 @@ class InferenceEngine:
         return self._require_cartridges().unload(cartridge_id)
 
     # ---- weights (RL: the policy a trainer updates) -------------------------------------------------------------
-    def update_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+    def update_weights(self, weights: Any, *, keep_cartridges: bool = False, peft_config: Any = None) -> int:
         """Serve new weights; returns the new weights_version.
 
         weights: an nn.Module (its state dict), a state dict, an iterable of (HF parameter name, tensor) -
         veRL's generator, consumed whole first - or a path to an HF folder / .safetensors file. A subset of the
-        parameters is a valid update. The whole update is checked before any tensor is written (WeightsError
+        parameters is a valid update; a LoRA adapter (PEFT folder, PeftModel, or lora tensors + peft_config) is
+        merged into its kept base (final.adapters.merge). The whole update is checked before any write (WeightsError
         names the parameter: unknown, wrong shape, not float, NaN/Inf); the old weights then keep serving.
         Calls in flight finish on the old weights first; calls made meanwhile wait and run on the new ones.
         Loaded cartridges were made for the old weights: they are unloaded, and requests naming them are refused
         until they are loaded again; keep_cartridges=True keeps serving them (stale). A released engine resumes."""
         self._require_open()
-        return self._weights.update(weights, keep_cartridges=keep_cartridges)
+        return self._weights.update(weights, keep_cartridges=keep_cartridges, peft_config=peft_config)
 
-    async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+    async def aupdate_weights(self, weights: Any, *, keep_cartridges: bool = False, peft_config: Any = None) -> int:
         """update_weights() from an event loop (a server): the wait and the write run on a worker thread."""
-        return await off_loop(self.update_weights, weights, keep_cartridges=keep_cartridges)
+        return await off_loop(self.update_weights, weights, keep_cartridges=keep_cartridges, peft_config=peft_config)
+
+    def load_adapter(self, path: str | Path, name: str | None = None) -> str:
+        """Serve a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to calls naming it
+        (generate(adapter=name), `final serve`'s `model`); name: default the folder's. Returns the name."""
+        self._require_open()
+        self.rollout.load_adapter(name := adapter_name(path, name), str(path))
+        return name
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget a loaded adapter (calls running with it finish with it); False if none had that name."""
+        return self.rollout.unload_adapter(name)
+
+    def adapter_names(self) -> list[str]:
+        """The loaded adapters' names (what generate(adapter=...) and the OpenAI `model` field may name)."""
+        return self.rollout.adapter_names()
 
     @property
     def weights_version(self) -> int:

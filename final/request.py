@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from final.adapters import adapters_per_prompt, check_adapters
 from final.chat_template import ChatOptions
 from final.errors import CartridgeError, ConfigError, PromptError, SamplingError, ToolsError, UnsupportedError
 from final.outputs import (CALL_TOOLS, PROMPT_LOGPROBS, ROW_INFO, SINGLE_TURN, TEMPLATE_KWARGS, TOP_LOGPROBS, TRACE_KEY,
@@ -21,7 +22,7 @@ from final.outputs import (CALL_TOOLS, PROMPT_LOGPROBS, ROW_INFO, SINGLE_TURN, T
 from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
                            tokenize_continuations)
 from final.protocol.cartridge_spec import REQUEST_CARTRIDGE_KEYS, check_cartridge_name, check_cartridge_spec
-from final.sampling import Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
+from final.sampling import CONSTRAINT_KEYS, Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Request:
     show_progress: bool = False
     continuation_starts: list[int] | None = None  # scoring: where each prompt's continuation begins in ids
     score_top_logprobs: int = 0  # scoring: the alternatives the caller asked for (the call asks for >= 1)
+    adapters: list[str | None] | None = None  # per prompt: a LoRA adapter's name (None: the base)
     chat: ChatCall | None = None  # tools, template variables, output reading (ChatCall)
 
     @property
@@ -89,7 +91,7 @@ class Request:
             chat = dataclasses.replace(chat, reply=dataclasses.replace(chat.reply, forced=chat.reply.forced[p0:p1]))
         return Request(self.prompts[p0:p1], self.ids[p0:p1], dataclasses.replace(self.sampling, params=params, n=k),
                        cut(self.cartridges), cut(self.tools_kwargs), False, cut(self.continuation_starts),
-                       self.score_top_logprobs, chat)
+                       self.score_top_logprobs, cut(self.adapters), chat)
 
     def dataproto(self, pad_token_id: int, eos_token_ids: list[int], cartridge_ids: list[tuple[str, ...]] | None):
         """The veRL DataProto of this request: rows prompt-major (prompt i's samples are rows i*n .. i*n+n-1)."""
@@ -100,6 +102,8 @@ class Request:
             non_tensor["cartridges"] = rep(cartridge_ids)
         if self.tools_kwargs is not None:
             non_tensor["tools_kwargs"] = rep(self.tools_kwargs)
+        if self.adapters is not None:
+            non_tensor["adapters"] = rep(self.adapters)
         meta = {"do_sample": self.sampling.do_sample, ROW_INFO: True, TRACE_KEY: self.tools_kwargs is not None,
                 **self._chat_meta()}
         if self.sampling.prompt_logprobs:
@@ -142,11 +146,12 @@ class CallRules:
     known_ids: Callable[[], list[str] | None]  # ids a request may name (the store's, or the backend's)
     progress: bool = True
     progress_min_rows: int = 32
+    adapter_names: Callable[[], list[str]] = list  # the LoRA adapters a call may name
 
 
 def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bool = False, cartridge: Any = None,
             tools_kwargs: Any = None, progress: bool | None = None, continuations: Any = None,
-            chat: ChatCall | None = None) -> Request:
+            adapter: Any = None, chat: ChatCall | None = None) -> Request:
     """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does.
     continuations (scoring): token ids or text appended to each prompt's tokens. chat: the call's tools, template
     variables and constraint (final.tools.call.plan_call)."""
@@ -172,20 +177,18 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
     # a scoring call is no conversation: it takes the batch path even where tools are on
     kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else _loop_tools(rules, chat,
                                                                                                     tools_kwargs))
-    runs = chat is not None and chat.runs_tools
+    adapters = adapters_per_prompt(adapter, len(items))
     rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
-                             call_tools=runs)
+                             adapters=adapters is not None, call_tools=chat is not None and chat.runs_tools)
+    check_adapters(adapters, rules.adapter_names, rules.backend, tools=kwargs is not None)
     if kwargs is not None and chat is not None and chat.options.template_kwargs and not rules.capabilities.call_tools:
         raise UnsupportedError(rules.backend, "chat_template_kwargs", f"the {rules.backend} backend's multi-turn "
                                "loop renders conversations its own way, without template variables")
-    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts, chat=chat)
+    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts, adapters=adapters, chat=chat)
     _check_cartridges(request, rules)
     show = rules.progress if progress is None else progress
     request.show_progress = bool(show) and request.rows >= rules.progress_min_rows
     return request
-
-
-CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _with_constraint(sampling: dict[str, Any], chat: ChatCall | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ The per-row seed rule (row i of a call samples with seed + i) lives here too.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,10 @@ from final.errors import SamplingError
 SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_new_tokens", "n", "do_sample", "seed", "stop",
     "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_new_tokens"})
+    "frequency_penalty", "repetition_penalty", "min_new_tokens", "json_schema", "regex", "ebnf", "structural_tag"})
+# SGLang's constraint keys (at most one per request), in the order its rule names them; json_schema and
+# structural_tag are JSON text (a dict is serialized here), regex a regular expression, ebnf xgrammar's EBNF
+CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 GREEDY_KEYS = ("temperature", "top_p", "top_k", "min_p")  # dropped when sampling is off: veRL's greedy settings win
 TOP_K_ALL = 1 << 30  # SGLang's top_k for "all tokens"; larger values are refused (they overflow index arithmetic)
 MIN_REPETITION_PENALTY = 0.01
@@ -43,6 +47,7 @@ class Limits:
     deadline_s: float | None = None  # a call's rows are aborted this many seconds after it starts (None: never)
     max_cartridge_bytes: int | None = None  # loaded cartridges; beyond, the least recently used unused ones leave
     cartridge_fetch_s: float | None = 120.0  # a load waits this long for a remote source (None: no bound)
+    max_grammar_bytes: int = 64 * 2**10  # one constraint's text (json_schema, regex, ebnf or structural_tag)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def parse_sampling(sampling: dict[str, Any], *, response_length: int, limits: Li
                              prompt_logprobs)
     check_params({**s, "n": n, "max_new_tokens": max_tokens})
     check_limits(n, s.get("stop"), limits)
+    s.update(constraint_texts(s, limits))
     if s.get("temperature", 1.0) == 0:
         do_sample = False
     if not do_sample:
@@ -135,6 +141,46 @@ def check_limits(n: int, stop: Any, limits: Limits) -> None:
     if longest > limits.max_stop_length:
         raise SamplingError(f"a stop string of {longest} characters exceeds limits.max_stop_length="
                             f"{limits.max_stop_length}", "stop")
+
+
+def constraint_texts(params: dict[str, Any], limits: Limits | None = None) -> dict[str, str]:
+    """The constraint key set in params (checked by check_params) as text: a dict JSON-serialized, as SGLang takes
+    it. SamplingError naming the key when the text exceeds limits.max_grammar_bytes (no size bound without limits:
+    the embedded engine's compile is bounded by its own work limits, final/engine/grammar.py)."""
+    out = {}
+    for key in CONSTRAINT_KEYS:
+        value = params.get(key)
+        if value is None:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if limits is not None and size > limits.max_grammar_bytes:
+            raise SamplingError(f"{size} bytes exceed limits.max_grammar_bytes={limits.max_grammar_bytes}", key)
+        out[key] = text
+    return out
+
+
+def check_constraint(params: dict[str, Any]) -> None:
+    """SGLang's rule (at most one of the constraint keys; SamplingError naming the second) and their types:
+    json_schema and structural_tag JSON text or an object, regex and ebnf text. min_new_tokens and ignore_eos
+    cannot be honoured once a grammar has finished (only a stop token is then allowed), so they are refused with
+    one."""
+    given = [key for key in CONSTRAINT_KEYS if params.get(key) is not None]
+    if len(given) > 1:
+        raise SamplingError(f"only one of {', '.join(CONSTRAINT_KEYS)} may be set (got {given[0]} too)", given[1])
+    if not given:
+        return
+    key, value = given[0], params[given[0]]
+    kinds = (str, dict) if key in ("json_schema", "structural_tag") else (str,)
+    if not isinstance(value, kinds) or not value:
+        raise SamplingError(f"must be {'a JSON string or an object' if dict in kinds else 'a string'} and not "
+                            f"empty, got {_short(value)}", key)
+    if params.get("min_new_tokens"):
+        raise SamplingError(f"cannot be honoured with {key}: the grammar decides where the output ends",
+                            "min_new_tokens")
+    if params.get("ignore_eos"):
+        raise SamplingError(f"cannot be honoured with {key}: once the grammar is complete only a stop token "
+                            "is allowed", "ignore_eos")
 
 
 # ---- SGLang's value rules ---------------------------------------------------------------------------------
@@ -188,6 +234,7 @@ def check_params(params: dict[str, Any]) -> None:
         raise SamplingError(f"must be a list of token ids, got {_short(ids)}", "stop_token_ids")
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
         raise SamplingError(f"must be true or false, got {_short(params['ignore_eos'])}", "ignore_eos")
+    check_constraint(params)
 
 
 def _short(value: Any, limit: int = 120) -> str:

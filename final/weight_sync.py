@@ -3,6 +3,8 @@
 The rules (docs/guides/train-a-policy.md):
 - An update is checked whole before anything is written (final.weights: names, shapes, dtypes, NaN/Inf), by the
   backend that applies it; a refused update leaves the old weights serving, bit for bit, and the version unchanged.
+  A LoRA adapter (a PEFT folder, a PeftModel, lora tensors with a peft_config) is an update like any other: the
+  backend merges it into its modules' kept bases (final.adapters.merge), and it is versioned.
 - Calls and updates never overlap (final.versions.PolicyVersions): an update waits for the calls in flight, which
   finish on the old weights; calls made meanwhile wait and run on the new ones. Every row says its version.
 - Caches made by the old weights go: SGLang's radix cache is flushed by the backend; cartridges (KV caches trained
@@ -19,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from final.adapters import peft_update
 from final.errors import UnsupportedError
 from final.rollout import Backend
 from final.versions import PolicyVersions
@@ -44,21 +47,25 @@ class WeightSync:
         return self.versions.version
 
     # ---- updates ---------------------------------------------------------------------------------------------
-    def update(self, weights: Any, *, keep_cartridges: bool = False) -> int:
+    def update(self, weights: Any, *, keep_cartridges: bool = False, peft_config: Any = None) -> int:
         """Apply an update (see InferenceEngine.update_weights); returns the new version."""
         caps = self.rollout.capabilities
         if not caps.weight_updates:
             raise UnsupportedError(self.backend_name, "update_weights", dict(caps.notes).get(
                 "update_weights", f"the {self.backend_name} backend serves fixed weights"))
+        lora = peft_update(weights)  # a PEFT folder or PeftModel: merged by the backend from its kept base
+        if lora is not None:
+            weights, peft_config = lora
         by_path = isinstance(weights, (str, Path)) and caps.weights_by_path
         named = None if by_path else named_tensors(weights)  # a generator is consumed before calls are held
+        adapter = {"peft_config": peft_config} if peft_config is not None else {}
         with self.versions.writing() as version:
             self._resume(list(TAGS))
             # keep_cartridges reaches a backend whose engine is elsewhere (a server), where the same rule holds
             if by_path:
                 self._complete(self.rollout.update_weights_from_disk(str(weights), keep_cartridges))
             else:
-                self._complete(self.rollout.update_weights(iter(named), keep_cartridges=keep_cartridges))
+                self._complete(self.rollout.update_weights(iter(named), keep_cartridges=keep_cartridges, **adapter))
             if self.cartridges is not None:
                 self.cartridges.weights_changed(version, keep=keep_cartridges)
         return version

@@ -10,8 +10,9 @@ An update is any of
   `.safetensors` file. Nothing pickled is ever executed.
 
 `check_update` refuses, naming the parameter, an unknown name, a wrong shape, a non-float dtype, a NaN or Inf, a
-name given twice, or an empty update. A subset of the parameters (one layer, LoRA-merged projections) is a valid
-update. The shapes an update is checked against come from the backend (`Backend.parameter_shapes`): the embedded
+name given twice, or an empty update. A subset of the parameters (one layer) is a valid update. A LoRA adapter
+(lora_A / lora_B tensors, a PEFT folder, a PeftModel) is turned into its modules' merged weights first, by
+final.adapters.merge, and then checked as any update. The shapes an update is checked against come from the backend (`Backend.parameter_shapes`): the embedded
 engine's own layout, or the model's HF parameters on a meta device (`hf_parameter_shapes`).
 """
 
@@ -63,17 +64,8 @@ def read_weights(path: str | Path) -> NamedTensors:
     """The tensors of an HF model folder or a `.safetensors` file, without running pickled code."""
     from safetensors.torch import load_file
 
-    where = Path(path).expanduser()
-    if where.is_file():
-        files = [where]
-    elif where.is_dir():
-        files = sorted(where.glob(WEIGHT_FILES[0])) or sorted(where.glob(WEIGHT_FILES[1]))
-    else:
-        raise WeightsError(f"no model folder or weights file at {str(path)!r}")
-    if not files:
-        raise WeightsError(f"{str(path)!r} holds no *.safetensors or pytorch_model*.bin")
     out: NamedTensors = []
-    for file in files:
+    for file in weight_files(path):
         try:
             if file.suffix == ".safetensors":
                 tensors = load_file(str(file))
@@ -85,6 +77,19 @@ def read_weights(path: str | Path) -> NamedTensors:
             raise WeightsError(f"{file.name} does not hold a state dict")
         out.extend(tensors.items())
     return out
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of an HF model folder (its *.safetensors, else pytorch_model*.bin), or the file itself."""
+    where = Path(path).expanduser()
+    if where.is_file():
+        return [where]
+    if not where.is_dir():
+        raise WeightsError(f"no model folder or weights file at {str(path)!r}")
+    files = sorted(where.glob(WEIGHT_FILES[0])) or sorted(where.glob(WEIGHT_FILES[1]))
+    if not files:
+        raise WeightsError(f"{str(path)!r} holds no *.safetensors or pytorch_model*.bin")
+    return files
 
 
 def check_update(named: NamedTensors, shapes: Mapping[str, tuple[int, ...]] | None) -> NamedTensors:

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(compat.LANE != "verl09", reason="the verl09 lane
                                 "verl06 lane runs tests/test_weight_sync_sglang.py")
 
 from test_weight_sync_sglang import (  # noqa: E402,F401
-    test_a_bad_update_reaches_sglang_not_at_all, test_cartridges_are_unloaded_by_an_update_unless_kept,
-    test_full_and_partial_updates_answer_as_hf_generate, test_release_and_resume_then_serve)
+    test_a_bad_update_reaches_sglang_not_at_all, test_a_trainers_adapter_is_merged_and_sent_as_weights,
+    test_cartridges_are_unloaded_by_an_update_unless_kept, test_full_and_partial_updates_answer_as_hf_generate,
+    test_release_and_resume_then_serve)
 
 
 @pytest.fixture(scope="module")

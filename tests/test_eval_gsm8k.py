@@ -118,3 +118,23 @@ def test_command_end_to_end_on_the_embedded_engine(data, tmp_path, capsys, monke
     assert "key '--batch-size'" in capsys.readouterr().err
     assert cli.main([*args[:4], "--tools", str(tmp_path / "none.yaml")]) == 2
     assert "tool config file not found" in capsys.readouterr().err
+
+
+def test_constraint_flag_constrains_every_answer(data, tmp_path, capsys, monkeypatch):
+    """--constraint KEY=FILE: every answer follows the grammar (here a regex the strict scorer can read)."""
+    from final import cli
+
+    if "final.evals.cli" not in cli.SUBCOMMAND_MODULES:
+        monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", [*cli.SUBCOMMAND_MODULES, "final.evals.cli"])
+    pattern = tmp_path / "answer.regex"
+    pattern.write_text("#### [0-9]{1,2}\n")
+    out = tmp_path / "r.jsonl"
+    args = ["eval", "gsm8k", "--data", str(data), "--model", "builtin:tiny-random-llama", "--prompt-length", "512",
+            "--response-length", "8", "--out", str(out), "--constraint", f"regex={pattern}"]
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and all(r["extracted"] == r["response"][5:] for r in records)
+    assert cli.main([*args[:-1], f"regex={tmp_path / 'missing'}"]) == 2
+    assert "key '--constraint'" in capsys.readouterr().err
+    assert cli.main([*args[:-1], f"grammar={pattern}"]) == 2
+    assert "json_schema, regex, ebnf, structural_tag" in capsys.readouterr().err

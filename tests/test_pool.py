@@ -126,6 +126,24 @@ def test_scores_equal_one_engine(pool, tiny_inference):
             pytest.approx(b.prompt_logprobs[1:] + b.continuation_logprobs, abs=1e-5)  # batched differently
 
 
+def test_constrained_rows_validate_on_every_replica(pool, tiny_inference):
+    """The constraint keys travel with the rows: every replica compiles the grammar and masks its own rows."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"], "x-guidance": {
+        "whitespace_flexible": False}, "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer",
+                                                                                        "minimum": 0, "maximum": 99}}}
+    call = dict(prompts=PROMPTS[:4], json_schema=schema, n=2, seed=5, max_tokens=16)
+    out = with_chunk_rows(pool, 2, **call)
+    assert {m["replica"] for m in out.metadata} == {0, 1}
+    for text in out.completions:
+        jsonschema.validate(json.loads(text), schema)
+    assert rows(out) == rows(tiny_inference.generate(**call))
+    with pytest.raises(SamplingError) as info:
+        pool.generate(prompts=["Hi"], regex="(unclosed", max_tokens=4)
+    assert info.value.field == "regex"
+
+
 def test_agenerate_and_generate_inside_a_running_loop(pool, tiny_inference):
     async def main():
         a = await pool.agenerate(PROMPTS[:3], temperature=0, max_tokens=8)

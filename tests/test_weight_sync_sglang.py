@@ -99,3 +99,31 @@ def test_release_and_resume_then_serve(engine):
     engine.release()
     engine.resume()
     assert greedy(engine) == before
+
+
+def test_a_trainers_adapter_is_merged_and_sent_as_weights(engine, tiny_dir):
+    """veRL's LoRA sync on SGLang: the base under the adapter (base_layer names, as veRL's first sync sends it),
+    then adapters only, each merged into that base here and sent as the adapted modules' weights; SGLang answers
+    as HF + PEFT. An adapter whose base this process cannot know (every parameter rewritten by a plain update) is
+    refused naming the tensor; per-request adapters are refused naming the lane."""
+    from final.errors import UnsupportedError, WeightsError
+    from lora_helpers import ADAPTERS, hf_rows, peft_model
+
+    engine.update_weights(perturbed(tiny_dir, scale=0.0))  # the original weights, but sent: unknown here
+    model = peft_model(tiny_dir, 34, **ADAPTERS["qvd"])
+    config = model.peft_config["default"]
+    with pytest.raises(WeightsError, match="base"):
+        engine.update_weights(model)
+    base = {k.removeprefix("base_model.model."): v for k, v in model.state_dict().items() if "lora_" not in k}
+    engine.update_weights(base, peft_config=config)
+    ids = engine.prepare(PROMPTS).ids
+    for step in range(2):
+        engine.update_weights(model)
+        assert greedy(engine)[0] == [tokens for tokens, _ in hf_rows(model, ids, MAX, engine.eos_token_ids[0])]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.0)
+    with pytest.raises(UnsupportedError) as err:
+        engine.generate("hi", adapter="any")
+    assert err.value.field == "adapter" and err.value.backend == "sglang"

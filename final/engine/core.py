@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from final.engine.kv_cache import KVCache, PrefixTable
+from final.engine.lora import AdapterTable, lora_sizes
 from final.engine.messages import Abort, Call, Drain, Stop, Submit
 from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
@@ -57,7 +58,8 @@ class EngineCore:
         self.prefixes = PrefixTable(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, model.device)
         budget = int(mem_fraction_static * total_memory_bytes(model.device)) - model.nbytes
         self.scheduler = Scheduler(self.cache, max_running_requests, max_prefill_tokens, max(budget, 0))
-        self.runner = ModelRunner(model, self.cache)
+        self.adapters = AdapterTable(lora_sizes(model), spec.num_layers, model.dtype, model.device)
+        self.runner = ModelRunner(model, self.cache, self.adapters)
         self.stats = EngineStats()
         self.inbox: queue.Queue = queue.Queue()
         self._tokenizer = None
@@ -107,6 +109,7 @@ class EngineCore:
                 continue
             try:  # composing several cartridges (a per-layer concatenation) is tensor work: it belongs here
                 seq.prefix = self.prefixes.get(seq.cartridges)
+                seq.lora = self.adapters.get(seq.adapter) if seq.adapter is not None else None
             except Exception as exc:  # noqa: BLE001 - that request fails with the cause, the others go on
                 failed.add(id(seq.batch))
                 seq.batch.fail(exc)

@@ -18,14 +18,16 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 import torch
 
+from final.adapters.format import Adapter
 from final.engine.core import EngineCore
+from final.engine.grammar import GrammarCompiler
 from final.engine.kv_cache import PrefixKV
 from final.engine.messages import Abort, Batch, Call, Drain, Stop, Submission, Submit
 from final.engine.model import CausalLM
 from final.engine.runner import ModelRunner
 from final.engine.sampling_params import SamplingParams
 from final.engine.sequence import Sequence
-from final.engine.weights import parameter_shapes
+from final.engine.weights import current_weights, parameter_shapes
 from final.errors import CartridgeError, EngineError, PromptError, SamplingError
 from final.models import model_eos_token_ids
 
@@ -69,6 +71,8 @@ class EmbeddedEngine:
                                         daemon=True)
         self._thread.start()
         self.core: EngineCore = started.result()
+        # constraints (json_schema, regex, ebnf, structural_tag) compile on the callers' threads, once per text
+        self.grammars = GrammarCompiler(model_path, self.core.spec.vocab_size, eos)
 
     def _main(self, started: concurrent.futures.Future, options: dict) -> None:
         try:
@@ -96,8 +100,11 @@ class EmbeddedEngine:
                              return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
                              top_logprobs_num: int | None = None, rid: str | list[str] | None = None,
                              stream: bool = False, cartridges: Seq[str] | list[Seq[str]] | None = None,
+                             adapters: str | list[str | None] | None = None,
                              **unsupported: Any) -> dict | list[dict] | AsyncIterator[dict]:
         """Generate for one prompt (list[int]) or a batch (list[list[int]]); returns SGLang-shaped dict(s).
+        adapters: a loaded LoRA adapter's name for every prompt, or one name (or None) per prompt (SGLang's
+        lora_path).
 
         stream=True (one prompt, n=1) returns an async iterator instead, as SGLang does: one dict per new token
         with the cumulative output_ids (SGLang's default without --stream-output), the last with finish_reason."""
@@ -111,7 +118,7 @@ class EmbeddedEngine:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
                               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-                              cartridges=cartridges)
+                              cartridges=cartridges, adapters=adapters)
         if stream:
             if len(seqs) != 1:
                 raise SamplingError("streaming takes one prompt with n=1", "stream")
@@ -152,6 +159,23 @@ class EmbeddedEngine:
         the new weights. Returns the engine's new weight_version (each row's meta_info says the one it ran on)."""
         return self.drain(lambda _runner: self.core.update_weights(named))
 
+    def current_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of HF-named parameters as served now (the base an adapter is merged into)."""
+        return self.call(lambda _runner: current_weights(self.core.model, names))
+
+    # ---- LoRA adapters served per row (engine/lora.py) ----------------------------------------------------
+    def load_adapter(self, name: str, adapter: Adapter) -> int:
+        """Serve a checked adapter (final.adapters.build_adapter against parameter_shapes) to requests naming it;
+        a name already loaded is replaced (rows running with the old one finish with it). Returns its bytes."""
+        return self.call(lambda _runner: self.core.adapters.add(name, adapter).nbytes)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget an adapter; rows running with it finish with it."""
+        return self.call(lambda _runner: self.core.adapters.remove(name))
+
+    def adapter_names(self) -> list[str]:
+        return self.core.adapters.names()
+
     @property
     def weight_version(self) -> int:
         return self.core.weight_version
@@ -167,7 +191,7 @@ class EmbeddedEngine:
     # ---- batches -------------------------------------------------------------------------------------
     def sequences(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
                   logprob_start_len: Any = None, top_logprobs_num: Any = None, rid: Any = None,
-                  cartridges: Any = None) -> list[Sequence]:
+                  cartridges: Any = None, adapters: Any = None) -> list[Sequence]:
         """Validate SGLang-style arguments (one value or one per prompt) into sequences, n expanded
         prompt-major. Raises PromptError / SamplingError / CartridgeError naming the prompt and field."""
         batch = [input_ids] if bool(input_ids) and isinstance(input_ids[0], int) else input_ids
@@ -178,9 +202,12 @@ class EmbeddedEngine:
         flags, starts = _per_item(return_logprob, n, "return_logprob"), _per_item(logprob_start_len, n,
                                                                                   "logprob_start_len")
         rids, carts = _per_item(rid, n, "rid"), _per_cartridge(cartridges, n)
+        names = _per_item(adapters, n, "adapters")
+        for name in {a for a in names if a is not None}:
+            self.core.adapters.get(name)  # AdapterError naming what is loaded
         tops = [self._top_logprobs_num(k) for k in _per_item(top_logprobs_num, n, "top_logprobs_num")]
         seqs = [self._make_sequence(i, ids, params[i], j, bool(flags[i]), -1 if starts[i] is None else starts[i],
-                                    rids[i], carts[i])
+                                    rids[i], carts[i], names[i])
                 for i, ids in enumerate(batch) for j in range(params[i].n)]
         for seq, k in zip(seqs, [k for i, k in enumerate(tops) for _ in range(params[i].n)]):
             seq.top_logprobs_num = k if seq.return_logprob else 0  # SGLang: alternatives come with return_logprob
@@ -188,14 +215,15 @@ class EmbeddedEngine:
 
     def submit_generate(self, input_ids: Any, sampling_params: Any = None, *, return_logprob: Any = False,
                         logprob_start_len: Any = None, top_logprobs_num: Any = None, rid: Any = None,
-                        cartridges: Any = None, finish: Callable[[list[dict]], Any] | None = None,
+                        cartridges: Any = None, adapters: Any = None,
+                        finish: Callable[[list[dict]], Any] | None = None,
                         on_row: Callable[[int, dict], None] | None = None) -> Submission:
         """async_generate's batch form for callers without an event loop: validate now, send the rows in one
         message, and return at once. The submission's future resolves when every row has finished, with their
         output dicts in order, or with finish(outputs) run on the engine thread; on_row(i, out) sees each row."""
         seqs = self.sequences(input_ids, sampling_params, return_logprob=return_logprob,
                               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-                              cartridges=cartridges)
+                              cartridges=cartridges, adapters=adapters)
         return self.submit(seqs, finish, on_row)
 
     def submit(self, seqs: list[Sequence], finish: Callable[[list[dict]], Any] | None = None,
@@ -249,7 +277,8 @@ class EmbeddedEngine:
         self.core.inbox.put(msg)
 
     def _make_sequence(self, index: int, ids: Any, params: SamplingParams, sample_index: int, return_logprob: bool,
-                       logprob_start_len: int, rid: str | None, cartridges: tuple[str, ...]) -> Sequence:
+                       logprob_start_len: int, rid: str | None, cartridges: tuple[str, ...],
+                       adapter: str | None = None) -> Sequence:
         spec, max_len = self.core.spec, self.core.max_model_len
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise PromptError("input_ids must be a non-empty list of integers", index)
@@ -278,7 +307,8 @@ class EmbeddedEngine:
             stop_ids=frozenset() if params.ignore_eos else self.core.eos_token_ids | frozenset(params.stop_token_ids),
             generator=None if params.greedy else torch.Generator(device="cpu").manual_seed(seed),
             cartridges=cartridges, prefix_len=prefix_len, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len)
+            logprob_start_len=logprob_start_len, adapter=adapter,
+            grammar=self.grammars.row(*params.constraint) if params.constraint else None)
         if self.core.scheduler.too_big(seq):
             raise PromptError(f"needs {seq.reserved_tokens} tokens of KV memory, more than the engine's budget", index)
         return seq

@@ -24,6 +24,7 @@ from final.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
     from final.engine.attention import DecodePlan
+    from final.engine.lora import LoraStep
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -283,9 +284,9 @@ class CausalLM:
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
-                final_norm: bool = True) -> torch.Tensor:
+                final_norm: bool = True, lora: LoraStep | None = None) -> torch.Tensor:
         """ids, positions [B,T] -> final-norm hidden states [B,T,hidden] (before the final norm with final_norm=False,
-        for `logits(normed=False)`)."""
+        for `logits(normed=False)`). lora: the rows' adapters, whose deltas follow each product (engine/lora.py)."""
         spec = self.spec
         B, T = ids.shape
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -293,12 +294,13 @@ class CausalLM:
         cos = self.cos[positions].unsqueeze(2)  # [B,T,1,D]
         sin = self.sin_signed[positions].unsqueeze(2)
         # a decode step's few rows: norm + product, SwiGLU + product + residual as single gemv kernel calls
-        fused = self.kernel is not None and self.layers[0].wqkv.fuses(B * T)
+        fused = self.kernel is not None and self.layers[0].wqkv.fuses(B * T) and lora is None
         for i, layer in enumerate(self.layers):
             if fused:
                 qkv = layer.wqkv.normed(x, layer.in_norm, spec.rms_norm_eps)
             else:
-                qkv = layer.wqkv(rms_norm(x, layer.in_norm, spec.rms_norm_eps))
+                h = rms_norm(x, layer.in_norm, spec.rms_norm_eps)
+                qkv = layer.wqkv(h) if lora is None else lora.add(i, "qkv", h, layer.wqkv(h))
             v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
             if layer.q_norm is None:  # q and k are adjacent in qkv: rotate them as one tensor
                 qk = rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos, sin)
@@ -307,22 +309,26 @@ class CausalLM:
                 q = rms_norm(qkv[..., : H * D].view(B, T, H, D), layer.q_norm, spec.rms_norm_eps)
                 k = rms_norm(qkv[..., H * D : (H + Hkv) * D].view(B, T, Hkv, D), layer.k_norm, spec.rms_norm_eps)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
-            o = plan.attend(i, q, k, v)
-            x = layer.wo.add_to(x, o.reshape(B, T, -1))
+            o = plan.attend(i, q, k, v).reshape(B, T, -1)
+            x = layer.wo.add_to(x, o) if lora is None else lora.add(i, "o", o, layer.wo.add_to(x, o))
             if fused:
                 x = layer.w_down.glu_add_to(x, layer.w_gate_up.normed(x, layer.post_norm, spec.rms_norm_eps))
                 continue
-            gate, up = layer.w_gate_up(rms_norm(x, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
-            x = layer.w_down.add_to(x, F.silu(gate) * up)
+            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            gate, up = (layer.w_gate_up(h) if lora is None else lora.add(i, "gate_up", h, layer.w_gate_up(h))
+                        ).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            x = layer.w_down.add_to(x, h) if lora is None else lora.add(i, "down", h, layer.w_down.add_to(x, h))
         return rms_norm(x, self.norm, spec.rms_norm_eps) if final_norm else x
 
-    def decode(self, plan: DecodePlan) -> torch.Tensor:
+    def decode(self, plan: DecodePlan, lora: LoraStep | None = None) -> torch.Tensor:
         """One new token per row (plan.step: token ids, positions, cached lengths) -> logits [B, V] in the model
-        dtype. Where the kernel runs the whole step (fp32 cache on CPU, no qk-norm, rows it takes), one call from
-        embedding to logits (gemv.c final_decode_step) and one torch op (the logits); else forward + logits."""
+        dtype. Where the kernel runs the whole step (fp32 cache on CPU, no qk-norm, rows it takes, no adapter), one
+        call from embedding to logits (gemv.c final_decode_step) and one torch op (the logits); else forward +
+        logits."""
         B = plan.batch
         if (self.kernel is not None and plan.fuses_layers and not self.spec.qk_norm and self.lm_head.fuses(B)
-                and self.lm_head.bias is None):
+                and self.lm_head.bias is None and lora is None):
             logits = torch.empty(B, self.lm_head.out_features)
             cache, spec = plan.cache, self.spec
             layer_table, head_table = self._kernel_tables()
@@ -332,7 +338,7 @@ class CausalLM:
                                     spec.rms_norm_eps, head_table, logits, self._step_buffers(B), plan.prefixes)
             return logits
         rows = plan.rows
-        hidden = self.forward(rows[0, :, None], rows[1, :, None], plan, final_norm=False)
+        hidden = self.forward(rows[0, :, None], rows[1, :, None], plan, final_norm=False, lora=lora)
         return self.logits(hidden[:, 0], upcast=False, normed=False)
 
     def _step_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

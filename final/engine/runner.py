@@ -8,6 +8,7 @@ import torch
 
 from final.engine.attention import DecodePlan, PrefillPlan, flash_attn_for
 from final.engine.kv_cache import KVCache, PrefixKV
+from final.engine.lora import AdapterTable, LoraStep
 from final.engine.model import CausalLM
 from final.engine.sampler import top_k
 from final.engine.sequence import Sequence
@@ -16,9 +17,10 @@ PROMPT_LOGPROB_CHUNK = 256  # prompt positions per log_softmax when scoring (256
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache):
+    def __init__(self, model: CausalLM, cache: KVCache, adapters: AdapterTable | None = None):
         self.model = model
         self.cache = cache
+        self.adapters = adapters  # LoRA adapters rows may run with (engine/lora.py)
         self.scale = model.spec.head_dim ** -0.5
         self.device = model.device
         self.flash = flash_attn_for(model.device, model.dtype)
@@ -39,7 +41,7 @@ class ModelRunner:
         positions = (torch.arange(T, device=self.device) + (prefix.length if prefix else 0)).expand(len(seqs), T)
         self.cache.reserve(max(s.slot for s in seqs) + 1, T)
         plan = PrefillPlan(self.cache, [s.slot for s in seqs], prefix, self.scale, flash=self.flash)
-        hidden = self.model.forward(ids, positions, plan)
+        hidden = self.model.forward(ids, positions, plan, lora=self._lora(seqs))
         last = hidden[torch.arange(len(seqs)), self._long(lengths) - 1]
         for row, seq in enumerate(seqs):
             if seq.return_logprob:
@@ -76,7 +78,13 @@ class ModelRunner:
                 groups.setdefault(id(seq.prefix), ([], seq.prefix))[0].append(row)
         plan = DecodePlan(self.cache, step, [(self._long(r), p) for r, p in groups.values()], self.scale,
                           flash=self.flash)
-        return self.model.decode(plan)
+        return self.model.decode(plan, lora=self._lora(seqs))
+
+    def _lora(self, seqs: list[Sequence]) -> LoraStep | None:
+        """The step's adapter deltas; None when no row has an adapter (the kernel's fast paths)."""
+        if self.adapters is None or all(s.lora is None for s in seqs):
+            return None
+        return self.adapters.step([s.lora for s in seqs])
 
     def forward_full(self, ids: list[int], prefix: PrefixKV | None, capture: bool = False
                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

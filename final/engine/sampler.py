@@ -5,12 +5,16 @@ exactly as SGLang's torch fallback (`top_k_top_p_min_p_sampling_from_probs_torch
 torch.Generator (on the CPU, whatever the device), so a request with a seed gets the same tokens whatever else is
 in the batch. Logprobs are SGLang's: log of the temperature-scaled probabilities before filtering (plain
 log_softmax for greedy rows), and a row's top-k alternatives (top_logprobs_num) come from the same distribution.
+A constrained row (json_schema, regex, ebnf, structural_tag) has the tokens its grammar does not allow set to -inf
+after the penalties and before everything else, as SGLang applies its vocab mask: its logprobs are those of the
+masked distribution, and greedy rows take the argmax of the masked logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from final.engine.grammar import mask_logits
 from final.engine.sequence import Sequence
 
 
@@ -62,16 +66,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]
     top-k alternatives if any row asked for them."""
     want_logprobs = any(s.return_logprob for s in seqs)
     greedy = [s.params.greedy for s in seqs]
-    plain = all(greedy) and not want_logprobs and not any(
+    constrained = any(s.grammar is not None for s in seqs)
+    plain = all(greedy) and not want_logprobs and not constrained and not any(
         s.params.has_penalties or len(s.output_ids) < s.params.min_new_tokens for s in seqs)
     if plain:  # argmax is unchanged by the (exact) bf16 -> fp32 upcast, so skip the [B,V] copy
         return logits.max(dim=-1).indices.tolist(), None, None
     logits = logits.float()
     apply_penalties(logits, seqs)
+    if constrained:
+        mask_logits(logits, [s.grammar for s in seqs], [s.stop_ids for s in seqs])
     block_early_stop(logits, seqs)
     if all(greedy):
         tokens = logits.max(dim=-1).indices  # argmax's first-maximum rule at a third of its cost on CPU
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if logprobs is not None and constrained:  # masked tokens: the dtype's lowest finite value, not -inf
+            logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     else:
         temps = torch.tensor([1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)],
                              dtype=logits.dtype, device=logits.device)

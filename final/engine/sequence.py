@@ -30,6 +30,8 @@ class Sequence:
     cartridges: tuple[str, ...] = ()  # composed in order into `prefix` when the engine admits the request
     prefix: PrefixKV | None = None
     prefix_len: int = 0  # known before admission, so the context check happens where the request is made
+    adapter: str | None = None  # the LoRA adapter it runs with (a name), resolved into `lora` at admission
+    lora: Any = None  # engine.lora.EngineAdapter: held by the row, so an unload lets it finish with it
     batch: Any = None  # the engine.messages.Batch it reports to, and its row there
     row: int = 0
     return_logprob: bool = False
@@ -46,6 +48,7 @@ class Sequence:
     created: float = field(default_factory=time.perf_counter)
     weight_version: int = 0  # the engine's weights when the row was admitted (it finishes on them: messages.Drain)
     on_token: Callable[["Sequence"], None] | None = None  # streaming: called after each token but the last
+    grammar: Any = None  # the row's own grammar matcher (final/engine/grammar.RowGrammar) when constrained
 
     @property
     def cached_len(self) -> int:
@@ -59,7 +62,10 @@ class Sequence:
     def append(self, token: int, logprob: float | None,
                stop_texts: Callable[[list[int], list[str]], str | None] | None,
                top: list[tuple[float, int]] | None = None) -> None:
-        """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order)."""
+        """Record a sampled token and decide whether the sequence is finished (SGLang's check_finished order).
+        A constrained row's grammar follows the token (GrammarError if it does not allow it: the row is aborted)."""
+        if self.grammar is not None and token not in self.stop_ids:
+            self.grammar.accept(token)
         self.output_ids.append(token)
         if self.return_logprob:
             self.output_logprobs.append(logprob)

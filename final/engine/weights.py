@@ -70,6 +70,20 @@ def load_weights(model: "CausalLM", named: Iterable[tuple[str, torch.Tensor]]) -
         matrix.set_row_blocks(blocks)
 
 
+def current_weights(model: "CausalLM", names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The HF-named parameters as the engine serves them now (copies, in the model dtype; int8 dequantized): the
+    base an adapter is merged into (final.adapters.merge). Run on the engine thread."""
+    out = {}
+    for name in names:
+        target = _targets(model, name)[0]
+        if isinstance(target, torch.Tensor):
+            out[name] = target.detach().clone()
+        else:
+            matrix, lo, hi = target
+            out[name] = matrix.dense()[lo:hi].clone()
+    return out
+
+
 def _targets(model: "CausalLM", name: str) -> list:
     """Where one HF parameter goes: tensors to copy into, or (matrix, first row, end row) blocks."""
     spec = model.spec

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from final.errors import ConfigError
-from final.evals.runner import CallableGenerator, EngineGenerator, Generator, run_rows
+from final.evals.runner import (CallableGenerator, EngineGenerator, Generator, add_constraint_flag, constraint_of,
+                                run_rows)
 from final.evals.verl_data import Row
 from final.tools.gsm8k_task import (DATA_SOURCE, TOOL_NAME, Problem, build_messages, load_problems,  # noqa: F401
                                     template_renders_tools)
@@ -121,6 +122,7 @@ def register(subparsers: Any) -> None:
                    help="the chat template's variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default=None, help="per-problem JSONL (default: gsm8k[_tools]_results.jsonl)")
+    add_constraint_flag(p)
     p.set_defaults(func=run_cli)
 
 
@@ -163,6 +165,7 @@ def run_cli(args: Any) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
     problems = load_problems(args.data, args.limit)
+    constraint = constraint_of(args.constraint)
     with open_engine(args, **overrides_from_args(args)) as engine:
         schemas = engine.tool_schemas() if args.tools is not None else None
         if schemas is not None and TOOL_NAME not in [s["function"]["name"] for s in schemas]:
@@ -170,7 +173,8 @@ def run_cli(args: Any) -> int:
         renders = bool(schemas) and template_renders_tools(engine.tokenizer, schemas)
         out = args.out or ("gsm8k_tools_results.jsonl" if schemas else "gsm8k_results.jsonl")
         cartridge = load_cartridges(engine, args.cartridge)
-        generator = EngineGenerator(engine, {"temperature": args.temperature, **template_kwargs(args)}, cartridge)
+        generator = EngineGenerator(engine, {"temperature": args.temperature, **constraint, **template_kwargs(args)},
+                                    cartridge)
         summary = evaluate(generator, problems, schemas, renders, args.batch_size, out, engine.tokenizer)
     print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}"
           + (f", cartridge: {' + '.join(cartridge)}" if cartridge else ""))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from final.errors import ConfigError, PromptError
 from final.evals.verl_data import Row, prompt_error_row
+from final.sampling import CONSTRAINT_KEYS
 
 if TYPE_CHECKING:
     from final.evals.verl_reward import Scorer
@@ -43,6 +44,29 @@ class EngineGenerator:
 
     def run(self, prepared: Any) -> "GenerationOutput":
         return self.engine.run(prepared)
+
+
+def add_constraint_flag(parser: Any) -> None:
+    """`--constraint KEY=FILE`: every answer constrained by a grammar (the local backend's constraint keys)."""
+    parser.add_argument("--constraint", default=None, metavar="KEY=FILE",
+                        help=f"constrain every answer: {', '.join(k + '=FILE' for k in CONSTRAINT_KEYS)} (a JSON "
+                             "schema, a regex, an EBNF grammar or a structural tag; the local backend serves them)")
+
+
+def constraint_of(value: str | None) -> dict[str, str]:
+    """--constraint KEY=FILE -> generate()'s keyword {KEY: the file's text} (a regex file's final newlines are not
+    part of the pattern). ConfigError naming the flag."""
+    if value is None:
+        return {}
+    key, sep, path = value.partition("=")
+    if not sep or key not in CONSTRAINT_KEYS or not path:
+        raise ConfigError(f"must be KEY=FILE with KEY one of {', '.join(CONSTRAINT_KEYS)}, got {value!r}",
+                          key="--constraint")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", key="--constraint") from None
+    return {key: text.rstrip("\n") if key == "regex" else text}
 
 
 @dataclass

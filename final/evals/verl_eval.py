@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from final.errors import ConfigError, DataError
 from final.evals import verl_config
-from final.evals.runner import EngineGenerator, Run, run_rows
+from final.evals.runner import EngineGenerator, Run, add_constraint_flag, constraint_of, run_rows
 from final.evals.verl_data import Row, check_tools, load_rows, render
 from final.evals.verl_reward import check_sources, format_metrics, load_scorer, validation_metrics
 
@@ -98,12 +98,13 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
                   reward_name: str | None = None, cartridge: Any = None, limit: int | None = None,
                   out: str | None = DEFAULT_OUT, metrics_out: str | None = None, batch_size: int = 64,
                   seed: int | None = None, resume: bool = True, progress: bool = False, replicas: int | None = None,
-                  ray_address: str | None = None) -> VerlEval:
+                  ray_address: str | None = None, constraint: dict[str, Any] | None = None) -> VerlEval:
     """Evaluate a veRL dataset (module doc). `engine`: an open InferenceEngine or ReplicaPool to use (its own
     config then decides lengths and tools); else one is opened from `config` (+ model, replicas) and closed.
     tools: a tool config ("" = ./tools.yaml, else the package's). tools_in_system: where the chat template ignores
     `tools` (SmolLM2's), write each row's tool schemas into its system message as `final eval gsm8k` does (veRL
-    does not). Every check runs before any generation; a bad input raises DataError or ConfigError."""
+    does not). constraint: a constraint key and its value for every answer ({"json_schema": ...}). Every check runs
+    before any generation; a bad input raises DataError or ConfigError."""
     settings = load_settings(data, verl_config_path, overrides, tools, reward_fn, reward_name)
     rows = load_rows(settings.val_files, settings.prompt_key, settings.reward_fn_key, limit,
                      settings.need_tools_kwargs)
@@ -117,7 +118,7 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
     try:
         return _evaluate(engine, settings, rows, scorer, tools_in_system=tools_in_system, cartridge=cartridge,
                          out=out, metrics_out=metrics_out, batch_size=batch_size, seed=seed, resume=resume,
-                         progress=progress)
+                         progress=progress, constraint=constraint or {})
     finally:
         if owned:
             engine.shutdown()
@@ -125,7 +126,7 @@ def evaluate_verl(data: str | Sequence[str] | None = None, *, verl_config_path: 
 
 def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], scorer: Any, *,
               tools_in_system: bool, cartridge: Any, out: str | None, metrics_out: str | None, batch_size: int,
-              seed: int | None, resume: bool, progress: bool) -> VerlEval:
+              seed: int | None, resume: bool, progress: bool, constraint: dict[str, Any]) -> VerlEval:
     from final.cli import load_cartridges
 
     multi_turn = bool(engine.rollout_config.multi_turn.enable)
@@ -145,7 +146,7 @@ def _evaluate(engine: Any, settings: verl_config.VerlSettings, rows: list[Row], 
     if carts:  # a prompt after a cartridge continues its stream (no BOS, no default system turn): final renders it
         for r in kept:
             r.prompt_ids = None
-    sampling = sampling_of(settings, seed)
+    sampling = {**sampling_of(settings, seed), **constraint}
     run = run_rows(kept, EngineGenerator(engine, sampling, carts, progress), scorer, engine.tokenizer,
                    multi_turn=multi_turn, batch_size=batch_size, out_path=out, resume=resume, progress=progress,
                    prompt_key=settings.prompt_key, n=sampling["n"])
@@ -240,6 +241,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help="per-sample JSONL (resumed if it exists)")
     p.add_argument("--metrics-out", default=None, help="metrics JSON (default: OUT with .metrics.json)")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming --out")
+    add_constraint_flag(p)
     add_replica_args(p)
     p.set_defaults(func=run_cli)
 
@@ -250,7 +252,8 @@ def run_cli(args: Any) -> int:
         tools=args.tools, tools_in_system=args.tools_in_system, reward_fn=args.reward_fn,
         reward_name=args.reward_name, cartridge=args.cartridge, limit=args.limit, out=args.out,
         metrics_out=args.metrics_out, batch_size=args.batch_size, seed=args.seed, resume=not args.no_resume,
-        progress=True, replicas=args.replicas, ray_address=args.ray_address)
+        progress=True, replicas=args.replicas, ray_address=args.ray_address,
+        constraint=constraint_of(args.constraint))
     for note in result.summary["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(format_metrics(result.metrics))

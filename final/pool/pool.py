@@ -193,6 +193,10 @@ class ReplicaPool:
         """Cartridges loaded on every replica (None: the backend keeps no cartridge store)."""
         return None if self._cartridges is None else list(self._cartridges)
 
+    def adapter_names(self) -> list[str]:
+        """LoRA adapters a call may name: none (load adapters on an InferenceEngine; `final serve` lists these)."""
+        return []
+
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
                        force_redownload: bool = False, pin: bool = False, positions: str | None = None) -> str:
         """Load a cartridge on every replica (all or none: a replica that refuses it undoes the others)."""

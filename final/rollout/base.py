@@ -9,7 +9,10 @@ returns out) plus:
 - `tool_schemas()`, the `cartridge_target` a CartridgeService drives (None: no local cartridge store),
   `pad_token_id`, `preflight` (checks that need no model), and `shutdown`;
 - veRL's weight sync: `update_weights(named tensors)` checks the whole update against the model's parameters
-  before writing any (final.weights), then writes it and drops what the old weights made (prefix caches);
+  before writing any (final.weights), then writes it and drops what the old weights made (prefix caches); LoRA
+  tensors (veRL's `peft_config`, `base_sync_done`) are merged into the weights (final.adapters.merge);
+- LoRA adapters served per request where `capabilities.adapters` (`load_adapter`, per-row names in
+  `non_tensor_batch["adapters"]`);
   `release()` / `resume(tags)` free and bring back rebuildable memory.
 When a call's meta_info sets final.outputs.ROW_INFO, the output carries each row's engine record; with
 PROMPT_LOGPROBS / TOP_LOGPROBS that record has every prompt token's logprob and the k best alternatives per position
@@ -26,13 +29,21 @@ from verl.workers.rollout.base import BaseRollout
 
 from final.errors import UnsupportedError
 from final.outputs import Completion, completions_of
-from final.sampling import Sampling
+from final.sampling import CONSTRAINT_KEYS, Sampling
 
 # SGLang sampling keys every backend honours; a backend lists the others it supports in Capabilities.
 BASIC_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "n", "seed", "stop", "ignore_eos",
                         "presence_penalty", "frequency_penalty"})
 ALL_KEYS = BASIC_KEYS | {"top_k", "min_p", "repetition_penalty", "min_new_tokens", "stop_token_ids"}
 NO_OP = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_token_ids": []}
+# what a backend that decodes under a grammar serves: every key, the constraints (json_schema, regex, ebnf,
+# structural_tag) included
+CONSTRAINED_KEYS = ALL_KEYS | frozenset(CONSTRAINT_KEYS)
+
+
+def constraint_notes(why: str) -> tuple[tuple[str, str], ...]:
+    """Capabilities.notes for a backend that cannot constrain decoding: why, and what would serve it."""
+    return tuple((key, why) for key in CONSTRAINT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -49,13 +60,15 @@ class Capabilities:
     streaming: bool = False  # astream yields every token (else each row once, complete)
     weight_updates: bool = True  # update_weights (checked whole first: final.weights), release/resume
     weights_by_path: bool = False  # update_weights_from_disk: the weights are read where the engine runs (a server)
+    adapters: bool = False  # LoRA adapters served per request (load_adapter, generate(adapter=...))
     sampling_keys: frozenset[str] = ALL_KEYS
     notes: tuple[tuple[str, str], ...] = ()  # (field, what to do instead) for the refusals
 
     def check(self, backend: str, sampling: Sampling, *, cartridges: bool = False, tools: bool = False,
-              call_tools: bool = False) -> None:
+              adapters: bool = False, call_tools: bool = False) -> None:
         """Refuse, naming the backend and the field, what this backend cannot serve."""
         wanted = [("seed", sampling.seed is not None, self.seed), ("stop", bool(sampling.stop), self.stop_strings),
+                  ("adapter", adapters, self.adapters),
                   ("prompt_logprobs", sampling.prompt_logprobs, self.prompt_logprobs),
                   ("top_logprobs", sampling.top_logprobs > 0, self.top_logprobs),
                   ("logprobs", sampling.logprobs, self.logprobs), ("cartridge", cartridges, self.cartridges),
@@ -125,6 +138,19 @@ class Backend(BaseRollout, abc.ABC):
     def cartridge_ids(self) -> list[str] | None:
         """Ids a request may name when there is no cartridge_target (e.g. configured remote specs); else None."""
         return None
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """Serve the PEFT adapter folder at path to requests naming it (capabilities.adapters); returns its bytes."""
+        raise UnsupportedError(self.name, "adapter", dict(self.capabilities.notes).get(
+            "adapter", f"the {self.name} backend serves no adapters per request"))
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget an adapter load_adapter served; False when none had that name."""
+        return False
+
+    def adapter_names(self) -> list[str]:
+        """The adapters requests may name."""
+        return []
 
     async def update_weights_from_disk(self, path: str, keep_cartridges: bool = False) -> None:
         """Load new weights from an HF folder or .safetensors file where the engine runs (capabilities

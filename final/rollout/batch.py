@@ -92,11 +92,13 @@ def pad_token_id(tokenizer) -> int:
 
 @dataclass
 class Rows:
-    """A batch-path call's engine requests: token ids, sampling params and cartridge ids, one of each per row."""
+    """A batch-path call's engine requests: token ids, sampling params, cartridge ids and adapter, one of each per
+    row."""
 
     ids: list[list[int]]
     params: list[dict[str, Any]]
     cartridges: list[tuple[str, ...]] | None  # None: the call names none (a backend may add its defaults)
+    adapters: list[str | None] | None = None  # LoRA adapter names (None: the base), from non_tensor["adapters"]
 
 
 def plan_rows(prompts, base: dict, config, kwargs: dict, pad: int) -> Rows:
@@ -106,7 +108,8 @@ def plan_rows(prompts, base: dict, config, kwargs: dict, pad: int) -> Rows:
     params = request_sampling_params(base, config, prompts.meta_info, kwargs)
     seed = params.pop("seed", None)
     per_row = [dict(params, seed=row_seed(seed, i)) if seed is not None else params for i in range(len(ids))]
-    return Rows(ids, per_row, row_cartridges(prompts))
+    adapters = prompts.non_tensor_batch.get("adapters")
+    return Rows(ids, per_row, row_cartridges(prompts), None if adapters is None else list(adapters))
 
 
 def logprob_request(prompts) -> dict[str, int]:

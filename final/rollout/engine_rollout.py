@@ -91,10 +91,12 @@ class EngineRollout(Backend):
         rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
         streams, merged = [], None
         try:  # every stream is opened (its request validated) before the first update is awaited
-            for ids, params, carts in zip(rows.ids, rows.params, rows.cartridges or [()] * len(rows.ids)):
+            for i, (ids, params) in enumerate(zip(rows.ids, rows.params)):
+                carts = rows.cartridges[i] if rows.cartridges else None
+                extra = {"adapters": rows.adapters[i]} if rows.adapters and rows.adapters[i] else {}
                 streams.append(await self.engine.async_generate(input_ids=ids, sampling_params=params,
                                                                 return_logprob=True, cartridges=carts or None,
-                                                                stream=True, **logprob_request(prompts)))
+                                                                stream=True, **extra, **logprob_request(prompts)))
             merged = merge_streams(streams)
             async for index, out in merged:
                 yield Completion.from_engine(index, out)
@@ -118,8 +120,9 @@ class EngineRollout(Backend):
         if "n" in kwargs and kwargs["n"] != 1:
             raise UnsupportedError(self.name, "n", "must be 1 per row: veRL repeats a prompt's rows for n > 1")
         rows = plan_rows(prompts, self.sampling_params, self.config, kwargs, self.pad_token_id)
+        extra = {"adapters": rows.adapters} if rows.adapters else {}  # only engines serving adapters get them
         return self.engine.submit_generate(
-            rows.ids, rows.params, return_logprob=True, cartridges=rows.cartridges, **logprob_request(prompts),
+            rows.ids, rows.params, return_logprob=True, cartridges=rows.cartridges, **extra, **logprob_request(prompts),
             finish=lambda outputs: assemble_batch(prompts, outputs, self.config, self.pad_token_id),
             on_row=(lambda _row, _out: observer.row_done()) if observer is not None else None)
 

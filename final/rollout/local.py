@@ -1,7 +1,8 @@
 """rollout.name: local — veRL's rollout contract on the embedded engine (final/engine/), in this process.
 
 Same DataProto as SGLangRollout (final/rollout/engine_rollout.py has the paths); beyond it: per-row seeds,
-cartridges held in the engine, token streams, tool events, and weight updates.
+cartridges held in the engine, token streams, tool events, weight updates (a trainer's LoRA adapter merged into
+them: final/adapters/merge.py) and LoRA adapters served per row (final/engine/lora.py).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from typing import Any, Iterable
 
 import torch
 
+from final.adapters import LiveBase, MergedAdapter, load_adapter_folder, lora_keywords
 from final.engine import EmbeddedEngine
-from final.rollout.base import Capabilities, CartridgeTarget
+from final.rollout.base import CONSTRAINED_KEYS, Capabilities, CartridgeTarget
 from final.rollout.engine_rollout import EngineRollout
-from final.weights import check_update, named_tensors
+from final.weights import check_update
 
 
 class LocalRollout(EngineRollout):
     name = "local"
-    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True,
+                                adapters=True, sampling_keys=CONSTRAINED_KEYS)
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, engine: EmbeddedEngine | None = None):
         local = (config.engine_kwargs or {}).get("local") or {}
@@ -35,6 +38,7 @@ class LocalRollout(EngineRollout):
             quantization=local.get("quantization"),
         )
         super().__init__(config, model_config, engine, device_mesh, own_engine=own)
+        self.merged = MergedAdapter(LiveBase(self.engine.current_weights))  # a trainer's adapter (veRL's LoRA)
 
     @property
     def cartridge_target(self) -> CartridgeTarget:
@@ -49,8 +53,21 @@ class LocalRollout(EngineRollout):
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
         """veRL's weight sync: HF-named tensors into every layout the engine keeps (fused q|k|v and gate|up, the
         kernel's arena, int8 blocks, bf16), checked whole first, written between steps once the running rows have
-        finished (final/engine/weights.py, messages.Drain)."""
-        self.engine.update_weights(check_update(named_tensors(weights), self.engine.parameter_shapes()))
+        finished (final/engine/weights.py, messages.Drain). LoRA tensors (veRL's peft_config / base_sync_done)
+        are merged into their modules' kept bases first (final/adapters/merge.py)."""
+        shapes = self.engine.parameter_shapes()
+        plan = self.merged.plan(weights, shapes, **lora_keywords(kwargs))
+        self.engine.update_weights(check_update(plan.named, shapes))
+        plan.commit()
+
+    def load_adapter(self, name: str, path: str) -> int:
+        return self.engine.load_adapter(name, load_adapter_folder(path, self.engine.parameter_shapes()))
+
+    def unload_adapter(self, name: str) -> bool:
+        return self.engine.unload_adapter(name)
+
+    def adapter_names(self) -> list[str]:
+        return self.engine.adapter_names()
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> LocalRollout:

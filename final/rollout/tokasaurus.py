@@ -22,6 +22,7 @@ Rows that name cartridges (generate(cartridge=...)) send the configured specs wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -33,17 +34,20 @@ import torch
 from final.engine.messages import Submission
 from final.errors import (CartridgeError, ConfigError, EngineError, PromptError, SamplingError,
                           UnsupportedError)
+from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.protocol.bodies import WIRE_CARTRIDGE_KEYS, CartridgeCompletionsRequest
 from final.protocol.cartridge_spec import check_cartridge_specs
 from final.protocol.fingerprint import read_fingerprint
 from final.protocol.http import RequestRejectedError, RetryPolicy, apost_json
 from final.protocol.weights import UPDATE_PATH, rejected, update_body, update_result
-from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities
+from final.rollout.base import BASIC_KEYS, NO_OP, Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.thread import LoopThread, gather_or_cancel
-from final.weights import check_update, named_tensors, save_weights
+from final.weights import check_update, hf_parameter_shapes, save_weights
 
 ENDPOINT = "/custom/cartridge/completions"
+NO_GRAMMAR = ("the Tokasaurus protocol (/custom/cartridge/completions) has no constrained decoding: use "
+              "rollout.name: local, or final serve's OpenAI routes")
 LACKS = ("a Tokasaurus server returns only the generated tokens' own logprobs (packed_chosen_logprobs): no prompt "
          "(echo) logprobs and no top-k alternatives, so scoring needs the local or sglang backend")
 # SGLang keys that only shape text output (the server decodes; we read token ids)
@@ -260,11 +264,15 @@ class TokasaurusRollout(EngineRollout):
     # protocol: the server reports only the chosen tokens' logprobs (in system_fingerprint)
     capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, prompt_logprobs=False,
                                 top_logprobs=False, sampling_keys=BASIC_KEYS, weights_by_path=True, notes=(
-                                    ("prompt_logprobs", LACKS), ("top_logprobs", LACKS)))
+                                    ("prompt_logprobs", LACKS), ("top_logprobs", LACKS),
+                                    *constraint_notes(NO_GRAMMAR),
+                                    ("adapter", "Tokasaurus' protocol names no adapter: serve an adapter merged "
+                                                "(update_weights with the adapter)")))
 
     def __init__(self, config: Any, model_config: Any, settings: TokasaurusSettings, device_mesh: Any = None):
         engine = TokasaurusEngine(settings, config.max_num_seqs, bool(config.calculate_log_probs))
         super().__init__(config, model_config, engine, device_mesh)
+        self.merged = MergedAdapter(FolderBase(model_config.local_path))  # a trainer's adapter, as merged weights
 
     @property
     def settings(self) -> TokasaurusSettings:
@@ -288,16 +296,20 @@ class TokasaurusRollout(EngineRollout):
                              **kwargs: Any) -> None:
         """The tensors as one .safetensors file in rollout.custom.weights_dir (a folder this process and the server
         both see: the server's --weights-dir), then the server loads it (POST /update_weights_from_disk, which
-        checks the update whole). A real Tokasaurus server has no such route (HTTP 404)."""
+        checks the update whole). A real Tokasaurus server has no such route (HTTP 404). LoRA tensors are merged
+        here into their modules' bases, read from this process's copy of the model (final/adapters/merge.py)."""
         folder = self.settings.weights_dir
         if folder is None:
             raise UnsupportedError("tokasaurus", "update_weights", "set rollout.custom.weights_dir: a folder this "
                                    "process writes and the server reads (final serve --weights-dir)")
-        named = check_update(named_tensors(weights), None)  # names and shapes are the server's to check
+        shapes = functools.partial(hf_parameter_shapes, self.model_config.local_path)  # read for an adapter only
+        plan = self.merged.plan(weights, shapes, **lora_keywords(kwargs))
+        named = check_update(plan.named, None)  # names and shapes are the server's to check
         Path(folder).mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix="final-update-", suffix=".safetensors") as file:
             save_weights(named, file.name)
             await self.update_weights_from_disk(file.name, keep_cartridges)
+        plan.commit()
 
     async def update_weights_from_disk(self, path: str, keep_cartridges: bool = False) -> None:
         """The server loads an HF folder or .safetensors file it can read (under its --weights-dir); its

@@ -76,7 +76,7 @@ class Service:
             loaded = self.inference.cartridge_ids()
             body = prepare.system_cartridges(body)  # Tokasaurus' <cartridge> blocks in a system message
             specs = prepare.cartridge_specs(body, loaded, self.cartridge_dir, self.cartridge_sources)
-            call = make_call(self.inference, body, specs)
+            call = make_call(self.inference, body, specs, self.adapter_of(body.model))
             if call.stream:
                 return await self._stream(call)
             out = await _cancel_on_disconnect(raw, self.inference.arun(call.request))
@@ -85,6 +85,17 @@ class Service:
         if make_call is prepare.generate_call:
             return self.renderer.generate(call, out)
         return self.renderer.completion(call, out)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The OpenAI `model` field naming a loaded LoRA adapter (as vLLM and SGLang serve them); with adapters
+        loaded, any other name than the served model's is a 404, as vLLM answers it."""
+        adapters = self.inference.adapter_names()
+        if model in adapters:
+            return model
+        if adapters and model not in (None, self.model_id):
+            raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_id!r} and the "
+                                f"adapters {adapters}", param="model", code="model_not_found")
+        return None
 
     async def _stream(self, call: prepare.Call) -> StreamingResponse:
         updates = self.inference.astream(call.request)
@@ -116,8 +127,12 @@ def create_app(inference, api_key: str | None = None, cartridge_dir: str | None 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": int(time.time()),
-                                            "owned_by": "final"}]}
+        """The served model, then each loaded LoRA adapter with the model as its parent (vLLM's listing)."""
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": now,
+                                            "owned_by": "final"}] + [
+            {"id": name, "object": "model", "created": now, "owned_by": "final", "parent": service.model_id}
+            for name in inference.adapter_names()]}
 
     @app.get("/custom/cartridges")
     async def cartridges() -> dict:

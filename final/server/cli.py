@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from final.cli import add_replica_args
+from final.cli import add_lora_arg, add_replica_args
 from final.sampling import Limits
 
 DEFAULT_PORT = 10210  # Tokasaurus' default
@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--cartridge-sources", default=None, metavar="LIST",
                        help="cartridge sources requests may name, of local,hf,s3,wandb (default: the config's "
                             "cartridge_sources, else local only: remote ones download with this server's credentials)")
+    add_lora_arg(serve)
     serve.add_argument("--weights-dir", default=None,
                        help="accept weight updates (POST /update_weights_from_disk) from HF folders or .safetensors "
                             "files under this folder (default: none, updates refused with 403)")
@@ -84,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from final.cli import open_engine
+    from final.cli import load_adapters, open_engine
     from final.server.app import create_app
     from final.server.limits import Drain, DrainingServer
 
@@ -99,7 +100,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.cartridge_sources is not None:  # checked with the config (ConfigError naming cartridge_sources)
         overrides["cartridge_sources"] = args.cartridge_sources
     with open_engine(args, **overrides) as inference:
-        print(f"final serve: {inference.config.model_path} on the {inference.backend} backend", file=sys.stderr)
+        adapters = load_adapters(inference, args.lora)  # the OpenAI `model` field names them (GET /v1/models)
+        print(f"final serve: {inference.config.model_path} on the {inference.backend} backend"
+              f"{f', adapters {adapters}' if adapters else ''}", file=sys.stderr)
         app = Drain(create_app(inference, api_key=args.api_key, cartridge_dir=args.cartridge_dir,
                                     weights_dir=args.weights_dir))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

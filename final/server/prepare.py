@@ -47,7 +47,8 @@ class Call:
         return "messages" if self.chat else "prompt"
 
 
-def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] | None = None) -> Call:
+def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] | None = None,
+                    adapter: str | None = None) -> Call:
     if req.best_of not in (None, 1):
         raise SamplingError("best_of is not supported", "best_of")
     if req.suffix is not None:
@@ -63,11 +64,12 @@ def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] |
     # echo's logprobs are the prompt's own (one forward pass); with max_tokens 0 the call is scoring only
     sampling["prompt_logprobs"] = bool(req.echo) and (req.logprobs is not None or max_tokens == 0)
     # text is sent as is (the tokenizer's BOS, no chat template)
-    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **sampling)
+    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **_adapter(adapter), **sampling)
     return _call(request, req, chat=False, logprobs=req.logprobs is not None, top=k, echo=bool(req.echo))
 
 
-def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | None = None) -> Call:
+def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | None = None,
+              adapter: str | None = None) -> Call:
     if req.top_logprobs is not None and not req.logprobs:
         raise SamplingError("needs logprobs: true", "top_logprobs")
     k = _top_count(inference, req.top_logprobs, "top_logprobs")
@@ -85,8 +87,8 @@ def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | No
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # a template variable, as SGLang and vLLM pass it
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    request = inference.prepare([messages], cartridge=specs, progress=False, top_logprobs=k, tools=req.tools,
-                                tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+    request = inference.prepare([messages], cartridge=specs, progress=False, top_logprobs=k, **_adapter(adapter),
+                                tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                                 response_format=req.response_format, chat_template_kwargs=kwargs or None,
                                 **_sampling(req, max_tokens, bool(req.logprobs) or req.logprobs_in_fingerprint))
     return _call(request, req, chat=True, logprobs=bool(req.logprobs), top=k)
@@ -115,16 +117,22 @@ def _chat_message(message: dict, j: int) -> dict:
     return {**message, "role": "system"} if message.get("role") == "developer" else message
 
 
-def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None = None) -> Call:
+def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None = None,
+                  adapter: str | None = None) -> Call:
     """Seed 001's native body: an optional system prompt and one user prompt."""
     if not req.prompt.strip():
         raise PromptError("is an empty string")
     messages = ([{"role": "system", "content": req.system}] if req.system is not None else []) + \
         [{"role": "user", "content": req.prompt}]
     max_tokens = inference.rollout_config.response_length if req.max_tokens is None else req.max_tokens
-    request = inference.prepare([messages], cartridge=specs, progress=False,
+    request = inference.prepare([messages], cartridge=specs, progress=False, **_adapter(adapter),
                                 **_sampling(req, max_tokens, False))
     return Call(request, req.model, chat=True)
+
+
+def _adapter(adapter: str | None) -> dict:
+    """The `model` field's LoRA adapter as prepare()'s keyword (none for the base model)."""
+    return {"adapter": adapter} if adapter is not None else {}
 
 
 def _call(request: Request, req: Any, *, chat: bool, logprobs: bool, top: int = 0, echo: bool = False) -> Call:

@@ -209,8 +209,31 @@ def check_sampling_key(key: str) -> None:
         raise SamplingError(f"is not an SGLang {_installed()} sampling parameter ({', '.join(sorted(allowed))})", key)
 
 
+# Why neither SGLang lane constrains decoding (the local backend does: final/engine/grammar.py)
+NO_GRAMMAR = {
+    "verl06": "veRL 0.6.0 starts SGLang 0.5.2 with skip_tokenizer_init, where SGLang has no grammar backend (its "
+              "scheduler asserts one): use rollout.name: local",
+    "verl09": "the verl09 lane starts SGLang 0.5.12 with grammar_backend none: its xgrammar backend needs xgrammar "
+              "0.2.0, which this lane does not install, and its llguidance backend reads only legacy structural "
+              "tags; use rollout.name: local",
+}
+
+
+def refuse_constraints(params: dict) -> None:
+    """UnsupportedError naming the lane for a constraint key (json_schema, regex, ebnf, structural_tag): SGLang
+    would otherwise assert in its scheduler (0.5.2) or abort the row (0.5.12)."""
+    from final.errors import UnsupportedError
+    from final.sampling import CONSTRAINT_KEYS
+
+    for key in CONSTRAINT_KEYS:
+        if params.get(key) is not None:
+            raise UnsupportedError("sglang", key, f"not supported by the sglang backend ({compat.LANE} lane): "
+                                                  f"{NO_GRAMMAR[compat.LANE]}")
+
+
 def check_sampling_kwargs(kwargs: dict) -> None:
     """Per-call overrides become SGLang SamplingParams(**params): refuse what 0.5.2 would reject, by name."""
+    refuse_constraints(kwargs)
     for key in kwargs:
         if key == "seed":
             raise SamplingError("SGLang 0.5.2 has no per-request seed; set rollout.engine_kwargs.sglang.random_seed",

@@ -29,7 +29,7 @@ import psutil
 from final.engine.messages import Submission
 from final.errors import EngineError, PromptError, SamplingError, UnsupportedError
 from final.rollout.sglang.cartridges import SGLangCartridges, check_prefix_hit, flush_until_idle, shift_starts
-from final.rollout.sglang.config import check_sampling_key
+from final.rollout.sglang.config import check_sampling_key, refuse_constraints
 from final.rollout.sglang.procs import (POLL_S, ProcessWatch, cancel_all, keep_event_loop_policy, kill_processes,
                                         new_children)
 from final.rollout.thread import gather_or_cancel
@@ -45,6 +45,7 @@ def check_sampling_params(params: dict, vocab_size: int) -> None:
     request reaches the engine (SGLang raises TypeError / ValueError from its tokenizer manager)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    refuse_constraints(params)
     for key in params:
         check_sampling_key(key)
     try:

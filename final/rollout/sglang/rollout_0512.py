@@ -38,14 +38,15 @@ from typing import Any
 
 import torch
 
-from final.rollout.base import Capabilities
+from final.adapters import FolderBase, MergedAdapter, lora_keywords
+from final.rollout.base import Capabilities, constraint_notes
 from final.rollout.engine_rollout import EngineRollout
 from final.rollout.sglang.cartridges import ModelDims, SGLangCartridges
-from final.rollout.sglang.config import preflight, require_sglang, sglang_device, translate_config
+from final.rollout.sglang.config import NO_GRAMMAR, preflight, require_sglang, sglang_device, translate_config
 from final.rollout.sglang.engine_0512 import NO_SEED, DirectSGLangEngine
 from final.rollout.sglang.procs import survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
-from final.weights import check_update, hf_parameter_shapes, named_tensors
+from final.weights import check_update, hf_parameter_shapes
 
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ def server_args(config: Any, device: str) -> dict:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True)
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True, notes=(
+        ("adapter", "not served per request on this lane yet: serve an adapter merged (update_weights with the "
+                    "adapter) or on the local backend"),
+        *constraint_notes(f"{NO_GRAMMAR['verl09']} (the verl09 lane)")))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
@@ -93,6 +97,7 @@ class DirectSGLangRollout(EngineRollout):
                                                     notes=self.capabilities.notes + (("seed", NO_SEED),))
         self._device = device
         engine = DirectSGLangEngine(model_config.local_path, args, model_config.hf_config.vocab_size)
+        self.merged = MergedAdapter(FolderBase(model_config.local_path))  # a trainer's adapter, as merged weights
         super().__init__(config, model_config, engine)
         # the reserved ids come from the tokenizer EngineRollout loaded (ids past it first, never a special id)
         engine.cartridges = SGLangCartridges(engine, ModelDims.of(model_config.hf_config), len(self.tokenizer),
@@ -115,10 +120,14 @@ class DirectSGLangRollout(EngineRollout):
 
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
         """HF-named tensors, checked whole against the model's parameters, into SGLang's update_weights_from_tensor;
-        then the radix cache is flushed (cartridges injected again)."""
-        named = check_update(named_tensors(weights), hf_parameter_shapes(self.model_config.local_path))
+        then the radix cache is flushed (cartridges injected again). LoRA tensors are merged into their modules'
+        bases first (final/adapters/merge.py)."""
+        shapes = hf_parameter_shapes(self.model_config.local_path)
+        plan = self.merged.plan(weights, shapes, **lora_keywords(kwargs))
+        named = check_update(plan.named, shapes)
         share_tensors_safely()
         self.engine.update_weights(contiguous(named, self._device))
+        plan.commit()
 
 
 def build(engine_config: Any, rollout_config: Any, model_config: Any) -> DirectSGLangRollout:

@@ -36,18 +36,21 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from final import process_group as dist
+from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.errors import EngineError
-from final.rollout.base import Backend, Capabilities, Observer
-from final.rollout.sglang.config import check_sampling_kwargs, preflight, require_sglang, sglang_device, \
+from final.rollout.base import Backend, Capabilities, Observer, constraint_notes
+from final.rollout.sglang.config import NO_GRAMMAR, check_sampling_kwargs, preflight, require_sglang, sglang_device, \
     translate_config
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
 from final.rollout.sglang.weights import contiguous, share_tensors_safely
 from final.rollout.thread import RolloutThread
-from final.weights import check_update, hf_parameter_shapes, named_tensors
+from final.weights import check_update, hf_parameter_shapes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+ADAPTERS_052 = ("SGLang 0.5.2's LoRA runs on its triton kernels (CUDA) only and veRL 0.6.0's SGLangRollout sends no "
+                "lora_path: serve an adapter merged (update_weights with the adapter) or on the local backend")
 SPAWN_GUARD = ("SGLang starts its scheduler with multiprocessing 'spawn', which re-imports your main script; this "
                "process is that re-import. Create the engine under `if __name__ == \"__main__\":`.")
 
@@ -101,7 +104,9 @@ class SGLangRollout(Backend):
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),
         ("max_turns", "veRL 0.6.0's SGLangRollout runs only the tools of rollout.multi_turn.tool_config_path, "
                       "built when it starts; a call's own tools are offered and parsed (no max_turns), or run them "
-                      "on the local backend or the verl09 lane's sglang")))
+                      "on the local backend or the verl09 lane's sglang"),
+        *constraint_notes(f"{NO_GRAMMAR['verl06']} (the verl06 lane)"),
+        ("adapter", ADAPTERS_052)))
 
     @classmethod
     def preflight(cls, engine_config: Any) -> None:
@@ -119,6 +124,7 @@ class SGLangRollout(Backend):
         self.config, server_args = translate_config(config, _cuda_capability(device), have_flashinfer, gpus)
         self.device = device
         self._model_dir = model_config.local_path
+        self.merged = MergedAdapter(FolderBase(self._model_dir))  # a trainer's adapter, sent as merged weights
         self._dead: str | None = None
         self._closed = False
         self._rollout = None
@@ -168,10 +174,16 @@ class SGLangRollout(Backend):
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
         """veRL's own SGLangRollout.update_weights (buckets through SGLang's update_weights_from_tensor, then a
         radix-cache flush, which re-injects loaded cartridges), after the whole update is checked against the
-        model's HF parameters: a refused update reaches SGLang not at all."""
-        named = contiguous(check_update(named_tensors(weights), hf_parameter_shapes(self._model_dir)), self.device)
+        model's HF parameters: a refused update reaches SGLang not at all. LoRA tensors are merged here into their
+        modules' bases (final/adapters/merge.py) and sent as those modules' weights: veRL 0.6.0's class would
+        pass them to SGLang under names it does not know."""
+        shapes = hf_parameter_shapes(self._model_dir)
+        plan = self.merged.plan(weights, shapes, **lora_keywords(kwargs))
+        named = contiguous(check_update(plan.named, shapes), self.device)
         share_tensors_safely()
-        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(iter(named), **kwargs)))
+        rest = {k: v for k, v in kwargs.items() if k not in ("peft_config", "base_sync_done")}
+        self._call(lambda: self._thread.loop.run_until_complete(self._rollout.update_weights(iter(named), **rest)))
+        plan.commit()
 
     # ---- cartridges (EmbeddedEngine's interface) --------------------------------------------------------
     def load_cartridge(self, cartridge_id: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
