@@ -89,15 +89,11 @@ class InferenceEngine:
                  **options: Any) -> GenerationOutput:
         """Generate for a str, list[str], a message list, a list of message lists, or token ids.
 
-        options: prepare()'s (cartridge, tools_kwargs, raw, progress, adapter; tools, tool_choice,
-        parallel_tool_calls, response_format, chat_template_kwargs, max_turns) and the sampling keys (seed 003 plus
-        ours): temperature, top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop, stop_token_ids, ignore_eos,
-        logprobs, presence/frequency/repetition_penalty, min_new_tokens; top_logprobs=k (metadata "top_logprobs": the
-        k most likely (token id, logprob) at each generated token) and prompt_logprobs=True (metadata
-        "prompt_logprobs": every prompt token's; max_tokens may then be 0); the constraint keys json_schema, regex,
-        ebnf, structural_tag. adapter=NAME (or one name or None per prompt): a LoRA adapter from load_adapter. With
-        tools, `GenerationOutput.tool_calls` has each row's calls (its completion is the text before them); with
-        max_turns the calls run and the conversation goes on.
+        options: prepare()'s keywords and the sampling keys (seed 003 plus ours): temperature, top_p, top_k, min_p,
+        max_tokens, n, do_sample, seed, stop, stop_token_ids, ignore_eos, logprobs, presence_penalty,
+        frequency_penalty, repetition_penalty, min_new_tokens; top_logprobs=k (metadata "top_logprobs": the k most
+        likely (token id, logprob) at each generated token); prompt_logprobs=True (metadata "prompt_logprobs": every
+        prompt token's; max_tokens may then be 0); json_schema, regex, ebnf or structural_tag (a constraint).
         on_event sees each tool call and result of a multi-turn call as it happens."""
         return self.run(self.prepare(prompts, **options), on_event=on_event)
 
@@ -113,8 +109,7 @@ class InferenceEngine:
         tokens; Score.logprob sums the continuation's and Score.is_greedy says whether greedy decoding would
         produce it (lm-eval's loglikelihood). top_logprobs=k adds the k most likely tokens at every position.
         Prompts take generate()'s shapes (text gets the chat template unless raw=True); with a cartridge the
-        scores are conditional on it, at the positions generation uses. chat_template_kwargs: the template's
-        variables (e.g. {"enable_thinking": False})."""
+        scores are conditional on it, at the positions generation uses. chat_template_kwargs: template variables."""
         request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw,
                                      chat_template_kwargs=chat_template_kwargs)
         return request.scores(self.run(request).metadata)
@@ -137,15 +132,10 @@ class InferenceEngine:
                 progress: bool | None = None, adapter: Any = None, tools: Any = None, tool_choice: Any = None,
                 parallel_tool_calls: bool | None = None, response_format: dict | None = None,
                 chat_template_kwargs: dict | None = None, max_turns: int | None = None, **sampling: Any) -> Request:
-        """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both).
-        Raises the typed errors of final.errors; nothing has run when it does.
-
-        tools: OpenAI tool dicts, veRL BaseTools or Python functions (schema from type hints and docstring); the
-        chat template renders them (or the fallback prompt, final.chat_template). tool_choice: none | auto |
-        required | {"type": "function", "function": {"name": ...}}; parallel_tool_calls=False: one call at most.
-        max_turns: run the calls (functions, BaseTools) under the guarded executor and continue, up to this many
-        assistant turns (the multi-turn loop of tools.yaml). response_format: {"type": "json_object"} or
-        {"type": "json_schema", "json_schema": {"name", "schema"}}. chat_template_kwargs: template variables."""
+        """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both); the
+        typed errors of final.errors, raised before anything runs. adapter: a LoRA adapter's name (or one per prompt).
+        tools, tool_choice, parallel_tool_calls, max_turns, response_format, chat_template_kwargs: the tool-calling
+        guide (docs/guides/tool-calling.md); rows' calls in GenerationOutput.tool_calls, reasoning in .reasoning."""
         self._require_open()
         return prepare_call(prompts, self.rules, Reading.of(self.config), sampling=sampling, raw=raw,
                             cartridge=cartridge, tools_kwargs=tools_kwargs, progress=progress, adapter=adapter,

@@ -39,6 +39,7 @@ class ChatCall:
     max_turns: int | None = None
     keep_ids: tuple[int, ...] = ()
     tool_names: tuple[str, ...] = ()
+    constraint_field: str = "tool_choice"  # the field that asked for `constraint` (tool_choice or response_format)
 
     @property
     def runs_tools(self) -> bool:
@@ -178,8 +179,11 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
     kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else _loop_tools(rules, chat,
                                                                                                     tools_kwargs))
     adapters = adapters_per_prompt(adapter, len(items))
-    rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
-                             adapters=adapters is not None, call_tools=chat is not None and chat.runs_tools)
+    try:
+        rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
+                                 adapters=adapters is not None, call_tools=chat is not None and chat.runs_tools)
+    except UnsupportedError as exc:
+        raise _as_asked(exc, chat) from None
     check_adapters(adapters, rules.adapter_names, rules.backend, tools=kwargs is not None)
     if kwargs is not None and chat is not None and chat.options.template_kwargs and not rules.capabilities.call_tools:
         raise UnsupportedError(rules.backend, "chat_template_kwargs", f"the {rules.backend} backend's multi-turn "
@@ -197,9 +201,17 @@ def _with_constraint(sampling: dict[str, Any], chat: ChatCall | None) -> dict[st
         return sampling
     given = [k for k in CONSTRAINT_KEYS if sampling.get(k) is not None]
     if given:
-        field = "tool_choice" if "structural_tag" in chat.constraint else "response_format"
-        raise ToolsError(f"asks for a constraint and so does the sampling key {given[0]!r}: a call takes one", field)
+        raise ToolsError(f"asks for a constraint and so does the sampling key {given[0]!r}: a call takes one",
+                         chat.constraint_field)
     return {**sampling, **chat.constraint}
+
+
+def _as_asked(exc: UnsupportedError, chat: ChatCall | None) -> UnsupportedError:
+    """A backend's refusal of the constraint a call's tool_choice or response_format asked for, named as asked."""
+    if chat is None or exc.field not in chat.constraint:
+        return exc
+    return UnsupportedError(exc.backend, chat.constraint_field, f"needs constrained decoding ({exc.field}): "
+                            f"{exc.args[0]}")
 
 
 def _check_chat(items: list[Prompt], carts: list | None, chat: ChatCall | None) -> None:

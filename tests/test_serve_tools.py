@@ -1,8 +1,10 @@
 """OpenAI tool calling on a real `final serve` (SmolLM2, real HTTP on 127.0.0.1) driven by the official `openai`
 SDK: tools rendered by the fallback prompt, the model's call parsed into message.tool_calls (ids, JSON arguments,
-finish_reason "tool_calls"), tool_choice none, streaming tool calls accumulated by the SDK's stream helper and equal
-to the non-streaming answer, a tool-result turn, the fields clients send that change nothing (accepted) and the
-ones not served (refused naming them); and reasoning_content from a thinking model (message and stream deltas)."""
+finish_reason "tool_calls"), tool_choice none / auto / required / named (the last two constrained), streaming tool
+calls accumulated by the SDK's stream helper and equal to the non-streaming answer, a tool-result turn,
+response_format json_schema read by the SDK's parse() into a pydantic model, SGLang's json_schema on completions,
+the fields clients send that change nothing (accepted) and the ones not served (refused naming them); and
+reasoning_content from a thinking model (message and stream deltas)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from final.inf import InferenceEngine
@@ -102,6 +105,46 @@ def test_raw_stream_chunks_have_openais_delta_shape(smol_server):
     assert all(d["finish_reason"] is None for d in deltas[:-1])
 
 
+def test_required_and_named_tool_choice_are_constrained_calls(client):
+    plain = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = _ask(client, plain, tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    named = _ask(client, [{"role": "user", "content": "Hi!"}], tools=[WEATHER_TOOL],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    with client.chat.completions.stream(model="m", messages=plain, tools=[WEATHER_TOOL], tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.arguments == \
+        out.choices[0].message.tool_calls[0].function.arguments
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+    temperature_celsius: int
+    sunny: bool
+
+
+def test_response_format_json_schema_parses_into_the_model(client, smol_server):
+    out = client.chat.completions.parse(model="m", temperature=0, response_format=Weather, max_tokens=48,
+                                        messages=[{"role": "user", "content": "The weather in Paris, as JSON."}])
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Weather) and parsed.city
+    anything = _ask(client, [{"role": "user", "content": "Give me a JSON object."}], max_tokens=40,
+                    response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    raw = httpx.post(f"{smol_server.url}/v1/completions", timeout=600, json={  # SGLang's field, on completions
+        "model": "m", "prompt": "The number of days in a week, as JSON:", "max_tokens": 16, "temperature": 0,
+        "json_schema": schema}).json()
+    assert set(json.loads(raw["choices"][0]["text"])) == {"n"}
+
+
 def test_a_tool_result_turn_is_answered(client):
     plain = _ask(client, few_shot("London"), tools=[WEATHER_TOOL])
     call = plain.choices[0].message.tool_calls[0]
@@ -147,7 +190,7 @@ def test_reasoning_content_in_message_and_stream(thinking_server):
     out = client.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=10)
     message = out.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
-    assert reasoning and message.content is None or message.content == ""
+    assert reasoning and not message.content
     ref = inference.generate("hi", temperature=0, max_tokens=10)
     assert reasoning == ref.reasoning[0]
     stream = client.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=10, stream=True)

@@ -93,6 +93,13 @@ def _format_cases() -> list[tuple[dict, str]]:
               for s in ["object", 5, [], {"type": 5}, {"properties": 3}, {"required": "a"}, {"enum": 1}]]
     cases += [({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "strict": s}}},
                "response_format.json_schema.strict") for s in ["yes", 1]]
+    cases += [({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+               "response_format"),  # one constraint per request
+              ({"response_format": {"type": "json_object"}, "regex": "[a-z]+"}, "response_format"),
+              ({"tools": [WEATHER_TOOL], "tool_choice": "required", "ebnf": 'root ::= "a"'}, "tool_choice"),
+              ({"regex": "[a-z]+", "ebnf": 'root ::= "a"'}, "ebnf")]
+    cases += [({"regex": r}, "regex") for r in [5, ["a"], "(unclosed", ""]]
+    cases += [({"ebnf": e}, "ebnf") for e in [{}, "root ::= undefined_rule", "not a grammar ::= ::="]]
     return cases
 
 

@@ -66,6 +66,11 @@ def test_a_calls_own_tools_are_offered_in_one_turn_and_not_run(engine):
     with pytest.raises(UnsupportedError) as exc:
         engine.prepare("What is the weather in Oslo?", tools=[get_weather], max_turns=2)
     assert exc.value.backend == "sglang" and exc.value.field == "max_turns" and "tool_config_path" in str(exc.value)
+    for kwargs, field in [({"tool_choice": "required"}, "tool_choice"),
+                          ({"response_format": {"type": "json_object"}, "tools": None}, "response_format")]:
+        with pytest.raises(UnsupportedError) as exc:  # the constraint it needs, refused as the caller asked for it
+            engine.prepare("What is the weather in Oslo?", **{"tools": [get_weather], **kwargs})
+        assert exc.value.backend == "sglang" and exc.value.field == field and "constrained" in str(exc.value)
 
 
 def test_scoring_takes_veRLs_batch_path_where_tools_are_on(engine):

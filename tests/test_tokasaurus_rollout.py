@@ -195,6 +195,9 @@ def test_a_calls_own_tools_on_the_tokasaurus_backend(served, toka):
     with pytest.raises(UnsupportedError) as exc:
         toka.generate(PROMPTS[:1], tools=[get_weather], max_turns=2, max_tokens=4)
     assert exc.value.backend == "tokasaurus" and exc.value.field == "max_turns"
+    with pytest.raises(UnsupportedError) as exc:  # the constraint tool_choice required needs, named as asked
+        toka.prepare(PROMPTS[:1], tools=[get_weather], tool_choice="required")
+    assert exc.value.backend == "tokasaurus" and exc.value.field == "tool_choice"
     cfg = tiny_config(prompt_length=256, response_length=32, calculate_log_probs=False)
     cfg["rollout"].update(name="tokasaurus", custom={"tokasaurus_url": served.url, "max_retries": 0})
     with InferenceEngine(cfg) as loop:

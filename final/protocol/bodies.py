@@ -92,10 +92,15 @@ class _Sampling(_Strict):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    # SGLang's constraint fields (extra body): at most one per request, or response_format
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 class CompletionsRequest(_Sampling):
     prompt: Union[list[int], list[list[int]], str, list[str]]
+    json_schema: Optional[Union[str, dict[str, Any]]] = None  # SGLang's (a JSON schema, as text or an object)
+    response_format: Optional[dict[str, Any]] = None  # OpenAI's json_object / json_schema, as on chat
     best_of: Optional[int] = None
     echo: Optional[bool] = False
     logprobs: Optional[int] = None

@@ -22,7 +22,7 @@ from final.protocol.bodies import (IGNORED, UNSERVED, Cartridge, CartridgeChatCo
                                    CompletionsRequest, GenerateRequest)
 from final.protocol.cartridge_spec import MAX_PART_BYTES, REQUEST_CARTRIDGE_KEYS, check_cartridge_spec, shown
 from final.request import Request
-from final.sampling import check_params
+from final.sampling import CONSTRAINT_KEYS, check_params
 
 logger = logging.getLogger(__name__)
 _SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
@@ -64,7 +64,8 @@ def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] |
     # echo's logprobs are the prompt's own (one forward pass); with max_tokens 0 the call is scoring only
     sampling["prompt_logprobs"] = bool(req.echo) and (req.logprobs is not None or max_tokens == 0)
     # text is sent as is (the tokenizer's BOS, no chat template)
-    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **_adapter(adapter), **sampling)
+    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **_adapter(adapter),
+                                response_format=req.response_format, **sampling)
     return _call(request, req, chat=False, logprobs=req.logprobs is not None, top=k, echo=bool(req.echo))
 
 
@@ -185,6 +186,9 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
         check_params({"seed": out.pop("seed")})     # sends one always, which sglang would refuse); a bad one is still bad
     if getattr(req, "ignore_eos", False):
         out["ignore_eos"] = True
+    for key in CONSTRAINT_KEYS:  # SGLang's extra body fields (json_schema on completions; regex and ebnf on both)
+        if getattr(req, key, None) is not None:
+            out[key] = getattr(req, key)
     return out
 
 

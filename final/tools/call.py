@@ -20,8 +20,7 @@ from final.chat_template import SYNTAX, ChatOptions, check_template_kwargs, dete
 from final.errors import ToolsError
 from final.outputs import special_ids
 from final.request import CallRules, ChatCall, Request, prepare
-from final.sampling import SAMPLING_KEYS
-from final.tools.constraint import response_constraint, tool_constraint
+from final.tools.constraint import after_reasoning, response_constraint, tool_constraint
 from final.tools.parser import ToolCallParser, check_format
 from final.tools.reasoning import END, START, check_reasoning_parser, opens_reasoning, reasoning_enabled
 from final.tools.reply import ReplyPlan
@@ -77,17 +76,19 @@ def plan_call(tokenizer: Any, reading: Reading, *, tools: Any = None, tool_choic
     if spec is None and fmt is None and not kwargs and not thinking:
         return None
     family = reading.family(tokenizer)
-    constraint = {**tool_constraint(family, spec.schemas, choice, parallel)} if spec is not None else {}
+    constraint = tool_constraint(family, spec.schemas, choice, parallel) if spec is not None else {}
     json_keys = response_constraint(fmt)
     if constraint and json_keys:
         raise ToolsError("cannot hold one output to both a tool call and a JSON schema; drop one, or use "
                          "tool_choice auto", "response_format")
     constraint = constraint or json_keys
-    _check_served(constraint, choice, fmt)
+    if thinking and kwargs.get("enable_thinking") is not False:
+        constraint = after_reasoning(constraint)
     parser = ToolCallParser(family) if spec is not None and choice != "none" else None
     reply = ReplyPlan(parser, thinking, parallel, keep_ids=_keep_ids(tokenizer, family if parser else None, thinking))
     return ChatCall(ChatOptions(tuple(spec.schemas) if spec else None, family, kwargs), reply, constraint,
-                    spec.toolset if turns else None, turns, reply.keep_ids, tuple(spec.names()) if spec else ())
+                    spec.toolset if turns else None, turns, reply.keep_ids, tuple(spec.names()) if spec else (),
+                    "response_format" if json_keys else "tool_choice")
 
 
 def template_call(chat_template_kwargs: Any) -> ChatCall | None:
@@ -109,16 +110,6 @@ def _check_max_turns(value: Any, spec: Any) -> int | None:
         raise ToolsError(f"{missing[0]!r} is a schema with nothing to run it; with max_turns every tool must be a "
                          "Python function or a veRL BaseTool", "tools")
     return value
-
-
-def _check_served(constraint: dict, choice: Any, fmt: dict | None) -> None:
-    """A constraint this build's sampling does not take is refused naming the field that asked for it, never
-    dropped (a required call would silently come back as text)."""
-    missing = [k for k in constraint if k not in SAMPLING_KEYS]
-    if missing:
-        field = "response_format" if fmt is not None and fmt["type"] != "text" else "tool_choice"
-        raise ToolsError(f"needs constrained decoding ({missing[0]}), which this build of final does not serve yet",
-                         field)
 
 
 def _keep_ids(tokenizer: Any, family: str | None, thinking: bool) -> tuple[int, ...]:

@@ -10,6 +10,10 @@ JSON schema (`{"type": "object"}` where the tool declares `strict: false` or no 
   tool_choice "auto"      constrained only when a tool says `strict: true` (SGLang's rule); no call is required
   tool_choice "none"      nothing
 parallel_tool_calls false stops after the first call.
+
+A thinking model (reasoning parser on, thinking not turned off by enable_thinking=false) reasons first: its
+constraint becomes a sequence whose first part is free text up to `</think>` (xgrammar's builtin tags for Qwen3
+and DeepSeek-R1 do the same), so the reasoning is never held to the answer's grammar.
 """
 
 from __future__ import annotations
@@ -59,3 +63,16 @@ def response_constraint(response_format: dict | None) -> dict[str, Any]:
         return {"json_schema": json.dumps(ANY_OBJECT)}
     schema = response_format["json_schema"].get("schema") or ANY_OBJECT
     return {"json_schema": json.dumps(schema, ensure_ascii=False)}
+
+
+def after_reasoning(keys: dict[str, Any]) -> dict[str, Any]:
+    """A constraint (structural_tag or json_schema) that applies once the model has closed its <think> block."""
+    if not keys:
+        return keys
+    if "structural_tag" in keys:
+        inner = json.loads(keys["structural_tag"])["format"]
+    else:
+        inner = {"type": "json_schema", "json_schema": json.loads(keys["json_schema"])}
+    think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [think, inner]}}
+    return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
