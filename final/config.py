@@ -70,10 +70,8 @@ class EngineConfig:
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     # the cartridge sources HTTP requests to `final serve` may name (--cartridge-sources); local: under --cartridge-dir
     cartridge_sources: tuple[str, ...] = ("local",)
-    # how a call's tools are written and read (final/tools/parser.py; auto: from the tokenizer) and whether <think>
-    # reasoning is split from answers (final/tools/reasoning.py; auto: where the vocabulary has <think> and </think>)
-    tool_call_parser: str = "auto"
-    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"  # hermes, qwen25, llama3, mistral or auto (from the tokenizer): the tool-call format
+    reasoning_parser: str = "auto"  # auto (<think>, </think> are tokens), qwen3, deepseek_r1, none: reasoning_content
     source: str | None = None  # the file it came from, for messages
 
     @property

@@ -327,3 +327,29 @@ def test_incremental_detokenization_sends_what_the_whole_decode_reads(smol):
             got_new = "".join(new.update(ids[:k], final=k == len(ids)) for k in range(1, len(ids) + 1))
             got_old = "".join(old.update(ids[:k], final=k == len(ids)) for k in range(1, len(ids) + 1))
             assert got_new == want == got_old, (ids, stop)
+
+
+def test_config_keys_choose_the_parsers():
+    from final.config import load_config
+    from final.errors import ConfigError
+
+    cfg = load_config({"model_path": "m", "tool_call_parser": "llama3", "reasoning_parser": "none"})
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("llama3", "none")
+    assert load_config({"model_path": "m"}).tool_call_parser == "auto"
+    for key, value in [("tool_call_parser", "gpt-oss"), ("reasoning_parser", "kimi")]:
+        with pytest.raises(ConfigError) as err:
+            load_config({"model_path": "m", key: value})
+        assert err.value.key == key
+
+
+def test_after_reasoning_wraps_the_constraint():
+    from final.tools.constraint import after_reasoning
+
+    tags = tool_constraint("hermes", tool_spec([get_weather]).schemas, "required", True)
+    seq = json.loads(after_reasoning(tags)["structural_tag"])["format"]
+    assert seq["type"] == "sequence" and seq["elements"][0] == {"type": "tag", "begin": "", "content": {
+        "type": "any_text"}, "end": "</think>"}
+    assert seq["elements"][1] == json.loads(tags["structural_tag"])["format"]
+    wrapped = json.loads(after_reasoning({"json_schema": '{"type": "object"}'})["structural_tag"])["format"]
+    assert wrapped["elements"][1] == {"type": "json_schema", "json_schema": {"type": "object"}}
+    assert after_reasoning({}) == {}

@@ -6,7 +6,8 @@ final/rollout/tokasaurus.py speaks it over HTTP, so both backends share this one
 - the batch path (`SGLangRollout._batch_level_generate_sequences`): one submission of every row, each with
   its own seed and cartridges; the engine runs `assemble_batch` over the outputs on its own thread, so the
   call crosses threads twice (rows in, DataProto out);
-- the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable;
+- the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable, and for a call that runs
+  its own tools (final.outputs.CALL_TOOLS); a call that only offers tools takes the batch path (SINGLE_TURN);
 - `astream`: per-token updates of every row, merged in arrival order, where the engine can stream.
 A call whose meta_info asks for prompt logprobs / top-k alternatives (final.outputs.PROMPT_LOGPROBS, TOP_LOGPROBS)
 passes the engine SGLang's logprob_start_len=0 / top_logprobs_num, and always takes the batch path (scoring).

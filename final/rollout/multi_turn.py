@@ -11,7 +11,10 @@ malformed call JSON, unknown tool, a tool raising or hanging (tools.yaml timeout
 `multi_turn.max_parallel_calls` (veRL's SGLangRollout ignores this key; its ToolAgentLoop drops the extra calls).
 Tool output longer than `max_tool_response_length` is cut as ToolAgentLoop cuts it. `max_user_turns` bounds the
 number of tool-response rounds (ToolAgentLoop's meaning; veRL's SGLangRollout only applies it to interactions).
-Per-row cartridges (`non_tensor_batch["cartridges"]`) are passed to `async_generate(cartridges=...)`.
+Per-row cartridges (`non_tensor_batch["cartridges"]`) are passed to `async_generate(cartridges=...)`. A call's own
+tools (generate(tools=..., max_turns=N)) run here too: EngineRollout builds a MultiTurnRollout per such call with
+its ToolSet, call format and full schemas (final/rollout/multi_turn_call.py), and chat template variables ride in
+meta_info (final.outputs.TEMPLATE_KWARGS).
 """
 
 from __future__ import annotations
