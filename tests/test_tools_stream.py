@@ -256,7 +256,7 @@ def test_tool_choice_and_response_format_checks():
     assert err.value.field == "tool_choice"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = check_response_format({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
-    assert json.loads(response_constraint(fmt)["json_schema"]) == schema
+    assert json.loads(response_constraint(fmt)["json_schema"]) == {**schema, "additionalProperties": False}
     assert json.loads(response_constraint({"type": "json_object"})["json_schema"]) == {"type": "object"}
     for bad, field in [({"type": "xml"}, "response_format"), ({"type": "json_schema"}, "response_format.json_schema"),
                        ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": 5}}},
@@ -264,6 +264,23 @@ def test_tool_choice_and_response_format_checks():
         with pytest.raises(ToolsError) as err:
             check_response_format(bad)
         assert err.value.field == field
+
+
+def test_schemas_are_closed_as_xgrammar_strict_mode_reads_them():
+    from final.tools.constraint import closed
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "l": {"type": "array", "items": {"type": "object", "properties": {}}},
+                                               "open": {"type": "object", "additionalProperties": True,
+                                                        "properties": {}}},
+              "anyOf": [{"properties": {"x": {}}}], "$defs": {"d": {"type": "object", "properties": {}}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["l"]["items"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True  # said so: kept
+    assert out["anyOf"][0]["additionalProperties"] is False and out["$defs"]["d"]["additionalProperties"] is False
+    assert closed({"type": "object"}) == {"type": "object"}  # no properties listed: any object
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was
 
 
 def test_constraints_per_tool_choice():

@@ -4,7 +4,8 @@
 A call constraint is xgrammar's `triggered_tags` structural tag (SGLang's `get_structure_constraint`, xgrammar's
 builtin tags for llama / qwen_3): text is free until the model writes the format's trigger (`<tool_call>`,
 `<|python_tag|>`, `[TOOL_CALLS]`), then one of the offered tools' tags is enforced, its arguments held to the tool's
-JSON schema (`{"type": "object"}` where the tool declares `strict: false` or no parameters).
+JSON schema, closed (`closed`: no properties beyond those listed, as xgrammar's strict mode reads a schema;
+`{"type": "object"}` where the tool declares `strict: false` or no parameters).
   tool_choice "required"  every tool's tag, at least one call
   tool_choice {function}  that tool's tag only, at least one call, stopping after it
   tool_choice "auto"      constrained only when a tool says `strict: true` (SGLang's rule); no call is required
@@ -52,7 +53,7 @@ def tool_constraint(family: str, tools: list[dict], choice: Any, parallel: bool)
 def _arguments_schema(function: dict) -> dict:
     if function.get("strict") is False or not function.get("parameters"):
         return ANY_OBJECT
-    return function["parameters"]
+    return closed(function["parameters"])
 
 
 def response_constraint(response_format: dict | None) -> dict[str, Any]:
@@ -61,8 +62,34 @@ def response_constraint(response_format: dict | None) -> dict[str, Any]:
         return {}
     if response_format["type"] == "json_object":
         return {"json_schema": json.dumps(ANY_OBJECT)}
-    schema = response_format["json_schema"].get("schema") or ANY_OBJECT
+    schema = closed(response_format["json_schema"].get("schema") or ANY_OBJECT)
     return {"json_schema": json.dumps(schema, ensure_ascii=False)}
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """A schema whose objects that list `properties` take no others unless they say so (additionalProperties:
+    false): what xgrammar's strict mode, SGLang's default, reads a schema as, and what OpenAI's strict schemas
+    spell out. A constrained call then holds the arguments it describes, not the extra keys a small model invents."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def after_reasoning(keys: dict[str, Any]) -> dict[str, Any]:
