@@ -14,8 +14,10 @@ and the JSON form of the same requests (the expected function's arguments as a J
   json      asked for in the prompt, unconstrained
   json+schema  response_format json_schema (the function's parameters), constrained
 Reported per mode: valid (the response's calls parse, name offered tools and their arguments validate against the
-tool's schema, jsonschema; for JSON: the answer parses and validates) and right (the first call names the expected
-function). Figures do not depend on time; the run prints the command that made them.
+tool's schema, jsonschema; for JSON: the answer parses and validates), right (the first call names the expected
+function), ended (the model ended the response within --max-tokens) and valid/ended (valid among those: a
+constrained response that ran out of tokens is cut inside its call, not malformed). Figures do not depend on time;
+the run prints the command that made them.
 """
 
 from __future__ import annotations
@@ -51,21 +53,21 @@ def valid_args(tool: dict, arguments: str) -> bool:
     return isinstance(args, dict) and Draft202012Validator(tool["function"]["parameters"]).is_valid(args)
 
 
-def judge_calls(row: dict, tools: dict, meta: dict) -> tuple[bool, bool]:
+def judge_calls(row: dict, tools: dict, meta: dict) -> tuple[bool, bool, bool]:
     calls = (meta.get("message") or {}).get("tool_calls") or []
     ok = bool(calls) and not meta.get("tool_call_errors") and all(
         c["function"]["name"] in row["tools"] and valid_args(tools[c["function"]["name"]], c["function"]["arguments"])
         for c in calls)
-    return ok, bool(calls) and calls[0]["function"]["name"] == row["expected"]
+    return ok, bool(calls) and calls[0]["function"]["name"] == row["expected"], meta["finish_reason"] != "length"
 
 
-def judge_json(row: dict, tools: dict, text: str) -> tuple[bool, bool]:
+def judge_json(row: dict, tools: dict, text: str, meta: dict) -> tuple[bool, bool, bool]:
     ok = valid_args(tools[row["expected"]], text.strip())
-    return ok, ok
+    return ok, ok, meta["finish_reason"] != "length"
 
 
 async def run_mode(engine: InferenceEngine, tools: dict, rows: list[dict], mode: str, max_tokens: int) -> dict:
-    async def one(row: dict) -> tuple[bool, bool]:
+    async def one(row: dict) -> tuple[bool, bool, bool]:
         offered = [tools[n] for n in row["tools"]]
         messages = [{"role": "user", "content": row["prompt"]}]
         if mode in ("auto", "required"):
@@ -79,14 +81,16 @@ async def run_mode(engine: InferenceEngine, tools: dict, rows: list[dict], mode:
         kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "arguments", "schema": schema}}} \
             if mode == "json+schema" else {}
         out = await engine.agenerate(ask, temperature=0, max_tokens=max_tokens, **kw)
-        return judge_json(row, tools, out.completions[0])
+        return judge_json(row, tools, out.completions[0], out.metadata[0])
 
     try:
         results = await asyncio.gather(*(one(r) for r in rows))
     except FinalError as exc:  # a mode this build cannot serve (constrained decoding): say so, not a zero
         return {"mode": mode, "n": len(rows), "error": str(exc)}
-    return {"mode": mode, "n": len(rows), "valid": sum(v for v, _ in results) / len(rows),
-            "right": sum(r for _, r in results) / len(rows)}
+    ended = [v for v, _, e in results if e]
+    return {"mode": mode, "n": len(rows), "valid": sum(v for v, _, _ in results) / len(rows),
+            "right": sum(r for _, r, _ in results) / len(rows), "ended": len(ended) / len(rows),
+            "valid_of_ended": sum(ended) / len(ended) if ended else None}
 
 
 def main() -> int:
@@ -104,12 +108,14 @@ def main() -> int:
     with InferenceEngine(config) as engine:
         figures = [asyncio.run(run_mode(engine, tools, rows, m, args.max_tokens)) for m in args.modes]
     print(f"# {' '.join(sys.argv)}  (model {args.model}, split {args.split}, {len(rows)} requests, greedy)")
-    print(f"{'mode':<12} {'n':>3} {'valid':>7} {'right fn':>9}")
+    print(f"{'mode':<12} {'n':>3} {'valid':>7} {'right fn':>9} {'ended':>7} {'valid/ended':>12}")
     for f in figures:
         if "error" in f:
             print(f"{f['mode']:<12} {f['n']:>3}   not served: {f['error'][:90]}")
         else:
-            print(f"{f['mode']:<12} {f['n']:>3} {f['valid']:>6.0%} {f['right']:>9.0%}")
+            of_ended = "-" if f["valid_of_ended"] is None else f"{f['valid_of_ended']:.0%}"
+            print(f"{f['mode']:<12} {f['n']:>3} {f['valid']:>6.0%} {f['right']:>9.0%} {f['ended']:>7.0%} "
+                  f"{of_ended:>12}")
     if args.out:
         Path(args.out).write_text(json.dumps({"split": args.split, "model": args.model, "figures": figures}, indent=1))
     return 0
