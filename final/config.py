@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from final.chat_template import REASONING_PARSERS, TOOL_CALL_PARSERS
 from final.compat import check_mode
 from final.errors import ConfigError, SamplingError
 from final.models import model_positions
@@ -33,7 +34,7 @@ from final.protocol.cartridge_spec import check_cartridge_specs
 
 BACKENDS = ("auto", "local", "sglang", "tokasaurus")
 TOP_LEVEL = ("model_path", "tokenizer_path", "trust_remote_code", "rollout", "cartridges", "progress", "limits",
-             "replicas", "ray_address", "cartridge_sources")
+             "replicas", "ray_address", "cartridge_sources", "tool_call_parser", "reasoning_parser")
 PACKAGE_CONFIG = Path(__file__).parent / "configs" / "default.yaml"  # the default when there is no config.yaml
 PACKAGE_TOOLS = Path(__file__).parent / "configs" / "tools.yaml"
 LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": int, "quantization": str,
@@ -71,6 +72,8 @@ class EngineConfig:
     ray_address: str | None = None  # join this Ray cluster instead of starting a local one
     # the cartridge sources HTTP requests to `final serve` may name (--cartridge-sources); local: under --cartridge-dir
     cartridge_sources: tuple[str, ...] = ("local",)
+    tool_call_parser: str = "auto"  # hermes, qwen25, llama3, mistral or auto (from the tokenizer): the tool-call format
+    reasoning_parser: str = "auto"  # auto (<think>, </think> are tokens), qwen3, deepseek_r1, none: reasoning_content
     source: str | None = None  # the file it came from, for messages
 
     @property
@@ -220,7 +223,16 @@ def _validate(raw: dict, path: str | None) -> EngineConfig:
         replicas=check_replicas(raw.get("replicas", 1), path),
         ray_address=check_ray_address(raw.get("ray_address"), path),
         cartridge_sources=check_cartridge_sources(raw.get("cartridge_sources", ["local"]), path),
+        tool_call_parser=_choice(raw, "tool_call_parser", TOOL_CALL_PARSERS, path),
+        reasoning_parser=_choice(raw, "reasoning_parser", REASONING_PARSERS, path),
     )
+
+
+def _choice(raw: dict, key: str, choices: tuple[str, ...], path: str | None) -> str:
+    value = raw.get(key, "auto")
+    if value not in choices:
+        raise ConfigError(f"must be one of {', '.join(choices)}, got {value!r}", key=key, path=path)
+    return value
 
 
 def _check_limits(value: Any, path: str | None) -> Limits:

@@ -68,6 +68,17 @@ class SamplingError(FinalError, ValueError):
         super().__init__(f"sampling parameter '{field}': {message}" if field else message)
 
 
+class ToolsError(SamplingError):
+    """A call's tools, tool_choice, parallel_tool_calls, response_format, chat_template_kwargs or max_turns cannot be
+    served as given. `field` names it as the request sent it (`tools[1].function.parameters`, `tool_choice`,
+    `response_format.json_schema.schema`); HTTP 400 with that `param`."""
+
+    def __init__(self, message: str, field: str):
+        self.field = field
+        self.reason = message
+        ValueError.__init__(self, f"'{field}': {message}")
+
+
 class CartridgeError(FinalError, ValueError):
     """A cartridge file, manifest or request is wrong. `file` and `field` name the cause."""
 

@@ -28,10 +28,12 @@ from final.errors import CartridgeError, EngineError
 from final.models import cache_dir, eos_token_ids, model_positions, resolve_model_path
 from final.outputs import (ROW_INFO, Completion, GenerationOutput, Score, completion_text, completions_of,
                             raise_if_aborted)
-from final.request import CallRules, Request, prepare, prepare_score
+from final.request import CallRules, Request, prepare_score
 from final.rollout import Backend, backend_class, build_backend
 from final.rollout.thread import RolloutThread
+from final.tools.call import Reading, prepare_call, template_call
 from final.tools.outputs import conversation_rows
+from final.tools.reply import read_output
 from final.weight_sync import WeightSync
 
 __all__ = ["GenerationOutput", "InferenceEngine", "Request", "Score"]
@@ -83,60 +85,63 @@ class InferenceEngine:
         target = self.rollout.cartridge_target
         return target if isinstance(target, EmbeddedEngine) else None
 
-    def generate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                 progress: bool | None = None, on_event: Callable[[dict], None] | None = None,
-                 **sampling: Any) -> GenerationOutput:
+    def generate(self, prompts: Any, *, on_event: Callable[[dict], None] | None = None,
+                 **options: Any) -> GenerationOutput:
         """Generate for a str, list[str], a message list, a list of message lists, or token ids.
 
-        Sampling keys (seed 003 plus ours): temperature, top_p, top_k, min_p, max_tokens, n, do_sample, seed, stop,
-        stop_token_ids, ignore_eos, logprobs, presence/frequency/repetition_penalty, min_new_tokens; top_logprobs=k
-        (metadata "top_logprobs": the k most likely (token id, logprob) at each generated token) and
-        prompt_logprobs=True (metadata "prompt_logprobs": every prompt token's; max_tokens may then be 0);
-        adapter=NAME (or one name or None per prompt): a LoRA adapter from load_adapter.
+        options: prepare()'s keywords and the sampling keys (seed 003 plus ours): temperature, top_p, top_k, min_p,
+        max_tokens, n, do_sample, seed, stop, stop_token_ids, ignore_eos, logprobs, presence_penalty,
+        frequency_penalty, repetition_penalty, min_new_tokens; top_logprobs=k (metadata "top_logprobs": the k most
+        likely (token id, logprob) at each generated token); prompt_logprobs=True (metadata "prompt_logprobs": every
+        prompt token's; max_tokens may then be 0); json_schema, regex, ebnf or structural_tag (a constraint).
         on_event sees each tool call and result of a multi-turn call as it happens."""
-        request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
-                               **sampling)
-        return self.run(request, on_event=on_event)
+        return self.run(self.prepare(prompts, **options), on_event=on_event)
 
-    async def agenerate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                        progress: bool | None = None, on_event: Callable[[dict], None] | None = None,
-                        **sampling: Any) -> GenerationOutput:
+    async def agenerate(self, prompts: Any, *, on_event: Callable[[dict], None] | None = None,
+                        **options: Any) -> GenerationOutput:
         """Awaitable generate(); safe inside a running event loop (a Jupyter cell, a server)."""
-        request = self.prepare(prompts, cartridge=cartridge, tools_kwargs=tools_kwargs, raw=raw, progress=progress,
-                               **sampling)
-        return await self.arun(request, on_event=on_event)
+        return await self.arun(self.prepare(prompts, **options), on_event=on_event)
 
     def score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
-              raw: bool = False) -> list[Score]:
+              raw: bool = False, chat_template_kwargs: dict | None = None) -> list[Score]:
         """Log-probs of given text: per prompt, every token's log p(token | tokens before it) in one forward pass,
         nothing generated. continuations: one per prompt (text, token ids, or None), appended to the prompt's
         tokens; Score.logprob sums the continuation's and Score.is_greedy says whether greedy decoding would
         produce it (lm-eval's loglikelihood). top_logprobs=k adds the k most likely tokens at every position.
         Prompts take generate()'s shapes (text gets the chat template unless raw=True); with a cartridge the
-        scores are conditional on it, at the positions generation uses."""
-        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
+        scores are conditional on it, at the positions generation uses. chat_template_kwargs: template variables."""
+        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw,
+                                     chat_template_kwargs=chat_template_kwargs)
         return request.scores(self.run(request).metadata)
 
     async def ascore(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
-                     raw: bool = False) -> list[Score]:
+                     raw: bool = False, chat_template_kwargs: dict | None = None) -> list[Score]:
         """Awaitable score(); safe inside a running event loop."""
-        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw)
+        request = self.prepare_score(prompts, continuations, top_logprobs=top_logprobs, cartridge=cartridge, raw=raw,
+                                     chat_template_kwargs=chat_template_kwargs)
         return request.scores((await self.arun(request)).metadata)
 
     def prepare_score(self, prompts: Any, continuations: Any = None, *, top_logprobs: int = 0, cartridge: Any = None,
-                      raw: bool = False) -> Request:
+                      raw: bool = False, chat_template_kwargs: dict | None = None) -> Request:
         """score()'s checks and tokenization, nothing run (score() = prepare_score + run + Request.scores)."""
         self._require_open()
         return prepare_score(prompts, continuations, self.rules, top_logprobs=top_logprobs, raw=raw,
-                             cartridge=cartridge)
+                             cartridge=cartridge, chat=template_call(chat_template_kwargs))
 
     def prepare(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
-                progress: bool | None = None, adapter: Any = None, **sampling: Any) -> Request:
-        """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both).
-        Raises the typed errors of final.errors; nothing has run when it does."""
+                progress: bool | None = None, adapter: Any = None, tools: Any = None, tool_choice: Any = None,
+                parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+                chat_template_kwargs: dict | None = None, max_turns: int | None = None, **sampling: Any) -> Request:
+        """Validate and tokenize a call without running it (generate() = prepare + run; the server uses both); the
+        typed errors of final.errors, raised before anything runs. adapter: a LoRA adapter's name (or one per prompt).
+        tools, tool_choice, parallel_tool_calls, max_turns, response_format, chat_template_kwargs: the tool-calling
+        guide (docs/guides/tool-calling.md); rows' calls in GenerationOutput.tool_calls, reasoning in .reasoning."""
         self._require_open()
-        return prepare(prompts, self.rules, sampling=sampling, raw=raw, cartridge=cartridge,
-                       tools_kwargs=tools_kwargs, progress=progress, adapter=adapter)
+        return prepare_call(prompts, self.rules, Reading.of(self.config), sampling=sampling, raw=raw,
+                            cartridge=cartridge, tools_kwargs=tools_kwargs, progress=progress, adapter=adapter,
+                            chat={"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                                  "response_format": response_format, "chat_template_kwargs": chat_template_kwargs,
+                                  "max_turns": max_turns})
 
     @property
     def rules(self) -> CallRules:
@@ -197,11 +202,13 @@ class InferenceEngine:
         return list(self._tool_schemas)
 
     def text(self, completion: Completion, request: Request) -> str:
-        """What a user reads of a row: up to the first eos, special tokens skipped, cut before a stop string."""
+        """What a user reads of a row: up to the first eos, special tokens skipped (but those marking tool calls or
+        reasoning, for a call that reads them), cut before a stop string."""
         params = request.sampling.params
         return completion_text(self.tokenizer, completion.output_ids,
                                eos_ids=set(self.eos_token_ids) | set(params.get("stop_token_ids") or []),
-                               stop=request.sampling.stop, ignore_eos=bool(params.get("ignore_eos")))
+                               stop=request.sampling.stop, ignore_eos=bool(params.get("ignore_eos")),
+                               keep_ids=request.chat.keep_ids if request.chat is not None else ())
 
     def load_cartridge(self, id: str | None = None, source: str = "local", path: str | None = None,  # noqa: A002
                        force_redownload: bool = False, pin: bool = False, positions: str | None = None) -> str:
@@ -303,7 +310,8 @@ class InferenceEngine:
             infos = out.non_tensor_batch[ROW_INFO]
             meta = [{**r.to_metadata(), "finish_reason": info["finish_reason"], "prompt_tokens": info["prompt_tokens"],
                      "cached_tokens": info["cached_tokens"], **w} for r, info, w in zip(conv, infos, where)]
-            return GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n)
+            return read_output(GenerationOutput([r.final_text for r in conv], [r.response_ids for r in conv], meta, n),
+                               request.reply)
         rows = completions_of(out)
         raise_if_aborted(rows)
         if request.sampling.max_new_tokens == 0:
@@ -316,7 +324,8 @@ class InferenceEngine:
                  "matched": r.matched, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                  "completion_tokens": r.completion_tokens, **w, **self._logprobs(r, request.sampling)}
             meta.append(m)
-        return GenerationOutput([self.text(r, request) for r in rows], [r.output_ids for r in rows], meta, n)
+        return read_output(GenerationOutput([self.text(r, request) for r in rows], [r.output_ids for r in rows], meta,
+                                            n), request.reply)
 
     def _logprobs(self, row: Completion, sampling: Any) -> dict[str, Any]:
         """The logprob entries of a row's metadata that the call asked for (final.sampling.Sampling)."""

@@ -23,6 +23,9 @@ ROW_INFO = "final_row_info"  # meta_info flag and non_tensor_batch key
 TRACE_KEY = "final_tool_trace"  # meta_info flag: multi-turn adds non_tensor_batch["tool_calls"] (call records)
 PROMPT_LOGPROBS = "final_prompt_logprobs"  # meta_info flag: score every prompt token (SGLang's logprob_start_len=0)
 TOP_LOGPROBS = "final_top_logprobs"  # meta_info: k alternatives per position (SGLang's top_logprobs_num)
+SINGLE_TURN = "final_single_turn"  # meta_info flag: one assistant turn (tools offered, not run) even with tools.yaml
+CALL_TOOLS = "final_call_tools"  # meta_info: {"tools": ToolSet, "format", "max_turns", "schemas"}: this call's loop
+TEMPLATE_KWARGS = "final_template_kwargs"  # meta_info: chat template variables the multi-turn loop renders with
 Top = list[tuple[int, float]]  # the k most likely tokens at one position: (token id, logprob), most likely first
 
 
@@ -115,19 +118,32 @@ def raise_if_aborted(rows: Iterable[Completion]) -> None:
 
 
 def completion_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], stop: Sequence[str] = (),
-                    ignore_eos: bool = False) -> str:
-    """What the user reads: ids up to the first eos (unless ignore_eos), decoded without special tokens, cut
-    before the first stop string (SGLang's and OpenAI's trimming)."""
-    return cut_at_stop(raw_text(tokenizer, ids, eos_ids=eos_ids, ignore_eos=ignore_eos), stop)
+                    ignore_eos: bool = False, keep_ids: Iterable[int] = ()) -> str:
+    """What the user reads: ids up to the first eos (unless ignore_eos), decoded without special tokens but
+    `keep_ids` (the special tokens that mark tool calls or reasoning), cut before the first stop string (SGLang's
+    and OpenAI's trimming)."""
+    return cut_at_stop(raw_text(tokenizer, ids, eos_ids=eos_ids, ignore_eos=ignore_eos, keep_ids=keep_ids), stop)
 
 
-def raw_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], ignore_eos: bool = False) -> str:
+def raw_text(tokenizer: Any, ids: Sequence[int], *, eos_ids: Iterable[int], ignore_eos: bool = False,
+             keep_ids: Iterable[int] = ()) -> str:
     """The text of generated ids, cut before the first EOS id unless ignore_eos."""
     if not ignore_eos:
         eos = frozenset(eos_ids)
         cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
         ids = ids[:cut]
+    keep = frozenset(keep_ids)
+    if keep and keep.intersection(ids):  # skip_special_tokens would drop the markers: drop the other specials only
+        dropped = special_ids(tokenizer) - keep
+        return tokenizer.decode([t for t in ids if t not in dropped], skip_special_tokens=False)
     return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", 0)}
+    return frozenset(ids)
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -148,6 +164,17 @@ class GenerationOutput:
     def grouped(self) -> list[list[str]]:
         """Completions as one list of n samples per prompt."""
         return [self.completions[i:i + self.n] for i in range(0, len(self.completions), self.n)]
+
+    @property
+    def tool_calls(self) -> list[list[dict]]:
+        """Per row, the tool calls it made (a call with tools): OpenAI's shape, `{"id", "type": "function",
+        "function": {"name", "arguments": JSON string}}`; its completion is the text before them."""
+        return [list((m.get("message") or {}).get("tool_calls") or []) for m in self.metadata]
+
+    @property
+    def reasoning(self) -> list[str | None]:
+        """Per row, the <think> reasoning split from its answer (None: none; a thinking model only)."""
+        return [(m.get("message") or {}).get("reasoning_content") for m in self.metadata]
 
     def rows(self) -> list[Completion]:
         """Each row's record as a Completion (index = prompt * n + sample)."""

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from final.chat_template import ChatOptions, render_chat
 from final.compat import chat_ids
 from final.errors import CartridgeError, PromptError
 
@@ -80,31 +81,61 @@ def _check_message(message: dict, index: int, j: int) -> dict:
         raise PromptError(f"message {j} has no 'role'", index)
     if role not in ROLES:
         raise PromptError(f"message {j} has unknown role {role!r}; expected one of {', '.join(ROLES)}", index)
-    if "content" not in message:
+    calls = message.get("tool_calls")
+    if calls is not None:
+        _check_tool_calls(calls, role, index, j)
+    if "content" not in message and not calls:
         raise PromptError(f"message {j} has no 'content'", index)
-    content = message["content"]
-    if content is None and not message.get("tool_calls"):
+    content = message.get("content")
+    if content is None and not calls:
         raise PromptError(f"message {j} has content None and no tool_calls", index)
     if content is not None and not isinstance(content, str):
         raise PromptError(f"message {j} content must be a string, got {type(content).__name__}", index)
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise PromptError(f"message {j} {key} must be a string, got {type(message[key]).__name__}", index)
     return dict(message)
 
 
+def _check_tool_calls(calls: Any, role: str, index: int, j: int) -> None:
+    """An assistant message's OpenAI tool_calls: [{id, type: "function", function: {name, arguments}}]."""
+    where = f"message {j} tool_calls"
+    if role != "assistant":
+        raise PromptError(f"message {j}: only assistant messages carry tool_calls, not {role!r}", index)
+    if not isinstance(calls, list):
+        raise PromptError(f"{where} must be a list, got {type(calls).__name__}", index)
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise PromptError(f"{where}[{k}] must be an object with a 'function' object", index)
+        if call.get("type", "function") != "function":
+            raise PromptError(f"{where}[{k}].type must be 'function', got {call.get('type')!r:.40}", index)
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise PromptError(f"{where}[{k}].id must be a string", index)
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise PromptError(f"{where}[{k}].function.name must be a non-empty string", index)
+        arguments = fn.get("arguments")
+        if arguments is not None and not isinstance(arguments, (str, dict)):
+            raise PromptError(f"{where}[{k}].function.arguments must be a JSON string or an object, got "
+                              f"{type(arguments).__name__}", index)
+
+
 def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
-             after_cartridge: Sequence[bool] | None = None) -> list[list[int]]:
+             after_cartridge: Sequence[bool] | None = None, chat: ChatOptions | None = None) -> list[list[int]]:
     """Token ids per prompt (chat template with generation prompt for conversations).
 
     A prompt that follows a cartridge continues the cartridge's token stream: no BOS, and in chat form the
-    conversation after the document's system turn (continuation_ids). Conversations are rendered, then encoded
-    in one batch: the ids apply_chat_template(tokenize=True) gives, at about half its cost.
+    conversation after the document's system turn (continuation_ids). Conversations are rendered (final.chat_template:
+    the call's tools and template variables, the fallback where the template cannot render them), then encoded in
+    one batch: the ids apply_chat_template(tokenize=True) gives, at about half its cost.
     """
     out: list[list[int] | None] = [None] * len(prompts)
     chats = []
     vocab = len(tokenizer) if any(p.ids is not None for p in prompts) else 0  # once: see tokenize_continuations
     for i, p in enumerate(prompts):
         if after_cartridge is not None and after_cartridge[i] and p.ids is None:
-            chat = p.messages is not None
-            out[i] = continuation_ids(tokenizer, p.messages if chat else p.text, chat=chat)
+            is_chat = p.messages is not None
+            out[i] = continuation_ids(tokenizer, p.messages if is_chat else p.text, chat=is_chat)
         elif p.ids is not None:
             if max(p.ids) >= vocab:
                 raise PromptError(f"token id {max(p.ids)} is outside the vocabulary of {vocab}", i)
@@ -116,8 +147,12 @@ def tokenize(prompts: list[Prompt], tokenizer, prompt_length: int,
         else:
             out[i] = tokenizer(p.text)["input_ids"]
     if chats:
-        texts = [tokenizer.apply_chat_template(prompts[i].messages, add_generation_prompt=True, tokenize=False)
-                 for i in chats]
+        texts = []
+        for i in chats:
+            try:
+                texts.append(render_chat(tokenizer, prompts[i].messages, chat))
+            except PromptError as exc:
+                raise PromptError(str(exc), i) from None
         for i, ids in zip(chats, tokenizer(texts, add_special_tokens=False)["input_ids"]):
             out[i] = list(ids)
     for i, ids in enumerate(out):

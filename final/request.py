@@ -15,12 +15,35 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from final.adapters import adapters_per_prompt, check_adapters
-from final.errors import CartridgeError, ConfigError, PromptError, SamplingError
-from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, TRACE_KEY, Score, scores_of
+from final.chat_template import ChatOptions
+from final.errors import CartridgeError, ConfigError, PromptError, SamplingError, ToolsError, UnsupportedError
+from final.outputs import (CALL_TOOLS, PROMPT_LOGPROBS, ROW_INFO, SINGLE_TURN, TEMPLATE_KWARGS, TOP_LOGPROBS, TRACE_KEY,
+                           Score, scores_of)
 from final.prompts import (Prompt, build_dataproto, normalize_prompts, prompt_items, tokenize,
                            tokenize_continuations)
 from final.protocol.cartridge_spec import REQUEST_CARTRIDGE_KEYS, check_cartridge_name, check_cartridge_spec
-from final.sampling import Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
+from final.sampling import CONSTRAINT_KEYS, Limits, Sampling, check_top_logprobs, parse_sampling, row_seed
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """What a call adds to its conversations beyond sampling (final.tools.call.plan_call builds it): the rendering
+    (tools, call format, template variables), how its rows are read (`reply`: final.tools.reply.ReplyPlan, opaque
+    here), the constraint sampling keys it adds, and with max_turns the tools the multi-turn loop runs (`toolset`:
+    final.tools.registry.ToolSet). tool_names: the offered tools' names."""
+
+    options: ChatOptions
+    reply: Any = None
+    constraint: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    toolset: Any = None
+    max_turns: int | None = None
+    keep_ids: tuple[int, ...] = ()
+    tool_names: tuple[str, ...] = ()
+    constraint_field: str = "tool_choice"  # the field that asked for `constraint` (tool_choice or response_format)
+
+    @property
+    def runs_tools(self) -> bool:
+        return self.toolset is not None
 
 
 @dataclass
@@ -34,10 +57,16 @@ class Request:
     continuation_starts: list[int] | None = None  # scoring: where each prompt's continuation begins in ids
     score_top_logprobs: int = 0  # scoring: the alternatives the caller asked for (the call asks for >= 1)
     adapters: list[str | None] | None = None  # per prompt: a LoRA adapter's name (None: the base)
+    chat: ChatCall | None = None  # tools, template variables, output reading (ChatCall)
 
     @property
     def n(self) -> int:
         return self.sampling.n
+
+    @property
+    def reply(self) -> Any:
+        """How the call's rows are read (final.tools.reply.ReplyPlan), None: as plain text."""
+        return self.chat.reply if self.chat is not None else None
 
     @property
     def rows(self) -> int:
@@ -58,9 +87,12 @@ class Request:
         if self.sampling.seed is not None:
             params["seed"] = row_seed(self.sampling.seed, p0 * self.n + s0)  # the part's first row, globally
         cut = (lambda values: None if values is None else values[p0:p1])  # noqa: E731
+        chat = self.chat
+        if chat is not None and chat.reply is not None and getattr(chat.reply, "forced", None):
+            chat = dataclasses.replace(chat, reply=dataclasses.replace(chat.reply, forced=chat.reply.forced[p0:p1]))
         return Request(self.prompts[p0:p1], self.ids[p0:p1], dataclasses.replace(self.sampling, params=params, n=k),
                        cut(self.cartridges), cut(self.tools_kwargs), False, cut(self.continuation_starts),
-                       self.score_top_logprobs, cut(self.adapters))
+                       self.score_top_logprobs, cut(self.adapters), chat)
 
     def dataproto(self, pad_token_id: int, eos_token_ids: list[int], cartridge_ids: list[tuple[str, ...]] | None):
         """The veRL DataProto of this request: rows prompt-major (prompt i's samples are rows i*n .. i*n+n-1)."""
@@ -73,7 +105,8 @@ class Request:
             non_tensor["tools_kwargs"] = rep(self.tools_kwargs)
         if self.adapters is not None:
             non_tensor["adapters"] = rep(self.adapters)
-        meta = {"do_sample": self.sampling.do_sample, ROW_INFO: True, TRACE_KEY: self.tools_kwargs is not None}
+        meta = {"do_sample": self.sampling.do_sample, ROW_INFO: True, TRACE_KEY: self.tools_kwargs is not None,
+                **self._chat_meta()}
         if self.sampling.prompt_logprobs:
             meta[PROMPT_LOGPROBS] = True
         if self.sampling.top_logprobs:
@@ -81,6 +114,20 @@ class Request:
         eos = sorted(set(eos_token_ids) | set(self.sampling.params.get("stop_token_ids") or []))
         return build_dataproto(rep(self.ids), rep(self.prompts), pad_token_id, eos, meta_info=meta,
                                non_tensor=non_tensor)
+
+    def _chat_meta(self) -> dict:
+        """The meta_info a backend reads of a call's chat: the loop's tools (max_turns), or a single turn (tools
+        only parsed: no tools.yaml loop), and the template variables the multi-turn loop renders with."""
+        chat = self.chat
+        if chat is None:
+            return {}
+        meta: dict = {TEMPLATE_KWARGS: dict(chat.options.template_kwargs)} if chat.options.template_kwargs else {}
+        if chat.runs_tools:
+            meta[CALL_TOOLS] = {"tools": chat.toolset, "format": chat.options.family, "max_turns": chat.max_turns,
+                                "schemas": list(chat.options.tools or ())}
+        elif chat.options.tools is not None:
+            meta[SINGLE_TURN] = True
+        return meta
 
 
 @dataclass
@@ -105,11 +152,12 @@ class CallRules:
 
 def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bool = False, cartridge: Any = None,
             tools_kwargs: Any = None, progress: bool | None = None, continuations: Any = None,
-            adapter: Any = None) -> Request:
+            adapter: Any = None, chat: ChatCall | None = None) -> Request:
     """Validate and tokenize one call; raises the typed errors of final.errors, and nothing has run when it does.
-    continuations (scoring): token ids or text appended to each prompt's tokens."""
+    continuations (scoring): token ids or text appended to each prompt's tokens. chat: the call's tools, template
+    variables and constraint (final.tools.call.plan_call)."""
     limits = rules.limits
-    parsed = parse_sampling(sampling, response_length=rules.response_length, limits=limits)
+    parsed = parse_sampling(_with_constraint(sampling, chat), response_length=rules.response_length, limits=limits)
     items = normalize_prompts(prompts, raw=raw)
     if len(items) > limits.max_prompts:
         raise PromptError(f"{len(items)} prompts exceed limits.max_prompts={limits.max_prompts}")
@@ -118,34 +166,87 @@ def prepare(prompts: Any, rules: CallRules, *, sampling: dict[str, Any], raw: bo
                             f"limits.max_queued_rows={limits.max_queued_rows}", "n")
     _check_stop_ids(parsed, len(rules.tokenizer))
     carts = cartridges_per_prompt(cartridge, len(items))
+    _check_chat(items, carts, chat)
     ids = tokenize(items, rules.tokenizer, rules.prompt_length,
-                   after_cartridge=[bool(c) for c in carts] if carts else None)
+                   after_cartridge=[bool(c) for c in carts] if carts else None,
+                   chat=chat.options if chat is not None else None)
     starts = None
     if continuations is not None:  # a continuation takes the place of a response: at most response_length tokens
         starts = [len(i) for i in ids]
         ids = [i + c for i, c in zip(ids, tokenize_continuations(continuations, len(ids), rules.tokenizer,
                                                                   rules.response_length))]
     # a scoring call is no conversation: it takes the batch path even where tools are on
-    kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else rules.tool_names)
+    kwargs = _tools_kwargs(items, parsed, tools_kwargs, None if starts is not None else _loop_tools(rules, chat,
+                                                                                                    tools_kwargs))
     adapters = adapters_per_prompt(adapter, len(items))
-    rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
-                             adapters=adapters is not None)
+    try:
+        rules.capabilities.check(rules.backend, parsed, cartridges=carts is not None, tools=kwargs is not None,
+                                 adapters=adapters is not None, call_tools=chat is not None and chat.runs_tools)
+    except UnsupportedError as exc:
+        raise _as_asked(exc, chat) from None
     check_adapters(adapters, rules.adapter_names, rules.backend, tools=kwargs is not None)
-    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts, adapters=adapters)
+    if kwargs is not None and chat is not None and chat.options.template_kwargs and not rules.capabilities.call_tools:
+        raise UnsupportedError(rules.backend, "chat_template_kwargs", f"the {rules.backend} backend's multi-turn "
+                               "loop renders conversations its own way, without template variables")
+    request = Request(items, ids, parsed, carts, kwargs, continuation_starts=starts, adapters=adapters, chat=chat)
     _check_cartridges(request, rules)
     show = rules.progress if progress is None else progress
     request.show_progress = bool(show) and request.rows >= rules.progress_min_rows
     return request
 
 
+def _with_constraint(sampling: dict[str, Any], chat: ChatCall | None) -> dict[str, Any]:
+    """The call's sampling keys with its tools' / response_format's constraint (at most one per call)."""
+    if chat is None or not chat.constraint:
+        return sampling
+    given = [k for k in CONSTRAINT_KEYS if sampling.get(k) is not None]
+    if given:
+        raise ToolsError(f"asks for a constraint and so does the sampling key {given[0]!r}: a call takes one",
+                         chat.constraint_field)
+    return {**sampling, **chat.constraint}
+
+
+def _as_asked(exc: UnsupportedError, chat: ChatCall | None) -> UnsupportedError:
+    """A backend's refusal of the constraint a call's tool_choice or response_format asked for, named as asked."""
+    if chat is None or exc.field not in chat.constraint:
+        return exc
+    return UnsupportedError(exc.backend, chat.constraint_field, f"needs constrained decoding ({exc.field}): "
+                            f"{exc.args[0]}")
+
+
+def _check_chat(items: list[Prompt], carts: list | None, chat: ChatCall | None) -> None:
+    if chat is None or chat.options.tools is None and not chat.options.template_kwargs:
+        return
+    field = "tools" if chat.options.tools is not None else "chat_template_kwargs"
+    if any(p.messages is None for p in items):
+        raise ToolsError("are rendered by the chat template: give chat prompts (strings or message lists), not raw "
+                         "text or token ids", field)
+    if carts is not None and chat.options.tools is not None:
+        raise ToolsError("cannot go with a cartridge: a chat template renders tools in the system turn, which a "
+                         "cartridge stands for", "tools")
+
+
+def _loop_tools(rules: CallRules, chat: ChatCall | None, tools_kwargs: Any) -> list[str] | None:
+    """The tools a call's multi-turn loop runs: the call's own (max_turns), none where its tools are only parsed
+    (a single turn, also on an engine with tools.yaml), else the engine's (tools.yaml)."""
+    if chat is None or chat.options.tools is None:
+        return rules.tool_names
+    if chat.runs_tools:
+        return list(chat.tool_names)
+    if tools_kwargs is not None:
+        raise ToolsError("configure tools that run; these tools are only offered (give max_turns to run them)",
+                         "tools_kwargs")
+    return None
+
+
 def prepare_score(prompts: Any, continuations: Any, rules: CallRules, *, top_logprobs: int = 0, raw: bool = False,
-                  cartridge: Any = None) -> Request:
+                  cartridge: Any = None, chat: ChatCall | None = None) -> Request:
     """InferenceEngine.score's call: every token's logprob, the k best alternatives (at least one, for the greedy
     check), nothing generated, greedy (no seed or temperature moves a logprob)."""
     check_top_logprobs(top_logprobs, rules.limits)
     request = prepare(prompts, rules, sampling={"max_tokens": 0, "temperature": 0.0, "prompt_logprobs": True,
                                                 "top_logprobs": max(top_logprobs, 1)},
-                      raw=raw, cartridge=cartridge, progress=False,
+                      raw=raw, cartridge=cartridge, progress=False, chat=chat,
                       continuations=[None] * len(prompt_items(prompts)) if continuations is None else continuations)
     request.score_top_logprobs = top_logprobs
     return request

@@ -87,6 +87,12 @@ _RENAME = {11: "<tool_call>", 12: "</tool_call>"}
 
 def make_tool_model(src: str, dst: Path) -> str:
     """Copy the model folder `src` to `dst` as a Qwen2.5-style tool model (see module doc)."""
+    return renamed_model(src, dst, {i: (name, False) for i, name in _RENAME.items()}, QWEN25_TEMPLATE)
+
+
+def renamed_model(src: str, dst: Path, rename: dict[int, tuple[str, bool]], template: str) -> str:
+    """Copy the model folder `src` to `dst` with unused special tokens renamed (id -> (text, special)) and another
+    chat template; vocabulary size and weights unchanged (the weights are linked)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
         if f.name.endswith(".safetensors"):
@@ -95,23 +101,23 @@ def make_tool_model(src: str, dst: Path) -> str:
             shutil.copy(f, dst / f.name)
     tok = json.loads((dst / "tokenizer.json").read_text())
     for entry in tok["added_tokens"]:
-        if entry["id"] in _RENAME:
-            entry["content"], entry["special"] = _RENAME[entry["id"]], False
+        if entry["id"] in rename:
+            entry["content"], entry["special"] = rename[entry["id"]]
     vocab = tok["model"]["vocab"]
-    for old in [k for k, i in vocab.items() if i in _RENAME]:
+    for old in [k for k, i in vocab.items() if i in rename]:
         del vocab[old]
-    for i, name in _RENAME.items():
+    for i, (name, _) in rename.items():
         vocab[name] = i
     (dst / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
     # transformers 4 also writes the added tokens here; 5 keeps them in tokenizer.json only (and a folder
     # converted on one lane is read on the other: FINAL_CACHE is shared).
-    for i, name in _RENAME.items():
+    for i, (name, special) in rename.items():
         if str(i) in cfg.get("added_tokens_decoder", {}):
-            cfg["added_tokens_decoder"][str(i)].update(content=name, special=False)
+            cfg["added_tokens_decoder"][str(i)].update(content=name, special=special)
     cfg.pop("chat_template", None)
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-    (dst / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
+    (dst / "chat_template.jinja").write_text(template)
     return str(dst)
 
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "final"
 # runs it, so it sits below rollout, as verl.tools sits below verl.workers.rollout.
 LAYERS = [
     ("core", {"errors", "compat", "config", "models", "prompts", "sampling", "outputs", "request", "protocol",
-              "process_group", "weights", "versions", "admission", "adapters"}),
+              "process_group", "weights", "versions", "admission", "adapters", "chat_template"}),
     ("engine", {"engine"}),
     ("tools", {"tools"}),
     ("rollout", {"rollout"}),

@@ -64,7 +64,7 @@ CASES = [
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 3}, "top_logprobs"),                   # without logprobs: true
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "yaml"}}, "response_format"),
     ("/custom/cartridge/completions",
      {"model": "m", "prompt": "hi", "cartridges": [{"id": "/nonexistent/cart.pt", "source": "local"}]}, "cartridges"),
     ("/custom/cartridge/completions", {"model": "m", "prompt": "hi",

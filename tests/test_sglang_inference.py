@@ -52,6 +52,27 @@ def test_what_sglang_cannot_serve_is_refused_before_any_work(engine):
     assert engine.generate("hi", temperature=0, max_tokens=2).completions  # still serving
 
 
+def test_a_calls_own_tools_are_offered_in_one_turn_and_not_run(engine):
+    """generate(tools=[...]) on veRL 0.6.0's SGLangRollout: the tools rendered by the model's template, one turn on
+    veRL's batch path although tools.yaml's loop is on, the row read into an OpenAI message; max_turns (running the
+    call's own tools) is refused naming the backend and the field: veRL builds its tools when it starts."""
+    from tools_helpers import get_weather
+
+    request = engine.prepare("What is the weather in Oslo?", tools=[get_weather])
+    assert request.tools_kwargs is None and '"name": "get_weather"' in engine.tokenizer.decode(request.ids[0])
+    out = engine.generate("What is the weather in Oslo?", tools=[get_weather], temperature=0, max_tokens=8)
+    meta = out.metadata[0]
+    assert "messages" not in meta and meta["message"]["role"] == "assistant" and meta["completion_tokens"] > 0
+    with pytest.raises(UnsupportedError) as exc:
+        engine.prepare("What is the weather in Oslo?", tools=[get_weather], max_turns=2)
+    assert exc.value.backend == "sglang" and exc.value.field == "max_turns" and "tool_config_path" in str(exc.value)
+    for kwargs, field in [({"tool_choice": "required"}, "tool_choice"),
+                          ({"response_format": {"type": "json_object"}, "tools": None}, "response_format")]:
+        with pytest.raises(UnsupportedError) as exc:  # the constraint it needs, refused as the caller asked for it
+            engine.prepare("What is the weather in Oslo?", **{"tools": [get_weather], **kwargs})
+        assert exc.value.backend == "sglang" and exc.value.field == field and "constrained" in str(exc.value)
+
+
 def test_scoring_takes_veRLs_batch_path_where_tools_are_on(engine):
     """A scoring call is one forward pass per row, not a conversation: veRL's batch path even in multi-turn mode."""
     [score] = engine.score("What is 2+2?", " 4", top_logprobs=2)

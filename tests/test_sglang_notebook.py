@@ -34,7 +34,7 @@ def execute(nb, cwd: Path, env_path: str | None = None):
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs_generate_agenerate_a_cartridge_and_grpo():
+def test_quickstart_notebook_runs_generate_agenerate_a_cartridge_grpo_and_tools():
     nb = nbformat.read(REPO / "examples" / "quickstart.ipynb", as_version=4)
     out = execute(nb, REPO / "examples")
     assert "backend: local" in out[0]  # CPU: the embedded engine (SGLang on a CUDA machine)
@@ -45,6 +45,11 @@ def test_quickstart_notebook_runs_generate_agenerate_a_cartridge_and_grpo():
     assert cart == in_prompt  # the cartridge answers as the document in the prompt does
     # GRPO on the tiny model: each step's rows come from the version the last update made
     assert out[5].splitlines() == [f"step {i}: rows from version {i}, now serving {i + 1}" for i in range(3)]
+    # tool calling: the few-shot rows' calls parsed (London's is right at greedy), then the call run with max_turns
+    lines = out[6].splitlines()
+    assert lines[0] == "London -> [('get_weather', {'city': 'London'})]" and lines[-1].startswith("right calls: ")
+    assert out[7].splitlines()[0].startswith("['assistant', 'tool_call', 'tool_result', 'assistant'")
+    assert out[7].splitlines()[1] == "sunny in London"
 
 
 def test_sglang_rollout_from_notebook_cells(tmp_path):

@@ -179,3 +179,33 @@ def test_final_serve_on_the_tokasaurus_backend(served, toka):
         refused = httpx.post(f"{proxy.url}/custom/cartridge/completions", timeout=60, json={
             "model": "m", "prompt": "hi", "max_tokens": 2, "cartridges": [{"id": "x", "source": "local"}]})
         assert refused.status_code == 400 and "no cartridges" in refused.json()["error"]["message"]
+
+
+def test_a_calls_own_tools_on_the_tokasaurus_backend(served, toka):
+    """Per-call tools on Tokasaurus: offered and parsed as on the local backend (same prompt, same answer);
+    max_turns runs the loop over HTTP where rollout.calculate_log_probs is off, and is refused (naming the backend
+    and the field) where it is on, since the loop's scoring pass needs prompt logprobs the server does not give."""
+    from tools_helpers import get_weather
+
+    out = toka.generate(PROMPTS[:1], tools=[get_weather], temperature=0, max_tokens=12)
+    ref = served.inference.generate(PROMPTS[:1], tools=[get_weather], temperature=0, max_tokens=12)
+    def without_ids(message: dict) -> dict:  # call ids are unique per answer
+        return {**message, "tool_calls": [{**c, "id": None} for c in message.get("tool_calls", [])]}
+
+    assert out.token_ids == ref.token_ids and out.completions == ref.completions
+    assert without_ids(out.metadata[0]["message"]) == without_ids(ref.metadata[0]["message"])
+    with pytest.raises(UnsupportedError) as exc:
+        toka.generate(PROMPTS[:1], tools=[get_weather], max_turns=2, max_tokens=4)
+    assert exc.value.backend == "tokasaurus" and exc.value.field == "max_turns"
+    with pytest.raises(UnsupportedError) as exc:  # the constraint tool_choice required needs, named as asked
+        toka.prepare(PROMPTS[:1], tools=[get_weather], tool_choice="required")
+    assert exc.value.backend == "tokasaurus" and exc.value.field == "tool_choice"
+    cfg = tiny_config(prompt_length=256, response_length=32, calculate_log_probs=False)
+    cfg["rollout"].update(name="tokasaurus", custom={"tokasaurus_url": served.url, "max_retries": 0})
+    with InferenceEngine(cfg) as loop:
+        events = []
+        looped = loop.generate(PROMPTS[:1], tools=[get_weather], max_turns=2, temperature=0, max_tokens=8,
+                               on_event=events.append)
+        system = looped.metadata[0]["messages"][0]  # the fallback prompt: the tiny model's ChatML renders no tools
+        assert system["role"] == "system" and '"name": "get_weather"' in system["content"]
+        assert events[0]["type"] == "assistant" and events[-1]["type"] == "done"

@@ -14,6 +14,7 @@ model tokens per second (tokens the model wrote / wall time of generation), and 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -116,6 +117,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--response-length", type=int, default=None, help="override rollout.response_length")
     p.add_argument("--max-assistant-turns", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default=None, help="per-problem JSONL (default: gsm8k[_tools]_results.jsonl)")
     add_constraint_flag(p)
@@ -142,6 +145,16 @@ def overrides_from_args(args: Any) -> dict:
     return out
 
 
+def template_kwargs(args: Any) -> dict:
+    """--chat-template-kwargs as generate()'s chat_template_kwargs (a JSON object; checked by prepare)."""
+    if args.chat_template_kwargs is None:
+        return {}
+    try:
+        return {"chat_template_kwargs": json.loads(args.chat_template_kwargs)}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"must be a JSON object: {exc}", key="--chat-template-kwargs") from None
+
+
 def run_cli(args: Any) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", key="--batch-size")
@@ -154,7 +167,8 @@ def run_cli(args: Any) -> int:
         renders = bool(schemas) and template_renders_tools(engine.tokenizer, schemas)
         out = args.out or ("gsm8k_tools_results.jsonl" if schemas else "gsm8k_results.jsonl")
         cartridge = load_cartridges(engine, args.cartridge)
-        generator = EngineGenerator(engine, {"temperature": args.temperature, **constraint}, cartridge)
+        generator = EngineGenerator(engine, {"temperature": args.temperature, **constraint, **template_kwargs(args)},
+                                    cartridge)
         summary = evaluate(generator, problems, schemas, renders, args.batch_size, out, engine.tokenizer)
     print(f"backend: {engine.backend} ({engine.config.source or 'config dict'}), model: {engine.config.model_path}"
           + (f", cartridge: {' + '.join(cartridge)}" if cartridge else ""))

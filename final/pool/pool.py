@@ -40,7 +40,8 @@ from final.config import check_ray_address, check_replicas, load_config
 from final.errors import EngineError, ReplicaError
 from final.models import resolve_model_path
 from final.outputs import Completion, GenerationOutput, Score
-from final.request import CallRules, Request, prepare, prepare_score
+from final.request import CallRules, Request, prepare_score
+from final.tools.call import Reading, prepare_call
 from final.versions import PolicyVersions
 from final.weights import named_tensors
 from final.pool.chunks import assemble, plan_chunks
@@ -180,8 +181,8 @@ class ReplicaPool:
                 progress: bool | None = None, **sampling: Any) -> Request:
         """InferenceEngine.prepare: every check of a call (typed errors name the caller's prompt indices)."""
         self._require_open()
-        return prepare(prompts, self.rules, sampling=sampling, raw=raw, cartridge=cartridge,
-                       tools_kwargs=tools_kwargs, progress=progress)
+        return prepare_call(prompts, self.rules, Reading.of(self.config), sampling=sampling, raw=raw,
+                            cartridge=cartridge, tools_kwargs=tools_kwargs, progress=progress)
 
     def generate(self, prompts: Any, *, cartridge: Any = None, tools_kwargs: Any = None, raw: bool = False,
                  progress: bool | None = None, **sampling: Any) -> GenerationOutput:

@@ -6,6 +6,12 @@ CartridgeChatCompletionRequest (they forbid extra fields too). Defaults are Toka
 max_tokens=16 and temperature=1.0, chat temperature=0.7, cartridge source "wandb".
 Additions of ours, marked below: top_k, min_p, repetition_penalty (as vLLM/SGLang's OpenAI servers accept),
 a cartridge's `positions`, "s3" as a cartridge source (final.cartridges.sources), and /generate's body (seed 001's native protocol).
+
+Chat bodies also take OpenAI's tool-calling fields (tools, tool_choice, parallel_tool_calls, response_format), the
+chat template's variables (chat_template_kwargs, SGLang's and vLLM's field; reasoning_effort goes to the template as
+they pass it), and the fields OpenAI clients send that change nothing here (IGNORED: accepted, logged once per
+field, as vLLM logs ignored fields). Fields that would change the output and are not served (UNSERVED) are refused
+naming the field. The tool fields are checked by final.tools.spec (a 400 naming e.g. `tools[0].function.name`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,14 @@ class StreamOptions(_Strict):
     include_usage: Optional[bool] = False
 
 
+# OpenAI chat fields that change nothing a server without accounts, storage or tiers returns: accepted, ignored
+IGNORED = ("store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+           "safety_identifier", "prediction")
+# OpenAI chat fields that would change the output, and what is served instead
+UNSERVED = {"functions": "use tools", "function_call": "use tool_choice", "audio": "text only",
+            "verbosity": "not served", "web_search_options": "no web search here"}
+
+
 class _Sampling(_Strict):
     model: str
     frequency_penalty: Optional[float] = 0.0
@@ -78,10 +92,15 @@ class _Sampling(_Strict):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    # SGLang's constraint fields (extra body): at most one per request, or response_format
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 class CompletionsRequest(_Sampling):
     prompt: Union[list[int], list[list[int]], str, list[str]]
+    json_schema: Optional[Union[str, dict[str, Any]]] = None  # SGLang's (a JSON schema, as text or an object)
+    response_format: Optional[dict[str, Any]] = None  # OpenAI's json_object / json_schema, as on chat
     best_of: Optional[int] = None
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
@@ -90,20 +109,37 @@ class CompletionsRequest(_Sampling):
     temperature: Optional[float] = 1.0
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]]
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {...}} (checked by final.tools.spec)
+    response_format: Optional[dict[str, Any]] = None
     temperature: Optional[float] = 0.7
     apply_chat_template_overrides: Optional[dict[str, Any]] = None
+    # tool calling (OpenAI's fields; final.tools.spec checks their contents)
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # ours (SGLang's and vLLM's): the chat template's variables, e.g. {"enable_thinking": false}
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # a template variable
+    modalities: Optional[list[str]] = None  # ["text"] only
+    # accepted and ignored (IGNORED; metadata and user come with _Sampling)
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    # refused naming the field when given (UNSERVED)
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    web_search_options: Optional[Any] = None
 
 
 class CartridgeCompletionsRequest(CompletionsRequest):

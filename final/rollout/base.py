@@ -57,6 +57,7 @@ class Capabilities:
     top_logprobs: bool = True  # the k most likely tokens at each position
     cartridges: bool = False
     tools: bool = False  # multi-turn tool calling
+    call_tools: bool = False  # a call's own tools run in final's multi-turn loop (generate(tools=..., max_turns=...))
     tool_events: bool = False  # Observer.tool_event as calls happen
     streaming: bool = False  # astream yields every token (else each row once, complete)
     weight_updates: bool = True  # update_weights (checked whole first: final.weights), release/resume
@@ -66,14 +67,14 @@ class Capabilities:
     notes: tuple[tuple[str, str], ...] = ()  # (field, what to do instead) for the refusals
 
     def check(self, backend: str, sampling: Sampling, *, cartridges: bool = False, tools: bool = False,
-              adapters: bool = False) -> None:
+              adapters: bool = False, call_tools: bool = False) -> None:
         """Refuse, naming the backend and the field, what this backend cannot serve."""
         wanted = [("seed", sampling.seed is not None, self.seed), ("stop", bool(sampling.stop), self.stop_strings),
                   ("adapter", adapters, self.adapters),
                   ("prompt_logprobs", sampling.prompt_logprobs, self.prompt_logprobs),
                   ("top_logprobs", sampling.top_logprobs > 0, self.top_logprobs),
                   ("logprobs", sampling.logprobs, self.logprobs), ("cartridge", cartridges, self.cartridges),
-                  ("tools_kwargs", tools, self.tools)]
+                  ("tools_kwargs", tools, self.tools), ("max_turns", call_tools, self.call_tools)]
         notes = dict(self.notes)
         refused = [field for field, asked, served in wanted if asked and not served]
         refused += [key for key, value in sampling.params.items()

@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from final.errors import PromptError
-from final.outputs import PROMPT_LOGPROBS, ROW_INFO, TOP_LOGPROBS, row_infos
+from final.outputs import PROMPT_LOGPROBS, ROW_INFO, SINGLE_TURN, TOP_LOGPROBS, row_infos
 from final.prompts import object_array
 from final.sampling import row_seed
 
@@ -120,6 +120,12 @@ def logprob_request(prompts) -> dict[str, int]:
     if meta.get(TOP_LOGPROBS):
         args["top_logprobs_num"] = int(meta[TOP_LOGPROBS])
     return args
+
+
+def single_turn(prompts) -> bool:
+    """A call that takes the batch path (one engine request per row) even where multi-turn is on: scoring / top-k
+    (logprob_request) and a call whose tools are only offered (final.outputs.SINGLE_TURN)."""
+    return bool(logprob_request(prompts)) or bool(prompts.meta_info.get(SINGLE_TURN))
 
 
 def row_cartridges(prompts) -> list[tuple[str, ...]] | None:

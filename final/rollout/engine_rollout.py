@@ -6,7 +6,8 @@ final/rollout/tokasaurus.py speaks it over HTTP, so both backends share this one
 - the batch path (`SGLangRollout._batch_level_generate_sequences`): one submission of every row, each with
   its own seed and cartridges; the engine runs `assemble_batch` over the outputs on its own thread, so the
   call crosses threads twice (rows in, DataProto out);
-- the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable;
+- the multi-turn tool-calling path (final/rollout/multi_turn.py) when multi_turn.enable, and for a call that runs
+  its own tools (final.outputs.CALL_TOOLS); a call that only offers tools takes the batch path (SINGLE_TURN);
 - `astream`: per-token updates of every row, merged in arrival order, where the engine can stream.
 A call whose meta_info asks for prompt logprobs / top-k alternatives (final.outputs.PROMPT_LOGPROBS, TOP_LOGPROBS)
 passes the engine SGLang's logprob_start_len=0 / top_logprobs_num, and always takes the batch path (scoring).
@@ -20,9 +21,10 @@ from typing import Any, AsyncIterator
 import torch
 
 from final.errors import ToolConfigError, UnsupportedError
-from final.outputs import Completion
+from final.outputs import CALL_TOOLS, Completion
 from final.rollout.base import Backend, Observer
-from final.rollout.batch import assemble_batch, base_sampling_params, logprob_request, pad_token_id, plan_rows
+from final.rollout.batch import (assemble_batch, base_sampling_params, logprob_request, pad_token_id, plan_rows,
+                                 single_turn)
 from final.rollout.multi_turn import MultiTurnRollout
 
 
@@ -60,17 +62,32 @@ class EngineRollout(Backend):
     # ---- Backend ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
-        if self.multi_turn is not None and not logprob_request(prompts):
-            return self.multi_turn.generate_sequences(prompts, observer=observer, **kwargs)
+        loop = self._loop_for(prompts)
+        if loop is not None:
+            return loop.generate_sequences(prompts, observer=observer, **kwargs)
         return self._submit(prompts, observer, kwargs).result()
 
     async def agenerate_sequences(self, prompts: Any, *, observer: Observer | None = None, **kwargs: Any) -> Any:
-        if self.multi_turn is not None and not logprob_request(prompts):
-            return await self.multi_turn.agenerate_sequences(prompts, observer=observer, **kwargs)
+        loop = self._loop_for(prompts)
+        if loop is not None:
+            return await loop.agenerate_sequences(prompts, observer=observer, **kwargs)
         return await self._submit(prompts, observer, kwargs).wait()
 
+    def _loop_for(self, prompts: Any) -> Any:
+        """The multi-turn loop a call runs in: its own tools' (final.outputs.CALL_TOOLS: generate(tools=...,
+        max_turns=...)), none (scoring, tools only offered), or tools.yaml's."""
+        call = prompts.meta_info.get(CALL_TOOLS)
+        if call is not None:
+            if self.config.calculate_log_probs and not self.capabilities.prompt_logprobs:
+                raise UnsupportedError(self.name, "max_turns", "the multi-turn loop with rollout.calculate_log_probs "
+                                       "scores each conversation's tokens, which this backend cannot")
+            return MultiTurnRollout(self.engine, self.config, self.processing_class, tools=call["tools"],
+                                    fmt=call["format"], max_assistant_turns=call["max_turns"],
+                                    schemas=call["schemas"], flush_after_call=self.flush_after_multi_turn)
+        return None if single_turn(prompts) else self.multi_turn
+
     async def astream(self, prompts: Any, **kwargs: Any) -> AsyncIterator[Completion]:
-        if not self.capabilities.streaming or self.multi_turn is not None:
+        if not self.capabilities.streaming or self._loop_for(prompts) is not None:
             async for row in super().astream(prompts, **kwargs):
                 yield row
             return

@@ -21,8 +21,8 @@ from final.weights import check_update
 
 class LocalRollout(EngineRollout):
     name = "local"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True, adapters=True,
-                                sampling_keys=CONSTRAINED_KEYS)
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True,
+                                adapters=True, sampling_keys=CONSTRAINED_KEYS)
     # veRL flushes after every multi-turn call so no K/V of the old weights outlives an update; the embedded
     # engine's prefix cache is emptied by the update itself (and bounded by its budget), so a conversation that
     # goes on in the next call still finds its history

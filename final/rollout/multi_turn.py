@@ -11,7 +11,10 @@ malformed call JSON, unknown tool, a tool raising or hanging (tools.yaml timeout
 `multi_turn.max_parallel_calls` (veRL's SGLangRollout ignores this key; its ToolAgentLoop drops the extra calls).
 Tool output longer than `max_tool_response_length` is cut as ToolAgentLoop cuts it. `max_user_turns` bounds the
 number of tool-response rounds (ToolAgentLoop's meaning; veRL's SGLangRollout only applies it to interactions).
-Per-row cartridges (`non_tensor_batch["cartridges"]`) are passed to `async_generate(cartridges=...)`.
+Per-row cartridges (`non_tensor_batch["cartridges"]`) are passed to `async_generate(cartridges=...)`. A call's own
+tools (generate(tools=..., max_turns=N)) run here too: EngineRollout builds a MultiTurnRollout per such call with
+its ToolSet, call format and full schemas (final/rollout/multi_turn_call.py), and chat template variables ride in
+meta_info (final.outputs.TEMPLATE_KWARGS).
 """
 
 from __future__ import annotations
@@ -32,15 +35,16 @@ from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutReques
 
 from final.compat import unserved_multi_turn
 from final.errors import PromptError, SequenceError, ToolConfigError
-from final.outputs import ROW_INFO, TRACE_KEY
+from final.outputs import ROW_INFO, TEMPLATE_KWARGS, TRACE_KEY
 from final.prompts import object_array
 from final.sampling import row_seed
 from final.rollout.batch import (base_sampling_params, pad_token_id, request_sampling_params, row_cartridges,
                                  strip_left)
 from final.rollout.multi_turn_batch import collate, padding_request
+from final.rollout.multi_turn_call import FullToolSchema, call_messages, with_template_kwargs
 from final.rollout.thread import gather_or_cancel, run_until_complete
 from final.tools.executor import ToolExecutor
-from final.tools.parser import ParsedCall, ParseResult, ToolCallParser
+from final.tools.parser import ParsedCall, ParseResult, ToolCallParser, check_format
 from final.tools.registry import ToolSet, load_tools
 
 logger = logging.getLogger(__name__)
@@ -74,7 +78,11 @@ class _Rollout:
 
 class MultiTurnRollout:
     def __init__(self, engine: Any, config: Any, processing_class: Any, tools: ToolSet | None = None,
+                 fmt: str | None = None, max_assistant_turns: int | None = None, schemas: list[dict] | None = None,
                  flush_after_call: bool = True):
+        """tools / fmt / max_assistant_turns / schemas: a call's own tools (generate(tools=..., max_turns=...)),
+        their call format and full OpenAI schemas, instead of tools.yaml's and rollout.multi_turn's.
+        flush_after_call: veRL's flush_cache when a call ends (EngineRollout.flush_after_multi_turn says)."""
         mt = config.multi_turn
         unserved = unserved_multi_turn(mt)
         if unserved:
@@ -87,12 +95,13 @@ class MultiTurnRollout:
         self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self.tools = tools if tools is not None else load_tools(mt.tool_config_path) if mt.tool_config_path \
             else ToolSet()
-        self.parser = ToolCallParser.for_tokenizer(mt.format, processing_class) if len(self.tools) else None
+        self.parser = ToolCallParser.for_tokenizer(fmt or mt.format, processing_class) if len(self.tools) else None
+        self.schemas = {s["function"]["name"]: s for s in schemas or []}  # a call's tools, rendered whole
         self.executor = ToolExecutor(self.tools, mt.max_parallel_calls, mt.max_tool_response_length,
                                      mt.tool_response_truncate_side)
         # SGLangRollout._verify_config's defaults, kept here: veRL writes them into the config, which may be shared
         self.max_model_len = config.get("max_model_len", None) or config.prompt_length + config.response_length
-        self.max_assistant_turns = mt.max_assistant_turns or self.max_model_len // 3
+        self.max_assistant_turns = max_assistant_turns or mt.max_assistant_turns or self.max_model_len // 3
         self.max_user_turns = mt.max_user_turns or self.max_model_len // 3
         self.sampling_params = base_sampling_params(config)
         self.pad_token_id = pad_token_id(self.tokenizer)
@@ -106,8 +115,9 @@ class MultiTurnRollout:
         """SGLangRollout._req_level_generate_sequences on this engine. `observer` (final.rollout.base.Observer)
         sees each assistant turn, tool call, tool result and finished row as it happens."""
         meta = prompts.meta_info
-        call = _Call(request_sampling_params(self.sampling_params, self.config, meta, kwargs), observer)
-        rollouts = self._preprocess(prompts)
+        call = _Call(request_sampling_params(self.sampling_params, self.config, meta, kwargs), observer,
+                     with_template_kwargs(self.processing_class, meta.get(TEMPLATE_KWARGS)))
+        rollouts = self._preprocess(prompts, call.pc)
         if meta.get("validate", False):
             done = await gather_or_cancel([self._rollout(r, call) for r in rollouts])  # a failed row stops the rest
         else:
@@ -156,7 +166,7 @@ class MultiTurnRollout:
                 raise r
         return list(results)
 
-    def _preprocess(self, prompts: DataProto) -> list[_Rollout]:
+    def _preprocess(self, prompts: DataProto, pc: Any) -> list[_Rollout]:
         """SGLangRollout._preprocess_prompt_to_async_rollout_requests, with typed errors for bad rows."""
         ntb = prompts.non_tensor_batch
         if "raw_prompt" not in ntb:
@@ -171,8 +181,11 @@ class MultiTurnRollout:
                 raise PromptError("raw_prompt must be a non-empty list of messages", index=i)
             if len(self.tools):
                 tools_kwargs = self._row_tools_kwargs(ntb["tools_kwargs"][i], i)
-                schemas = [self.tools[k].get_openai_tool_schema() for k in tools_kwargs]
+                schemas = self._schemas(tools_kwargs)
                 input_ids = attention_mask = None
+                if self.schemas:  # a call's own tools: rendered as a single-turn call renders them
+                    raw_prompt = call_messages(self.tokenizer, list(raw_prompt), [self.schemas[k] for k in
+                                                                                 tools_kwargs], self.parser.format)
             else:
                 input_ids = strip_left(prompts.batch["input_ids"][i], self.pad_token_id)
                 attention_mask = strip_left(prompts.batch["attention_mask"][i], 0)
@@ -189,12 +202,16 @@ class MultiTurnRollout:
                                       self.config.prompt_length + self.config.response_length),
                     use_inference_chat_template=self.config.multi_turn.use_inference_chat_template,
                     tokenization_sanity_check_mode=self.config.multi_turn.tokenization_sanity_check_mode,
-                    processing_class=self.processing_class,
+                    processing_class=pc,
                 )
             except (ValueError, TypeError) as exc:  # pydantic ValidationError is a ValueError
                 raise PromptError(f"cannot build the conversation: {exc}", index=i) from exc
             out.append(_Rollout(req, cartridges[i] if cartridges is not None else None))
         return out
+
+    def _schemas(self, names: Any) -> list:
+        models = [self.tools[k].get_openai_tool_schema() for k in names]
+        return [FullToolSchema.of(m, self.schemas[k]) if k in self.schemas else m for k, m in zip(names, models)]
 
     def _row_tools_kwargs(self, value: Any, index: int) -> dict:
         if value is None:
@@ -220,7 +237,7 @@ class MultiTurnRollout:
         finish: Finish | None = None
         while finish is None and run.turns < self.max_assistant_turns:
             if req.state == State.PENDING:
-                await self._pending(req)
+                await self._pending(req, call.pc)
             elif req.state == State.TOOL_CALLING:
                 finish = await self._call_tools(run, call)
             elif req.state == State.RUNNING:
@@ -229,18 +246,18 @@ class MultiTurnRollout:
             finish = Finish.STOP
         rewards, errors = await self.executor.finish(req.request_id, req.tools_kwargs)
         run.trace.extend(errors)
-        req.finalize(self.processing_class, {**rewards, "user_turn_rewards": []}, finish)
+        req.finalize(call.pc, {**rewards, "user_turn_rewards": []}, finish)
         if self.config.calculate_log_probs:
             await self._score(req, r.cartridges)
         run.info["completion_tokens"] = int(req.response_loss_mask.sum())
         call.emit("done", req, turns=run.turns)
         return run
 
-    async def _pending(self, req: AsyncRolloutRequest) -> None:
+    async def _pending(self, req: AsyncRolloutRequest, pc: Any) -> None:
         if req.tool_schemas is not None:
             names = [s.function.name for s in req.tool_schemas]
             created = await self.executor.create_all(req.request_id, names, req.tools_kwargs)
-            req.add_tool_response_messages(self.processing_class, created)
+            req.add_tool_response_messages(pc, created)
         req.state = State.RUNNING
 
     async def _call_tools(self, run: _Rollout, call: "_Call") -> Finish | None:
@@ -255,7 +272,7 @@ class MultiTurnRollout:
         for c in run.pending:
             call.emit("tool_call", req, turn=run.turns, name=c.name, arguments=c.arguments, error=c.error)
         outcomes = await self.executor.execute_turn(req.request_id, run.pending, req.tools_kwargs, run.turns)
-        req.add_tool_response_messages(self.processing_class, [o.response for o in outcomes])
+        req.add_tool_response_messages(call.pc, [o.response for o in outcomes])
         for o in outcomes:
             run.trace.append({**o.trace, "message_index": assistant_index})
             call.emit("tool_result", req, **o.trace)
@@ -268,7 +285,7 @@ class MultiTurnRollout:
 
     async def _assistant_turn(self, run: _Rollout, call: "_Call") -> Finish | None:
         """Generate one assistant turn; parse its tool calls (veRL keeps only valid ones, we keep all)."""
-        req, pc = run.req, self.processing_class
+        req, pc = run.req, call.pc
         ids = req.get_generation_prompt_ids(pc)
         if len(ids) + 1 >= self.max_model_len:
             return Finish.LENGTH
@@ -328,6 +345,7 @@ class _Call:
 
     params: dict
     observer: Any = None
+    pc: Any = None  # the processing class this call renders with (its chat template variables)
 
     def row_params(self, row: int) -> dict:
         """Row i of the call samples with seed + i (final.sampling.row_seed), as on the batch path."""
@@ -361,9 +379,8 @@ def _check_multi_turn(mt: Any) -> None:
     if mt.tool_response_truncate_side not in ("left", "right", "middle"):
         raise ToolConfigError(f"must be left, right or middle, got {mt.tool_response_truncate_side!r}",
                               key="rollout.multi_turn.tool_response_truncate_side")
-    if mt.format not in (None, "auto", "hermes", "qwen25"):
-        raise ToolConfigError(f"unsupported tool-call format {mt.format!r}; choose hermes, qwen25 or auto",
-                              key="rollout.multi_turn.format")
+    if mt.format is not None:
+        check_format(mt.format)
 
 
 def _finish_reason(output: dict) -> Finish:

@@ -260,7 +260,7 @@ class TokasaurusRollout(EngineRollout):
     name = "tokasaurus"
     # tools run here against the remote model; no token streams, prompt logprobs or top-k alternatives over this
     # protocol: the server reports only the chosen tokens' logprobs (in system_fingerprint)
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, prompt_logprobs=False,
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, prompt_logprobs=False,
                                 top_logprobs=False, sampling_keys=BASIC_KEYS, weights_by_path=True, notes=(
                                     ("prompt_logprobs", LACKS), ("top_logprobs", LACKS),
                                     *constraint_notes(NO_GRAMMAR),

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from final.chat_template import REASONING_PARSERS, TOOL_CALL_PARSERS
 from final.cli import add_lora_arg, add_replica_args, load_adapters, open_engine
 from final.sampling import Limits
 
@@ -53,6 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="cartridge sources requests may name, of local,hf,s3,wandb (default: the config's "
                             "cartridge_sources, else local only: remote ones download with this server's credentials)")
     add_lora_arg(serve)
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how tool calls are written and read (config key tool_call_parser; default: the config's, "
+                            "else auto: from the tokenizer, as SGLang picks qwen25; docs/guides/tool-calling.md)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split <think> reasoning into reasoning_content (config key reasoning_parser; default: "
+                            "the config's, else auto: where <think> and </think> are tokens)")
     serve.add_argument("--weights-dir", default=None,
                        help="accept weight updates (POST /update_weights_from_disk) from HF folders or .safetensors "
                             "files under this folder (default: none, updates refused with 403)")
@@ -98,6 +105,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         overrides["limits"] = limits
     if args.cartridge_sources is not None:  # checked with the config (ConfigError naming cartridge_sources)
         overrides["cartridge_sources"] = args.cartridge_sources
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     with open_engine(args, **overrides) as inference:
         adapters = load_adapters(inference, args.lora)  # the OpenAI `model` field names them (GET /v1/models)
         print(f"final serve: {inference.config.model_path} on the {inference.backend} backend"

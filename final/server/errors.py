@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from final.errors import (BackendUnavailableError, CartridgeError, CartridgeSourceError, ConfigError, DeadlineError,
                           EngineError, FinalError, OverloadedError, PromptError, SamplingError, SequenceError,
-                          UnsupportedError)
+                          ToolsError, UnsupportedError)
 from final.models import cache_dir
 
 # The engine's SGLang names -> the request's OpenAI names, so `param` names what the client sent.
@@ -97,6 +97,8 @@ def from_final(exc: FinalError, prompt_param: str = "prompt") -> APIError:
         return APIError(503, message, code="engine_unavailable")
     if isinstance(exc, UnsupportedError):
         return APIError(400, message, param=_PARAM_NAMES.get(exc.field, exc.field), code="unsupported_parameter")
+    if isinstance(exc, ToolsError):
+        return APIError(400, message, param=exc.field, code="invalid_tools")
     if isinstance(exc, PromptError):
         return APIError(400, message, param=prompt_param, code="invalid_prompt")
     if isinstance(exc, SamplingError):

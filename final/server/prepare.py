@@ -9,6 +9,7 @@ logprobs before the completion's), `logprobs: k` and `max_tokens: 0` on completi
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from final.cartridges.sources import folder_file, sanitize_cartridge_id
-from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError
-from final.protocol.bodies import (Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest, CompletionsRequest,
-                                   GenerateRequest)
+from final.errors import CartridgeError, CartridgeSourceError, PromptError, SamplingError, UnsupportedError
+from final.protocol.bodies import (IGNORED, UNSERVED, Cartridge, CartridgeChatCompletionRequest, ChatCompletionRequest,
+                                   CompletionsRequest, GenerateRequest)
 from final.protocol.cartridge_spec import MAX_PART_BYTES, REQUEST_CARTRIDGE_KEYS, check_cartridge_spec, shown
 from final.request import Request
-from final.sampling import check_params
+from final.sampling import CONSTRAINT_KEYS, check_params
 
+logger = logging.getLogger(__name__)
 _SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
 
 
@@ -63,7 +65,8 @@ def completion_call(inference: Any, req: CompletionsRequest, specs: list[dict] |
     # echo's logprobs are the prompt's own (one forward pass); with max_tokens 0 the call is scoring only
     sampling["prompt_logprobs"] = bool(req.echo) and (req.logprobs is not None or max_tokens == 0)
     # text is sent as is (the tokenizer's BOS, no chat template)
-    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **_adapter(adapter), **sampling)
+    request = inference.prepare(req.prompt, raw=True, cartridge=specs, progress=False, **_adapter(adapter),
+                                response_format=req.response_format, **sampling)
     return _call(request, req, chat=False, logprobs=req.logprobs is not None, top=k, echo=bool(req.echo))
 
 
@@ -72,8 +75,7 @@ def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | No
     if req.top_logprobs is not None and not req.logprobs:
         raise SamplingError("needs logprobs: true", "top_logprobs")
     k = _top_count(inference, req.top_logprobs, "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise SamplingError(f"{req.response_format.type!r} is not supported (only 'text')", "response_format")
+    _unserved_and_ignored(req)
     if req.apply_chat_template_overrides:
         raise SamplingError("chat template overrides are not supported", "apply_chat_template_overrides")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -83,10 +85,38 @@ def chat_call(inference: Any, req: ChatCompletionRequest, specs: list[dict] | No
         max_tokens = inference.rollout_config.response_length
     if not req.messages:
         raise PromptError("messages is empty")
-    messages = [_flatten_content(m, j) for j, m in enumerate(req.messages)]
+    messages = [_chat_message(m, j) for j, m in enumerate(req.messages)]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # a template variable, as SGLang and vLLM pass it
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     request = inference.prepare([messages], cartridge=specs, progress=False, top_logprobs=k, **_adapter(adapter),
+                                tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                                response_format=req.response_format, chat_template_kwargs=kwargs or None,
                                 **_sampling(req, max_tokens, bool(req.logprobs) or req.logprobs_in_fingerprint))
     return _call(request, req, chat=True, logprobs=bool(req.logprobs), top=k)
+
+
+_ignored_logged: set[str] = set()
+
+
+def _unserved_and_ignored(req: ChatCompletionRequest) -> None:
+    """OpenAI fields that would change the answer and are not served: refused naming them. Fields that change
+    nothing here (store, service_tier, ...): accepted, and logged once per field, as vLLM logs ignored fields."""
+    for field, instead in UNSERVED.items():
+        if getattr(req, field, None) is not None:
+            raise UnsupportedError("final serve", field, f"is not served ({instead})")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise UnsupportedError("final serve", "modalities", f"only ['text'] is served, got {req.modalities!r:.80}")
+    for field in IGNORED:
+        if getattr(req, field, None) is not None and field not in _ignored_logged:
+            _ignored_logged.add(field)
+            logger.info("request field %r is accepted and ignored (it changes nothing this server returns)", field)
+
+
+def _chat_message(message: dict, j: int) -> dict:
+    """An OpenAI message as generate() takes it: content parts flattened, OpenAI's `developer` role as `system`."""
+    message = _flatten_content(message, j)
+    return {**message, "role": "system"} if message.get("role") == "developer" else message
 
 
 def generate_call(inference: Any, req: GenerateRequest, specs: list[dict] | None = None,
@@ -157,6 +187,9 @@ def _sampling(req: Any, max_tokens: int, logprobs: bool) -> dict[str, Any]:
         check_params({"seed": out.pop("seed")})     # sends one always, which sglang would refuse); a bad one is still bad
     if getattr(req, "ignore_eos", False):
         out["ignore_eos"] = True
+    for key in CONSTRAINT_KEYS:  # SGLang's extra body fields (json_schema on completions; regex and ebnf on both)
+        if getattr(req, key, None) is not None:
+            out[key] = getattr(req, key)
     return out
 
 

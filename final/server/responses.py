@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
-from final.outputs import Completion, GenerationOutput, cut_at_stop, raw_text
+from final.outputs import Completion, GenerationOutput, special_ids
 from final.protocol.fingerprint import make_fingerprint
 from final.server.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from final.server.prepare import Call
@@ -37,7 +37,9 @@ class Renderer:
             if call.echo:  # vLLM: the prompt as sent (token ids decoded), then the completion
                 prompt = call.request.prompts[r.index // call.request.n]
                 text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)) + text
-            content = {"message": {"role": "assistant", "content": text}} if call.chat else {"text": text}
+            # a call with tools or a thinking model: its rows were read (final/tools/reply.py) into OpenAI messages
+            message = out.metadata[r.index].get("message") or {"role": "assistant", "content": text}
+            content = {"message": message} if call.chat else {"text": text}
             choices.append({"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": logprobs})
         if call.chat:
             return self._envelope("chat.completion", "chatcmpl", call, choices, rows)
@@ -92,26 +94,67 @@ def usage(rows: list[Completion], n: int) -> dict[str, Any]:
 
 
 class TextDelta:
-    """Incremental text of one streaming choice: each update decodes the cumulative ids and returns what is new.
+    """Incremental text of one streaming choice: each update decodes only the tokens that arrived (with a window of
+    a few before them: vLLM's prefix/read offsets, so a token whose text depends on its left neighbour decodes as it
+    does in the whole), so a row of N tokens costs O(N), not the O(N^2) of re-decoding it at every update. What it
+    sends concatenates to the whole output's text (final.outputs.completion_text).
 
     Holds back an undecodable tail (a multi-byte character split across tokens) and, while unfinished, the last
     len(longest stop)-1 characters, so text that turns out to start a stop string is never sent."""
 
-    def __init__(self, tokenizer: Any, eos_ids: set[int], stop: tuple[str, ...], ignore_eos: bool):
+    def __init__(self, tokenizer: Any, eos_ids: set[int], stop: tuple[str, ...], ignore_eos: bool,
+                 keep_ids: Iterable[int] = ()):
         self.tokenizer, self.eos_ids, self.stop, self.ignore_eos = tokenizer, eos_ids, stop, ignore_eos
+        keep = frozenset(keep_ids)
+        self.dropped = special_ids(tokenizer) - keep if keep else frozenset()
+        self.skip = not keep  # no markers to keep: the tokenizer's own skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.longest = max((len(s) for s in stop), default=0)
         self.sent = 0
+        self.text = ""  # decoded text that no later token can change
+        self.ids: list[int] = []  # the row's ids decoded so far (up to the first eos, markers filtered)
+        self.seen = 0  # ids of the row consumed
+        self.ended = False  # an eos (or a stop string) ended the text
+        self.prefix = self.read = 0  # self.ids[prefix:read] is the decoded window before the new tokens
+        self.scanned = 0  # self.text[:scanned] holds no stop string
 
     def update(self, ids: list[int], final: bool) -> str:
-        raw = raw_text(self.tokenizer, ids, eos_ids=self.eos_ids, ignore_eos=self.ignore_eos)
-        text = cut_at_stop(raw, self.stop)
-        stopped = len(text) < len(raw)
-        end = len(text)
-        if not final and not stopped:
-            end = len(text) - self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
+        self._consume(ids)
+        self._decode(final)
+        self._cut_at_stop()
+        end = len(self.text) if final or self.ended else len(self.text) - self.hold
         if end <= self.sent:
             return ""
-        delta, self.sent = text[self.sent:end], end
+        delta, self.sent = self.text[self.sent:end], end
         return delta
+
+    def _consume(self, ids: list[int]) -> None:
+        for t in ids[self.seen:]:
+            if self.ended:
+                break
+            if t in self.eos_ids and not self.ignore_eos:
+                self.ended = True
+            elif t not in self.dropped:
+                self.ids.append(t)
+        self.seen = len(ids)
+
+    def _decode(self, final: bool) -> None:
+        if self.read == len(self.ids):
+            return
+        before = self._text(self.ids[self.prefix:self.read])
+        now = self._text(self.ids[self.prefix:])
+        if final or self.ended or (len(now) > len(before) and not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _cut_at_stop(self) -> None:
+        if not self.stop:
+            return
+        start = max(0, self.scanned - self.longest + 1)
+        hits = [p for p in (self.text.find(s, start) for s in self.stop) if p != -1]
+        if hits:
+            self.text, self.ended = self.text[:min(hits)], True
+        self.scanned = len(self.text)

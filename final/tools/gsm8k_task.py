@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from final.chat_template import FALLBACK_TOOLS, template_renders_tools as renders_tools
 from final.errors import ConfigError, PromptError
 
 DATA_SOURCE = "openai/gsm8k"
@@ -26,11 +27,7 @@ TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to 
                "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after step "
                "by step solving the question, before generate final answer at least once and refine your answer if "
                "necessary. Put your final answer in the format of `#### <answer>`.")
-HERMES_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
-                "function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-                "<args-json-object>}}\n</tool_call>")
+HERMES_TOOLS = FALLBACK_TOOLS  # the fallback prompt's text lives in final.chat_template
 
 @dataclass
 class Problem:
@@ -79,8 +76,6 @@ def build_messages(problem: Problem, tool_schemas: Sequence[dict] | None, templa
             {"role": "user", "content": f"{problem.question} {TOOL_INSTRUCTION}"}]
 
 
-def template_renders_tools(tokenizer: Any, tool_schemas: Sequence[dict]) -> bool:
-    probe = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    return plain != tokenizer.apply_chat_template(probe, tools=list(tool_schemas), tokenize=False,
-                                                  add_generation_prompt=True)
+def template_renders_tools(tokenizer: Any, tool_schemas: Sequence[dict] = ()) -> bool:
+    """Whether the chat template puts `tools` in the prompt (final.chat_template's probe)."""
+    return renders_tools(tokenizer)

@@ -35,7 +35,7 @@ from final.errors import EngineError, PromptError
 from final.outputs import ROW_INFO, TRACE_KEY, row_infos
 from final.prompts import object_array
 from final.rollout.sglang import scheduler as sglang_scheduler
-from final.rollout.batch import logprob_request, row_cartridges
+from final.rollout.batch import logprob_request, row_cartridges, single_turn
 from final.rollout.sglang.cartridges import (ModelDims, SGLangCartridges, check_prefix_hit, flush_until_idle,
                                              shift_starts)
 from final.rollout.sglang.procs import kill_processes, new_children
@@ -248,7 +248,7 @@ class InProcessSGLangRollout(verl_sglang.SGLangRollout):
         tokens = (BATCH_OUTPUTS.set(outputs), REQUEST_RECORD.set(None), LOGPROB_ARGS.set(extra or None))
         self._final_records = records
         try:
-            if extra:
+            if single_turn(prompts):  # scoring, or tools only offered: one turn, even with multi-turn on
                 out = self._batch_level_generate_sequences(prompts, **kwargs)
             else:
                 out = super().generate_sequences(prompts, **kwargs)

@@ -77,7 +77,7 @@ def server_args(config: Any, device: str) -> dict:
 
 class DirectSGLangRollout(EngineRollout):
     name = "sglang"
-    capabilities = Capabilities(cartridges=True, tools=True, tool_events=True, streaming=True,
+    capabilities = Capabilities(cartridges=True, tools=True, call_tools=True, tool_events=True, streaming=True,
                                 sampling_keys=CONSTRAINED_KEYS, notes=(
         ("adapter", "not served per request on this lane yet: serve an adapter merged (update_weights with the "
                     "adapter) or on the local backend"),))

@@ -102,6 +102,9 @@ class SGLangRollout(Backend):
     # a row made are in its metadata: engine_052 records them around the tools' execute)
     capabilities = Capabilities(seed=False, cartridges=True, tools=True, notes=(
         ("seed", "SGLang 0.5.2 has no per-request seed: set rollout.engine_kwargs.sglang.random_seed"),
+        ("max_turns", "veRL 0.6.0's SGLangRollout runs only the tools of rollout.multi_turn.tool_config_path, "
+                      "built when it starts; a call's own tools are offered and parsed (no max_turns), or run them "
+                      "on the local backend or the verl09 lane's sglang"),
         *constraint_notes(f"{NO_GRAMMAR} (the verl06 lane)"),
         ("adapter", ADAPTERS_052)))
 
