@@ -63,7 +63,42 @@ def llg_tokenizer(model_path: str, vocab_size: int, eos_ids: Iterable[int]) -> l
         levels = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
         if levels:
             backend["decoder"] = levels[0]
-    return llg.LLTokenizer(json.dumps(backend), n_vocab=vocab_size, eos_token=sorted(eos_ids))
+    return llg.LLTokenizer(json.dumps(plain_added_tokens(backend)), n_vocab=vocab_size, eos_token=sorted(eos_ids))
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: the character a byte-level BPE vocabulary writes for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
+def plain_added_tokens(backend: dict) -> dict:
+    """The tokenizer with its non-special added tokens (Qwen's <tool_call>, </tool_call>, <think>) moved into the
+    model's vocabulary. llguidance reads every added token as special (matched only by a grammar's <[id]>), but
+    HF encodes these from text and the model writes them as text: in a grammar's "<tool_call>" they are the
+    text's bytes, as xgrammar treats them. Only where the vocabulary can spell them (byte-level BPE, or ASCII
+    without spaces); any other stays special."""
+    model = backend.get("model") or {}
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        return backend
+    byte_level = (backend.get("pre_tokenizer") or {}).get("type") == "ByteLevel" or \
+        (backend.get("decoder") or {}).get("type") == "ByteLevel"
+    alphabet = _byte_level_alphabet() if byte_level else None
+    kept = []
+    for entry in backend.get("added_tokens") or []:
+        text = entry.get("content", "")
+        if entry.get("special", True) or not text:
+            kept.append(entry)
+        elif alphabet is not None:
+            vocab.setdefault("".join(alphabet[b] for b in text.encode("utf-8")), entry["id"])
+        elif text.isascii() and " " not in text:
+            vocab.setdefault(text, entry["id"])
+        else:
+            kept.append(entry)
+    backend["added_tokens"] = kept
+    return backend
 
 
 def grammar_text(key: str, text: str) -> str:
