@@ -265,12 +265,14 @@ def test_sigterm_drains_and_exits_0(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(prompt_length=64, response_length=3000)))
     proc = subprocess.Popen([sys.executable, "-m", "final.cli", "serve", "--config", str(config), "--port", "0",
-                             "--max-n", "2", "--grace", "300", "--log-level", "info"],
+                             "--max-n", "2", "--max-grammar-bytes", "64", "--grace", "300", "--log-level", "info"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         url = _server_url(proc)
         with httpx.Client(base_url=url, timeout=120) as http:
             assert "limits.max_n=2" in _error(http.post("/v1/completions", json={**GOOD, "n": 3}), 400)["message"]
+            too_big = http.post("/v1/completions", json={**GOOD, "regex": "a" * 100})
+            assert "limits.max_grammar_bytes=64" in _error(too_big, 400)["message"]
             lines: list[str] = []
             started = threading.Event()
             body = {**GOOD, "max_tokens": 3000, "ignore_eos": True, "stream": True}

@@ -30,6 +30,8 @@ LIMIT_FLAGS = (
     ("--max-top-logprobs", "max_top_logprobs", int, "most alternatives per token (logprobs: k, top_logprobs)"),
     ("--max-queued-rows", "max_queued_rows", int, "most rows queued in the engine; beyond, 429 with Retry-After"),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body; beyond, 413"),
+    ("--max-grammar-bytes", "max_grammar_bytes", int,
+     "largest constraint (json_schema, regex, ebnf, structural_tag, a response_format schema); beyond, 400"),
     ("--deadline", "deadline_s", float, "seconds a request may run before its rows are aborted (504)"),
     ("--max-cartridge-bytes", "max_cartridge_bytes", int, "bytes of loaded cartridges; beyond, LRU eviction"),
     ("--cartridge-fetch-timeout", "cartridge_fetch_s", float,
