@@ -41,6 +41,15 @@ LOCAL_ENGINE_KEYS = {"device": str, "max_prefill_tokens": int, "random_seed": in
                      "prefix_cache": bool, "prefix_cache_mb": int}  # final/engine/prefix_cache.py
 LOCAL_QUANTIZATIONS = ("int8", "bf16")  # engine_kwargs.local.quantization (null: the model dtype); final/engine/linear.py
 
+# rollout.multi_turn keys of final's own, beside veRL's MultiTurnConfig fields (its dataclass refuses other keys):
+# checked here, kept out of veRL's dataclass and set on its multi_turn object, where multi_turn_option reads them.
+# key: (type, default)
+MULTI_TURN_KEYS: dict[str, tuple[type, Any]] = {
+    # hold every tool call the policy starts to a call of one of the row's tools, its arguments to the tool's schema
+    # (tool_choice auto with every tool strict: text stays free); needs a backend that decodes under a grammar
+    "constrain_tool_calls": (bool, False),
+}
+
 # Our defaults on top of RolloutConfig's (seed 003's working single-GPU config).
 ROLLOUT_DEFAULTS: dict[str, Any] = {
     "name": "auto",
@@ -93,10 +102,16 @@ class EngineConfig:
 
         values = {k: v for k, v in self.rollout.items() if k != "custom"}
         values["name"] = self.backend
+        multi_turn, ours = split_multi_turn(values.get("multi_turn"))
+        if multi_turn is not None:
+            values["multi_turn"] = multi_turn
         try:
-            return omega_conf_to_dataclass(values, dataclass_type=RolloutConfig)
+            config = omega_conf_to_dataclass(values, dataclass_type=RolloutConfig)
         except Exception as exc:  # omegaconf's own type errors, re-raised with our key path
             raise ConfigError(f"veRL rejected the rollout section: {exc}", key="rollout", path=self.source) from exc
+        for key, value in ours.items():  # a new attribute: veRL's BaseConfig freezes only its fields
+            setattr(config.multi_turn, key, value)
+        return config
 
     def model_config(self, local_path: str):
         """veRL's HFModelConfig for a resolved local model folder."""
@@ -121,6 +136,19 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={max_model_len} is below prompt_length + response_length = {total}",
                               key="rollout.max_model_len", path=self.source)
         return max_model_len
+
+
+def split_multi_turn(section: Any) -> tuple[Any, dict[str, Any]]:
+    """A rollout.multi_turn section -> (veRL's part, final's MULTI_TURN_KEYS set in it)."""
+    if not isinstance(section, dict):
+        return section, {}
+    return ({k: v for k, v in section.items() if k not in MULTI_TURN_KEYS},
+            {k: v for k, v in section.items() if k in MULTI_TURN_KEYS})
+
+
+def multi_turn_option(multi_turn: Any, key: str) -> Any:
+    """A MULTI_TURN_KEYS value on veRL's MultiTurnConfig (EngineConfig.rollout_config sets them), else its default."""
+    return getattr(multi_turn, key, MULTI_TURN_KEYS[key][1])
 
 
 def default_config_path() -> Path:
@@ -282,7 +310,12 @@ def check_ray_address(value: Any, path: str | None = None) -> str | None:
 def _check_rollout(rollout: dict, path: str | None) -> None:
     from verl.workers.config import RolloutConfig
 
-    _check_fields(rollout, RolloutConfig, "rollout.", path, skip={"name"})
+    multi_turn, ours = split_multi_turn(rollout.get("multi_turn"))
+    for key, value in ours.items():
+        kind = MULTI_TURN_KEYS[key][0]
+        if not _matches(value, kind):
+            raise ConfigError(f"must be {_describe(kind)}, got {value!r}", key=f"rollout.multi_turn.{key}", path=path)
+    _check_fields({**rollout, "multi_turn": multi_turn}, RolloutConfig, "rollout.", path, skip={"name"})
     _check_sampling_defaults(rollout, path)
     if rollout["name"] not in BACKENDS:
         raise ConfigError(f"must be one of {', '.join(BACKENDS)}, got {rollout['name']!r}", key="rollout.name", path=path)

@@ -132,6 +132,9 @@ def config_reference() -> str:
         ours = config.ROLLOUT_DEFAULTS.get(f.name, dataclasses.MISSING)
         default = f"`{ours!r}` (final's)" if ours is not dataclasses.MISSING else _default(f)
         out.append(f"| `rollout.{f.name}` | {_cell(default)} |")
+    out += ["", "### `rollout.multi_turn`: final's keys beside veRL's `MultiTurnConfig`\n",
+            "| key | type | default |", "|---|---|---|"]
+    out += [f"| `rollout.multi_turn.{k}` | `{t.__name__}` | `{d!r}` |" for k, (t, d) in config.MULTI_TURN_KEYS.items()]
     out += ["", "### `rollout.engine_kwargs.local` (the embedded engine)\n", "| key | type |", "|---|---|"]
     out += [f"| `{k}` | `{t.__name__}` |" for k, t in config.LOCAL_ENGINE_KEYS.items()]
     out.append(f"\n`quantization`: {', '.join(f'`{q}`' for q in config.LOCAL_QUANTIZATIONS)} or null.\n")

@@ -27,7 +27,8 @@ from typing import Any, AsyncIterator, ClassVar, Protocol
 
 from verl.workers.rollout.base import BaseRollout
 
-from final.errors import UnsupportedError
+from final.config import multi_turn_option
+from final.errors import ToolConfigError, UnsupportedError
 from final.outputs import Completion, completions_of
 from final.sampling import CONSTRAINT_KEYS, Sampling
 
@@ -46,6 +47,17 @@ CONSTRAINED_KEYS = ALL_KEYS | frozenset(CONSTRAINT_KEYS)
 def constraint_notes(why: str) -> tuple[tuple[str, str], ...]:
     """Capabilities.notes for a backend that cannot constrain decoding: why, and what would serve it."""
     return tuple((key, why) for key in CONSTRAINT_KEYS)
+
+
+def check_constrained_calls(backend: str, capabilities: "Capabilities", config: Any) -> None:
+    """Refuse rollout.multi_turn.constrain_tool_calls at start where the backend cannot decode under a grammar."""
+    mt = config.multi_turn
+    if not (mt.enable and multi_turn_option(mt, "constrain_tool_calls")) or \
+            "structural_tag" in capabilities.sampling_keys:
+        return
+    note = dict(capabilities.notes).get("structural_tag")
+    raise ToolConfigError(f"needs constrained decoding (structural_tag), which the {backend} backend cannot serve"
+                          + (f": {note}" if note else ""), key="rollout.multi_turn.constrain_tool_calls")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 
 from final.errors import ToolConfigError, UnsupportedError
 from final.outputs import CALL_TOOLS, Completion
-from final.rollout.base import Backend, Observer
+from final.rollout.base import Backend, Observer, check_constrained_calls
 from final.rollout.batch import (assemble_batch, base_sampling_params, logprob_request, pad_token_id, plan_rows,
                                  single_turn)
 from final.rollout.multi_turn import MultiTurnRollout
@@ -51,6 +51,7 @@ class EngineRollout(Backend):
         self.pad_token_id = pad_token_id(self.tokenizer)
         self.sampling_params = base_sampling_params(config)
         self.multi_turn = None
+        check_constrained_calls(self.name, self.capabilities, config)
         if config.multi_turn.enable:  # built now so a bad tools.yaml fails at start, not at the first request
             if config.calculate_log_probs and not self.capabilities.prompt_logprobs:
                 raise ToolConfigError(f"multi-turn with calculate_log_probs scores each conversation's tokens, "

@@ -11,6 +11,9 @@ malformed call JSON, unknown tool, a tool raising or hanging (tools.yaml timeout
 `multi_turn.max_parallel_calls` (veRL's SGLangRollout ignores this key; its ToolAgentLoop drops the extra calls).
 Tool output longer than `max_tool_response_length` is cut as ToolAgentLoop cuts it. `max_user_turns` bounds the
 number of tool-response rounds (ToolAgentLoop's meaning; veRL's SGLangRollout only applies it to interactions).
+With `rollout.multi_turn.constrain_tool_calls` (final's key, off by default) each assistant turn samples under
+tool_choice "auto" with every tool strict (final.tools.constraint.calls_constraint): text is free, and any call the
+policy starts is a call of one of its row's tools with arguments that validate, so no rollout holds a malformed call.
 Per-row cartridges (`non_tensor_batch["cartridges"]`) are passed to `async_generate(cartridges=...)`. A call's own
 tools (generate(tools=..., max_turns=N)) run here too: EngineRollout builds a MultiTurnRollout per such call with
 its ToolSet, call format and full schemas (final/rollout/multi_turn_call.py), and chat template variables ride in
@@ -34,15 +37,17 @@ from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolCall
 from verl.workers.rollout.schemas import AsyncRolloutRequest, AsyncRolloutRequestStateEnum, FinishReasonTypeEnum
 
 from final.compat import unserved_multi_turn
-from final.errors import PromptError, SequenceError, ToolConfigError
+from final.config import multi_turn_option
+from final.errors import PromptError, SamplingError, SequenceError, ToolConfigError
 from final.outputs import ROW_INFO, TEMPLATE_KWARGS, TRACE_KEY
 from final.prompts import object_array
-from final.sampling import row_seed
+from final.sampling import CONSTRAINT_KEYS, row_seed
 from final.rollout.batch import (base_sampling_params, pad_token_id, request_sampling_params, row_cartridges,
                                  strip_left)
 from final.rollout.multi_turn_batch import collate, padding_request
 from final.rollout.multi_turn_call import FullToolSchema, call_messages, with_template_kwargs
 from final.rollout.thread import gather_or_cancel, run_until_complete
+from final.tools.constraint import calls_constraint
 from final.tools.executor import ToolExecutor
 from final.tools.parser import ParsedCall, ParseResult, ToolCallParser, check_format
 from final.tools.registry import ToolSet, load_tools
@@ -96,6 +101,12 @@ class MultiTurnRollout:
         self.tools = tools if tools is not None else load_tools(mt.tool_config_path) if mt.tool_config_path \
             else ToolSet()
         self.parser = ToolCallParser.for_tokenizer(fmt or mt.format, processing_class) if len(self.tools) else None
+        # a call's own tools follow its tool_choice; tools.yaml's follow rollout.multi_turn.constrain_tool_calls
+        self.constrain_calls = tools is None and mt.enable and multi_turn_option(mt, "constrain_tool_calls")
+        if self.constrain_calls and self.parser is None:
+            raise ToolConfigError("holds the calls of rollout.multi_turn.tool_config_path's tools to their schemas: "
+                                  "configure tools", key="rollout.multi_turn.constrain_tool_calls")
+        self._constraints: dict[tuple[str, ...], dict] = {}  # the row's tool names -> its sampling keys
         self.schemas = {s["function"]["name"]: s for s in schemas or []}  # a call's tools, rendered whole
         self.executor = ToolExecutor(self.tools, mt.max_parallel_calls, mt.max_tool_response_length,
                                      mt.tool_response_truncate_side)
@@ -289,7 +300,7 @@ class MultiTurnRollout:
         ids = req.get_generation_prompt_ids(pc)
         if len(ids) + 1 >= self.max_model_len:
             return Finish.LENGTH
-        output = await self._generate(ids, call.row_params(req.batch_data_id), run.cartridges)
+        output = await self._generate(ids, self._turn_params(req, call), run.cartridges)
         run.record(output["meta_info"])
         content = self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
         content_ids = torch.tensor(output["output_ids"], dtype=req.input_ids.dtype).unsqueeze(0)
@@ -311,6 +322,22 @@ class MultiTurnRollout:
         if finish != Finish.LENGTH:
             req.state = State.COMPLETED
         return finish
+
+    def _turn_params(self, req: AsyncRolloutRequest, call: "_Call") -> dict:
+        """The row's sampling params, with its tools' call constraint under constrain_tool_calls."""
+        params = call.row_params(req.batch_data_id)
+        if not self.constrain_calls or not req.tool_schemas:
+            return params
+        given = [k for k in CONSTRAINT_KEYS if params.get(k) is not None]
+        if given:
+            raise SamplingError("rollout.multi_turn.constrain_tool_calls already holds each turn to the row's tool "
+                                "calls: a call takes one constraint", given[0])
+        names = tuple(s.function.name for s in req.tool_schemas)
+        if names not in self._constraints:
+            tools = [s.model_dump(exclude_none=True) for s in req.tool_schemas]
+            self._constraints[names] = calls_constraint(self.parser.format, tools,
+                                                        self.executor.max_parallel_calls > 1)
+        return {**params, **self._constraints[names]}
 
     def _parse(self, content: str) -> ParseResult | None:
         if self.parser is None or not self.parser.has_tool_call(content):

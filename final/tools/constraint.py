@@ -10,7 +10,8 @@ JSON schema, closed (`closed`: no properties beyond those listed, as xgrammar's 
   tool_choice {function}  that tool's tag only, at least one call, stopping after it
   tool_choice "auto"      constrained only when a tool says `strict: true` (SGLang's rule); no call is required
   tool_choice "none"      nothing
-parallel_tool_calls false stops after the first call.
+parallel_tool_calls false stops after the first call. `calls_constraint` is "auto" with every tool strict: what
+rollout.multi_turn.constrain_tool_calls holds each assistant turn of an RL rollout to.
 
 A thinking model (reasoning parser on, thinking not turned off by enable_thinking=false) reasons first: its
 constraint becomes a sequence whose first part is free text up to `</think>` (xgrammar's builtin tags for Qwen3
@@ -48,6 +49,26 @@ def tool_constraint(family: str, tools: list[dict], choice: Any, parallel: bool)
         "type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": choice != "auto",
         "stop_after_first": named is not None or not parallel}}
     return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
+
+
+def calls_constraint(family: str, tools: list[dict], parallel: bool) -> dict[str, Any]:
+    """tool_choice "auto" with every tool held to its schema: text stays free, and a call the model starts (the
+    format's trigger) must be a call of one of `tools` whose arguments validate (declared `strict: false` too)."""
+    strict = [{**t, "function": {**t["function"], "strict": True, **_compact(t["function"].get("parameters"))}}
+              for t in tools]
+    return tool_constraint(family, strict, "auto", parallel)
+
+
+# JSON written as json.dumps (and chat templates' tojson) write it, with no whitespace beyond it: under flexible
+# whitespace (SGLang's default) a small policy can spend its whole turn on blanks inside a call and be cut off
+# (xgrammar bounds the same with max_whitespace_cnt); llguidance's schema option
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _compact(parameters: Any) -> dict:
+    if not isinstance(parameters, dict) or not parameters:
+        return {}
+    return {"parameters": {**parameters, "x-guidance": COMPACT}}
 
 
 def _arguments_schema(function: dict) -> dict:

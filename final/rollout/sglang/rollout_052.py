@@ -38,7 +38,7 @@ import torch
 from final import process_group as dist
 from final.adapters import FolderBase, MergedAdapter, lora_keywords
 from final.errors import EngineError
-from final.rollout.base import Backend, Capabilities, Observer, constraint_notes
+from final.rollout.base import Backend, Capabilities, Observer, check_constrained_calls, constraint_notes
 from final.rollout.sglang.config import (NO_GRAMMAR, UNSERVED_BY_052, check_applied_defaults, check_sampling_kwargs, preflight,
                                         refusing, require_sglang, sglang_device, translate_config, unserved_keys)
 from final.rollout.sglang.procs import POLL_S, ProcessWatch, cancel_all, release_start, survive_sigquit
@@ -117,6 +117,7 @@ class SGLangRollout(Backend):
     def __init__(self, config: Any, model_config: Any):
         global _group_users
         super().__init__(config, model_config, None)
+        check_constrained_calls(self.name, self.capabilities, config)
         device = sglang_device(config.engine_kwargs)
         require_sglang(device)
         if getattr(mp.current_process(), "_inheriting", False):
