@@ -32,12 +32,13 @@ run stops past `--max-gap`). The held-out problems are answered greedily (temper
 training, with a paired bootstrap 95% interval of the difference. Writes `--out`/policy (an HF folder: model +
 tokenizer, safetensors), reward_curve.png and history.json.
 
-At the defaults (SmolLM2-135M-Instruct; 30 steps of 8 problems x 8 samples, 48 tokens, temperature 0.6, Adam lr 2e-5)
-on 2 CPU cores (AMD EPYC, 2026-11-27, load 1.4-1.7: the run itself): held-out reward 0.130 -> 0.835 (200
-problems, greedy; difference +0.705, 95% bootstrap interval [+0.630, +0.775]); train reward 0.34 over the first 5
-steps, 0.77 over the last 5; 28 optimizer steps (2 steps had no group with signal); per step 9.7 s generating,
-9.7 s training, 74 ms syncing (0.4% of a step; gap <= 4e-6 throughout); 610 s in all. The base model loops
-"#### 12" lines until the token limit cuts one ("#### 1"); the trained one writes "#### 12" and stops.
+At the defaults SmolLM2-135M-Instruct goes from looping "#### 12" lines until the token limit cuts one to writing
+"#### 12" and stopping; the held-out rewards, step times and sync cost are in bench/RESULTS.md ("GRPO through
+final"), with the command that measured them.
+
+`--tools` (examples/grpo_tools.py): the policy learns to use a calculator through final's multi-turn loop, on
+arithmetic it cannot do in its head; each step also prints the share of its calls that were malformed, and
+`--constrain-calls` rolls out with `rollout.multi_turn.constrain_tool_calls` (no malformed call by construction).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+
+import grpo_tools  # examples/ is the script's folder, first on sys.path
 
 Reward = Callable[[str, str], float]
 INSTRUCTION = ' Write the final answer on the last line as "#### <number>".'
@@ -84,12 +87,13 @@ def make_problem(rng: random.Random) -> Problem:
                    str(a * b))
 
 
-def problem_sets(seed: int, held_out: int) -> tuple[list[Problem], Iterator[Problem]]:
+def problem_sets(seed: int, held_out: int, make: Callable[[random.Random], Problem] = make_problem
+                 ) -> tuple[list[Problem], Iterator[Problem]]:
     """The held-out problems (distinct, from seed + 1) and an endless stream of training problems (from seed)
     that never repeats a held-out question."""
     rng, held, seen = random.Random(seed + 1), [], set()
     while len(held) < held_out:
-        p = make_problem(rng)
+        p = make(rng)
         if p.question not in seen:
             seen.add(p.question)
             held.append(p)
@@ -97,7 +101,7 @@ def problem_sets(seed: int, held_out: int) -> tuple[list[Problem], Iterator[Prob
     def train() -> Iterator[Problem]:
         rng = random.Random(seed)
         while True:
-            p = make_problem(rng)
+            p = make(rng)
             if p.question not in seen:
                 yield p
 
@@ -151,8 +155,9 @@ def group_logprobs(model, prompt: list[int], completions: list[list[int]],
 class Group:
     prompt: list[int]
     completions: list[list[int]]
-    old_logprobs: list[list[float]]  # the engine's, per token
+    old_logprobs: list[list[float]] | None  # the engine's, per token (None: the policy's own before the step)
     rewards: list[float]
+    masks: list[list[int]] | None = None  # 1 on the tokens the policy wrote (None: all; --tools: not tool results)
 
     def advantages(self) -> list[float]:
         r = np.asarray(self.rewards, dtype=np.float64)
@@ -170,11 +175,14 @@ def train_step(model, optimizer, groups: list[Group], args: argparse.Namespace, 
     """One optimizer step on GRPO's clipped objective over the groups that carry signal; returns the step's
     diagnostics (gap: mean |policy - engine| log-prob of the sampled tokens before the step)."""
     live = [g for g in groups if max(g.rewards) > min(g.rewards)]
-    tokens = sum(len(c) for g in live for c in g.completions)
+    tokens = sum(sum(m) for g in live for m in g.masks) if live and live[0].masks else \
+        sum(len(c) for g in live for c in g.completions)
     gaps, loss_sum = [], 0.0
     for g in live:
         logp, mask = group_logprobs(model, g.prompt, g.completions, args.temperature)
-        old = padded(g.old_logprobs, logp)
+        if g.masks is not None:
+            mask = mask & padded(g.masks, logp).bool()
+        old = padded(g.old_logprobs, logp) if g.old_logprobs is not None else logp.detach()
         adv = torch.tensor(g.advantages(), dtype=torch.float32, device=logp.device).unsqueeze(1)
         ratio = torch.exp(logp - old)
         per_token = -torch.min(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv)
@@ -186,7 +194,8 @@ def train_step(model, optimizer, groups: list[Group], args: argparse.Namespace, 
         loss = (per_token * mask).sum() / tokens
         loss.backward()
         loss_sum += float(loss.detach())
-        gaps.append((logp.detach() - old)[mask].abs())
+        if g.old_logprobs is not None:
+            gaps.append((logp.detach() - old)[mask].abs())
     grad_norm = 0.0
     if live:  # no signal, no step: Adam's momentum alone would move the weights along an old gradient
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
@@ -200,16 +209,20 @@ def train_step(model, optimizer, groups: list[Group], args: argparse.Namespace, 
 def open_engine(model_dir: str, args: argparse.Namespace):
     from final.inf import InferenceEngine
 
+    if args.tools:
+        return InferenceEngine(grpo_tools.engine_config(model_dir, args, Path(args.out)))
     return InferenceEngine({"model_path": model_dir, "progress": False, "rollout": {
         "name": "local", "dtype": args.engine_dtype, "prompt_length": 256, "response_length": args.max_tokens,
         "engine_kwargs": {"local": {"device": args.device}}}})
 
 
 def rollout(engine, prompts: list[list[int]], problems: list[Problem], reward: Reward, args: argparse.Namespace,
-            seed: int) -> tuple[list[Group], int, int]:
+            seed: int) -> tuple[list[Group], int, int, dict]:
     """n sampled completions per prompt, with the engine's logprobs; returns the groups, the policy version every
-    row reports (checked to be one, and the engine's current one) and the prompt tokens the engine did not compute
-    (its prefix cache: a prompt's n samples share one prefill)."""
+    row reports (checked to be one, and the engine's current one), the prompt tokens the engine did not compute
+    (its prefix cache: a prompt's n samples share one prefill) and, with --tools, the calls' counts."""
+    if args.tools:
+        return rollout_tools(engine, problems, reward, args, seed)
     out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1,
                           max_tokens=args.max_tokens, seed=seed, logprobs=True)
     versions = {m["weights_version"] for m in out.metadata}
@@ -220,11 +233,41 @@ def rollout(engine, prompts: list[list[int]], problems: list[Problem], reward: R
         rows = range(p * args.n, (p + 1) * args.n)  # prompt-major
         groups.append(Group(ids, [out.token_ids[i] for i in rows], [out.metadata[i]["logprobs"] for i in rows],
                             [reward(out.completions[i], problem.answer) for i in rows]))
-    return groups, versions.pop(), sum(m["cached_tokens"] for m in out.metadata)
+    return groups, versions.pop(), sum(m["cached_tokens"] for m in out.metadata), {}
+
+
+def rollout_tools(engine, problems: list[Problem], reward: Reward, args: argparse.Namespace,
+                  seed: int) -> tuple[list[Group], int, int, dict]:
+    """--tools: n conversations per problem through the multi-turn loop; a group's loss counts the tokens the policy
+    wrote (response_mask), its old policy is the policy before the step."""
+    rows, version = grpo_tools.rollout(engine, [p.question for p in problems], [p.answer for p in problems], reward,
+                                       args, seed, args.n, args.temperature)
+    groups = []
+    for p in range(len(problems)):
+        g = rows[p * args.n:(p + 1) * args.n]
+        if any(r["prompt"] != g[0]["prompt"] for r in g):
+            raise RuntimeError(f"problem {p}'s samples were rendered from different prompts")
+        groups.append(Group(g[0]["prompt"], [r["response"] for r in g], None, [r["reward"] for r in g],
+                            [r["mask"] for r in g]))
+    return groups, version, sum(r["cached"] for r in rows), call_stats(rows)
+
+
+def call_stats(rows: list[dict]) -> dict:
+    calls = sum(r["calls"] for r in rows)
+    return {"calls": calls, "malformed_calls": sum(r["malformed"] for r in rows),
+            "rows_calling": sum(r["calls"] > 0 for r in rows) / len(rows),
+            "turns": float(np.mean([r["turns"] for r in rows]))}
 
 
 def evaluate(engine, tokenizer, problems: list[Problem], reward: Reward, args: argparse.Namespace) -> list[float]:
     """Greedy (temperature 0) answers to the held-out problems, one reward each."""
+    if args.tools:
+        rows, _ = grpo_tools.rollout(engine, [p.question for p in problems], [p.answer for p in problems], reward,
+                                     args, 0, 1, 0.0)
+        s = call_stats(rows)
+        print(f"  held-out calls: {s['calls']} ({s['malformed_calls']} malformed), {s['rows_calling']:.0%} of "
+              f"answers call the calculator, {s['turns']:.2f} assistant turns each", flush=True)
+        return [r["correct"] for r in rows]
     out = engine.generate([prompt_ids(tokenizer, p) for p in problems], temperature=0, max_tokens=args.max_tokens)
     return [reward(text, p.answer) for text, p in zip(out.completions, problems)]
 
@@ -279,7 +322,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="rollout + optimizer steps (each step's update synced)")
     p.add_argument("--prompts", type=int, default=8, help="problems per step")
     p.add_argument("--n", type=int, default=8, help="completions per problem (a GRPO group)")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per completion (rollouts and evaluation)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per completion, rollouts and evaluation (None: 48; --tools: 160 per conversation, "
+                        "tool results included)")
     p.add_argument("--temperature", type=float, default=0.6,
                    help="rollout sampling temperature (SmolLM2-135M's samples at 1.0 are mostly off-topic: ~0 reward)")
     p.add_argument("--lr", type=float, default=2e-5, help="Adam learning rate")
@@ -296,7 +341,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own, one per core)")
     p.add_argument("--seed", type=int, default=0, help="problems, sampling and the bootstrap")
     p.add_argument("--out", default="grpo_out", help="folder for policy/, reward_curve.png, history.json")
-    return p.parse_args(argv)
+    p.add_argument("--tools", action="store_true",
+                   help="the calculator task through the multi-turn loop (examples/grpo_tools.py)")
+    p.add_argument("--constrain-calls", action="store_true",
+                   help="--tools: rollouts under rollout.multi_turn.constrain_tool_calls (every call to the schema)")
+    p.add_argument("--max-turns", type=int, default=3, help="--tools: assistant turns per conversation")
+    p.add_argument("--call-bonus", type=float, default=0.2,
+                   help="--tools: the reward of a wrong answer whose conversation ran the calculator (0: none)")
+    args = p.parse_args(argv)
+    if args.constrain_calls and not args.tools:
+        p.error("--constrain-calls needs --tools")
+    if args.max_tokens is None:
+        args.max_tokens = 160 if args.tools else 48
+    return args
 
 
 def main(argv: Sequence[str] | None = None, reward: Reward = gsm8k_reward) -> dict:
@@ -322,7 +379,8 @@ def main(argv: Sequence[str] | None = None, reward: Reward = gsm8k_reward) -> di
         reference.requires_grad_(False)
     # fused: one kernel over all parameters; torch's default (foreach) step took 1.5-22 s on 2 cores, fused 0.1-0.5
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, fused=True)
-    held_out, train = problem_sets(args.seed, args.eval_problems)
+    make = (lambda rng: Problem(*grpo_tools.make_problem(rng))) if args.tools else make_problem
+    held_out, train = problem_sets(args.seed, args.eval_problems, make)
     with open_engine(model_dir, args) as engine:
         before = evaluate(engine, tokenizer, held_out, reward, args)
         print(f"held-out reward before: {np.mean(before):.3f} ({len(held_out)} problems, greedy, "
@@ -352,8 +410,8 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
     problems = [next(train) for _ in range(args.prompts)]
     prompts = [prompt_ids(tokenizer, p) for p in problems]
     t0 = time.perf_counter()
-    groups, version, cached = rollout(engine, prompts, problems, reward, args,
-                                      seed=args.seed * 1_000_003 + step * args.prompts * args.n)
+    groups, version, cached, calls = rollout(engine, prompts, problems, reward, args,
+                                             seed=args.seed * 1_000_003 + step * args.prompts * args.n)
     t1 = time.perf_counter()
     stats = train_step(policy, optimizer, groups, args, reference)
     max_gap = args.max_gap if args.max_gap is not None else (1e-2 if args.engine_dtype == "float32" else 0)
@@ -367,10 +425,13 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
     tokens = [len(c) for g in groups for c in g.completions]
     row = {"step": step, "version": version, "reward": float(np.mean(rewards)), "gen_s": t1 - t0,
            "train_s": t2 - t1, "sync_ms": (t3 - t2) * 1e3 if stats["stepped"] else None, "new_version": new_version,
-           "mean_tokens": float(np.mean(tokens)), "cached_tokens": cached, **stats}
+           "mean_tokens": float(np.mean(tokens)), "cached_tokens": cached, **stats, **calls}
+    told = (f" | calls {calls['calls']}, malformed {calls['malformed_calls'] / max(calls['calls'], 1):.0%}"
+            if calls else "")
     print(f"step {step:3d} | reward {row['reward']:.3f} | gen {row['gen_s']:5.1f} s | train {row['train_s']:5.1f} s"
           f" | sync {_ms(row['sync_ms'])} | version {version} | gap {row['gap']:.1e} | "
-          f"groups {row['live_groups']}/{len(groups)} | tokens {row['mean_tokens']:.0f} | cached {cached}", flush=True)
+          f"groups {row['live_groups']}/{len(groups)} | tokens {row['mean_tokens']:.0f} | cached {cached}{told}",
+          flush=True)
     return row
 
 

@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_example():
+    if str(REPO / "examples") not in sys.path:  # grpo.py imports grpo_tools from its own folder, as a script does
+        sys.path.insert(0, str(REPO / "examples"))
     spec = importlib.util.spec_from_file_location("grpo_example", REPO / "examples" / "grpo.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
@@ -60,6 +62,49 @@ def test_grpo_two_steps_sync_versions_and_save(tmp_path, one_thread):
                           "rollout": {"name": "local", "prompt_length": 64, "response_length": 8}}) as engine:
         out = engine.generate("What is 2 + 3?", temperature=0, max_tokens=4)
         assert out.metadata[0]["completion_tokens"] > 0 and out.metadata[0]["weights_version"] == 0
+
+
+def test_tool_mode_trains_on_the_policy_tokens_of_conversations(tmp_path, one_thread):
+    grpo = load_example()
+    result = grpo.main(["--model", TINY, "--tools", "--constrain-calls", "--steps", "2", "--prompts", "2", "--n", "4",
+                        "--max-tokens", "24", "--eval-problems", "4", "--lr", "1e-3", "--threads", str(one_thread),
+                        "--out", str(tmp_path)], reward=odd_length)
+    history = result["history"]
+    assert [h["version"] for h in history] == [0, 1] and [h["new_version"] for h in history] == [1, 2]
+    assert all(h["live_groups"] > 0 and h["grad_norm"] > 0 for h in history)
+    assert all(math.isnan(h["gap"]) for h in history)  # no engine logprobs in a multi-turn rollout: nothing to compare
+    assert all({"calls", "malformed_calls", "rows_calling", "turns"} <= set(h) for h in history)
+    assert "final.tools.calculator.CalculatorTool" in (tmp_path / "tools.yaml").read_text()
+    assert len(result["held_out_after"]) == 4
+
+
+def test_tool_rows_are_read_as_the_loop_reads_them():
+    """Malformed: unreadable JSON, another tool's name, arguments off the calculator's schema; the last turn's call
+    (which never runs) counts too."""
+    import grpo_tools
+    from final.tools.parser import ToolCallParser
+
+    def turn(body: str) -> dict:
+        return {"role": "assistant", "content": f"Let me compute.\n<tool_call>\n{body}\n</tool_call>"}
+
+    good = '{"name": "calculator", "arguments": {"expression": "37 * 48"}}'
+    row = {"messages": [{"role": "system", "content": "tools"}, {"role": "user", "content": "q"}, turn(good),
+                        {"role": "tool", "content": "1776"}, turn('{"name": "calculator", "arguments": {"expr'),
+                        turn('{"name": "calc", "arguments": {"expression": "1"}}'),
+                        turn('{"name": "calculator", "arguments": {"expression": 37}}'), turn(good),
+                        {"role": "assistant", "content": "#### 1776"}]}
+    assert grpo_tools.call_counts(row, ToolCallParser("hermes")) == (3, 5)
+
+
+def test_tool_problems_need_the_calculator():
+    grpo = load_example()
+    import grpo_tools
+
+    held, _ = grpo.problem_sets(0, 30, lambda rng: grpo.Problem(*grpo_tools.make_problem(rng)))
+    for p in held:
+        numbers = [int(w) for w in p.question.replace("?", " ").split() if w.isdigit()]
+        assert len(numbers) == 2 and all(n >= 12 for n in numbers)
+        assert int(p.answer) >= 50 and int(p.answer) not in numbers
 
 
 def test_problem_sets_keep_held_out_apart():

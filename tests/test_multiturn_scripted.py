@@ -293,8 +293,10 @@ def test_conversation_rows_and_live_events(tok, tmp_path):
     assert row.final_text == "Done." and row.num_turns == 2 and row.rewards == {"echo": 0.25, "user_turn_rewards": []}
     assert row.response_text.endswith("Done.") and "<|im_end|>" not in row.response_text  # NaiveRewardManager's view
     assert row.completion_tokens == sum(row.response_mask) == int(out.batch["response_mask"][0].sum())
-    assert set(row.to_metadata()) == {"messages", "response_text", "response_ids", "response_mask", "rewards",
-                                      "num_turns", "tool_calls", "completion_tokens"}
+    assert set(row.to_metadata()) == {"messages", "response_text", "prompt_ids", "response_ids", "response_mask",
+                                      "rewards", "num_turns", "tool_calls", "completion_tokens"}
+    width = out.batch["prompts"].shape[1]  # the prompt the conversation was sampled after, without its left pad
+    assert row.prompt_ids == out.batch["input_ids"][0, :width][out.batch["attention_mask"][0, :width].bool()].tolist()
     assert [(e["type"], e.get("name")) for e in events] == [
         ("assistant", None), ("tool_call", "echo"), ("tool_call", "nope"), ("tool_result", "echo"),
         ("tool_result", "nope"), ("assistant", None), ("done", None)]

@@ -2,7 +2,7 @@
 
 veRL's multi-turn output keeps what training needs: token tensors, response_mask, the message list (with the
 assistant's tool calls stripped, as SGLangRollout strips them), reward_scores. `conversation_rows` turns each row
-into a `ConversationRow`: the decoded response (as veRL's NaiveRewardManager decodes it for scoring), the last
+into a `ConversationRow`: the prompt's token ids (what a trainer scores the response after), the decoded response (as veRL's NaiveRewardManager decodes it for scoring), the last
 assistant message, the messages with each assistant turn's tool calls put back (from the rollout's tool trace, present
 when the batch was run with meta_info["final_tool_trace"] = True), the model-token mask, rewards and turn count.
 """
@@ -25,6 +25,7 @@ class ConversationRow:
     rewards: dict[str, Any]
     num_turns: int
     tool_calls: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
@@ -33,7 +34,8 @@ class ConversationRow:
 
     def to_metadata(self) -> dict:
         """GenerationOutput.metadata of a multi-turn row (its completion is `final_text`)."""
-        return {"messages": self.messages, "response_text": self.response_text, "response_ids": self.response_ids,
+        return {"messages": self.messages, "response_text": self.response_text, "prompt_ids": self.prompt_ids,
+                "response_ids": self.response_ids,
                 "response_mask": self.response_mask, "rewards": self.rewards, "num_turns": self.num_turns,
                 "tool_calls": self.tool_calls, "completion_tokens": self.completion_tokens}
 
@@ -44,6 +46,7 @@ def conversation_rows(out: DataProto, tokenizer: Any) -> list[ConversationRow]:
     rows = []
     for i in range(len(out)):
         valid = int(out.batch["attention_mask"][i, prompt_width:].sum())
+        prompt = out.batch["prompts"][i][out.batch["attention_mask"][i, :prompt_width].bool()].tolist()  # left pad
         ids = out.batch["responses"][i, :valid].tolist()
         mask = out.batch["response_mask"][i, :valid].tolist()
         trace = list(traces[i]) if traces is not None else []
@@ -53,7 +56,8 @@ def conversation_rows(out: DataProto, tokenizer: Any) -> list[ConversationRow]:
             response_text=tokenizer.decode(ids, skip_special_tokens=True),
             final_text=assistant[-1] if assistant and isinstance(assistant[-1], str) else "",
             messages=messages, response_ids=ids, response_mask=mask,
-            rewards=dict(out.non_tensor_batch["reward_scores"][i]), num_turns=len(assistant), tool_calls=trace))
+            rewards=dict(out.non_tensor_batch["reward_scores"][i]), num_turns=len(assistant), tool_calls=trace,
+            prompt_ids=prompt))
     return rows
 
 
