@@ -4,7 +4,7 @@
   final bench --quick --json  smoke run on the tiny model; one JSON object {"p1", "p2", "p3", "p4", ...}
   final bench --only p1,p4    a subset
   final bench --only dp       one engine vs 2 replicas on Ray (final.pool); not in the default run
-  final bench --only soak     final serve under 2,000 mixed requests (issue 13); not in the default run
+  final bench --only soak     final serve under 4,000 mixed requests (issue 13); not in the default run
   final bench --only multiturn  8-turn tool-loop conversations (batch 1 and 8) and n = 8 samples of a 1k prompt:
                               ours with the prefix cache, without it, HF generate and llama.cpp; not in the default run
   final bench --only peer     ours vs llama.cpp on the same weights (needs the `bench` extra; skipped, saying how to
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--peer-batches", help="peer: batch sizes (default 1,8; --quick 1,2)")
     p.add_argument("--peer-int8", action="store_true", help="peer: also our int8 mode vs llama.cpp's Q8_0")
     p.add_argument("--peer-bf16", action="store_true", help="peer: also our bf16 weights vs llama.cpp's BF16")
-    p.add_argument("--soak-requests", type=int, help="soak: requests (default 2000; --quick 200)")
+    p.add_argument("--soak-requests", type=int, help="soak: requests (default 4000; --quick 200)")
     p.add_argument("--soak-seconds", type=float, default=1200.0, help="soak: stop sending after this long (default 1200)")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: concurrent clients (default 8)")
     p.add_argument("--in-process", action="store_true",
@@ -167,9 +167,9 @@ def _dp(args: argparse.Namespace, model: str, repeats: int) -> dict:
 
 
 def _soak(args: argparse.Namespace, model: str, repeats: int) -> dict:
-    # robustness, not speed: the tiny model keeps 2,000 requests to minutes on a CPU
+    # robustness, not speed: the tiny model keeps 4,000 requests to minutes on a CPU
     soak_model = args.model or QUICK_MODEL
-    soak = run_soak(soak_model, args.soak_requests or (200 if args.quick else 2000), args.soak_seconds,
+    soak = run_soak(soak_model, args.soak_requests or (200 if args.quick else 4000), args.soak_seconds,
                     args.soak_concurrency)["soak"]
     return {"soak": {"model": soak_model, **soak}}
 
