@@ -18,7 +18,7 @@ recomputed old_log_prob: with one optimizer step per rollout the ratio is 1, pla
 no engine-policy gap to check); each row's weights_version still proves it came from the last update.
 
 Reward: veRL's GSM8K scorer on the final assistant message (1 or 0); a wrong answer whose conversation ran the
-calculator (a well-formed call) scores --call-bonus instead (0.2; 0: correctness only): SmolLM2-135M-Instruct
+calculator (a call that ran and computed) scores --call-bonus instead (0.2; 0: correctness only): SmolLM2-135M-Instruct
 almost never answers these right unaided, so without a format reward (as tool-RL recipes use) no group carries
 signal. The held-out reward is correctness alone. Malformed calls: calls the parser could not read (the
 loop tells the model so in a tool message and goes on), calls of a tool not offered, and calls whose arguments fail
@@ -86,22 +86,32 @@ def engine_config(model_dir: str, args: Any, folder: Path) -> dict:
 
 
 def call_counts(row: dict, parser: ToolCallParser) -> tuple[int, int]:
-    """(malformed calls, calls) the policy wrote in a multi-turn row, read from its assistant turns as the loop's
-    parser reads them (the last turn's calls, which never run, included)."""
-    bad = calls = 0
-    for m in row["messages"]:
-        if m["role"] != "assistant" or not isinstance(m.get("content"), str):
+    """(malformed calls, calls) the policy wrote in a multi-turn row: the calls the loop read (its trace: an error
+    means unreadable or no such tool; a read call's arguments must fit the calculator's schema), and those of a last
+    turn the loop never ran, read from its text as the loop's parser reads it."""
+    traced = [c for c in row.get("tool_calls") or [] if "turn" in c]  # per-call entries, not finish errors
+    calls = [(c.get("error"), c.get("name"), c.get("arguments")) for c in traced]
+    last = max((i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"), default=None)
+    if last is not None and last not in {c.get("message_index") for c in traced}:
+        content = row["messages"][last].get("content")
+        found = parser.parse(content).calls if isinstance(content, str) else []
+        calls += [(c.error, c.name, c.arguments) for c in found]
+    bad = 0
+    for error, name, arguments in calls:
+        if error or name != NAME:
+            bad += 1
             continue
-        for c in parser.parse(m["content"]).calls:
-            calls += 1
-            if not c.ok or c.name != NAME:
-                bad += 1
-                continue
-            try:
-                jsonschema.validate(c.arguments, CALCULATOR_SCHEMA["function"]["parameters"])
-            except jsonschema.ValidationError:
-                bad += 1
-    return bad, calls
+        try:
+            jsonschema.validate(arguments, CALCULATOR_SCHEMA["function"]["parameters"])
+        except jsonschema.ValidationError:
+            bad += 1
+    return bad, len(calls)
+
+
+def calculated(row: dict) -> bool:
+    """Whether the calculator computed something in this row (a call that ran and did not answer "error: ...")."""
+    return any("turn" in c and not c.get("error") and not str(c.get("response", "")).startswith("error:")
+               for c in row.get("tool_calls") or [])
 
 
 def rollout(engine: Any, questions: list[str], answers: list[str], reward: Callable[[str, str], float], args: Any,
@@ -117,8 +127,8 @@ def rollout(engine: Any, questions: list[str], answers: list[str], reward: Calla
     for i, (text, meta) in enumerate(zip(out.completions, out.metadata)):
         bad, calls = call_counts(meta, parser)
         correct = reward(text, answers[i // n])
-        ran = any(not c.get("error") for c in meta["tool_calls"] if "turn" in c)  # a calculator call that ran
+        bonus = args.call_bonus if calculated(meta) else 0.0
         rows.append({"prompt": meta["prompt_ids"], "response": meta["response_ids"], "mask": meta["response_mask"],
-                     "correct": correct, "reward": max(correct, args.call_bonus if ran else 0.0), "malformed": bad,
-                     "calls": calls, "cached": meta["cached_tokens"], "turns": meta["num_turns"]})
+                     "correct": correct, "reward": max(correct, bonus), "malformed": bad, "calls": calls,
+                     "cached": meta["cached_tokens"], "turns": meta["num_turns"]})
     return rows, versions.pop()

@@ -79,21 +79,33 @@ def test_tool_mode_trains_on_the_policy_tokens_of_conversations(tmp_path, one_th
 
 
 def test_tool_rows_are_read_as_the_loop_reads_them():
-    """Malformed: unreadable JSON, another tool's name, arguments off the calculator's schema; the last turn's call
-    (which never runs) counts too."""
+    """The loop's trace for the turns it ran (an error: unreadable or no such tool; arguments off the calculator's
+    schema: malformed too), the last turn's text for calls it never ran."""
     import grpo_tools
     from final.tools.parser import ToolCallParser
 
     def turn(body: str) -> dict:
         return {"role": "assistant", "content": f"Let me compute.\n<tool_call>\n{body}\n</tool_call>"}
 
-    good = '{"name": "calculator", "arguments": {"expression": "37 * 48"}}'
-    row = {"messages": [{"role": "system", "content": "tools"}, {"role": "user", "content": "q"}, turn(good),
-                        {"role": "tool", "content": "1776"}, turn('{"name": "calculator", "arguments": {"expr'),
-                        turn('{"name": "calc", "arguments": {"expression": "1"}}'),
-                        turn('{"name": "calculator", "arguments": {"expression": 37}}'), turn(good),
-                        {"role": "assistant", "content": "#### 1776"}]}
-    assert grpo_tools.call_counts(row, ToolCallParser("hermes")) == (3, 5)
+    def ran(index: int, arguments: dict, response: str, name: str = "calculator", error: str | None = None) -> dict:
+        return {"turn": 1, "name": name, "arguments": arguments, "response": response, "error": error,
+                "message_index": index}
+
+    row = {"messages": [{"role": "system", "content": "tools"}, {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "Let me compute."}, {"role": "tool", "content": "1776"},
+                        turn('{"name": "calculator", "arguments": {"expr'), {"role": "tool", "content": "Error"},
+                        turn('{"name": "calculator", "arguments": {"expression": "1 + 1"}}')],
+           "tool_calls": [ran(2, {"expression": "37 * 48"}, "1776"), ran(2, {"expression": "37 = 48"}, "error: x"),
+                          ran(4, None, "Error: bad JSON", name=None, error="invalid JSON"),
+                          ran(4, {"expression": "1"}, "Error: unknown tool", name="calc", error="unknown tool"),
+                          {"name": "calculator", "stage": "release", "error": "finish errors are not calls"}]}
+    parser = ToolCallParser("hermes")
+    assert grpo_tools.call_counts(row, parser) == (3, 5)  # 37 = 48 fails the pattern; the last turn's call is good
+    assert grpo_tools.calculated(row)
+    row["tool_calls"] = row["tool_calls"][1:]
+    assert not grpo_tools.calculated(row)  # the calculator only answered "error: ..."
+    row["messages"][-1] = turn('{"name": "calculator", "arguments": {"expression": 7}}')
+    assert grpo_tools.call_counts(row, parser) == (4, 4)
 
 
 def test_tool_problems_need_the_calculator():

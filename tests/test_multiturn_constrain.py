@@ -118,6 +118,38 @@ def test_constrained_rollouts_hold_no_malformed_call(setup, seed):
     assert bad == 0 and good >= 1  # the same rows start calls, and every one parses and validates
 
 
+def test_keywords_verl_drops_hold_too(setup, tmp_path):
+    """veRL's schema model keeps a property's type, description and enum only; the constraint holds calls to the
+    schema as tools.yaml wrote it (here a bound on each integer)."""
+    path, _ = setup
+    bounded = tmp_path / "tools.yaml"
+    bounded.write_text(TOOLS.replace("type: integer, description: first number",
+                                     "type: integer, minimum: 0, maximum: 9, description: first number")
+                       .replace("type: integer, description: second number",
+                                "type: integer, minimum: 0, maximum: 9, description: second number"))
+    schema = load_tools(bounded).written["add"]["function"]["parameters"]
+    assert schema["properties"]["a"]["maximum"] == 9  # kept as written
+    assert "maximum" not in load_tools(bounded).schemas()[0]["function"]["parameters"]["properties"]["a"]  # veRL's
+    calls = 0
+    for seed in (0, 1):
+        out = _rollout(path, str(bounded), True, seed)
+        for row in out.non_tensor_batch["messages"]:
+            for m in row["messages"][1:]:
+                m = m if isinstance(m, dict) else m.model_dump()
+                for call in (m.get("tool_calls") or []) if m["role"] == "assistant" else []:
+                    args = call["function"]["arguments"]
+                    jsonschema.validate(json.loads(args) if isinstance(args, str) else args, schema)
+                    calls += 1
+    assert calls >= 1
+
+
+def test_a_tools_yaml_schema_that_is_not_json_schema(tmp_path):
+    bad = tmp_path / "tools.yaml"
+    bad.write_text(TOOLS.replace("required: [a, b]", "required: [a, b]\n          minProperties: many"))
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.tool_schema\.function\.parameters"):
+        load_tools(bad)
+
+
 def test_the_key_from_config_yaml(setup):
     path, tools = setup
     raw = {"model_path": path, "rollout": {"name": "local", "multi_turn": {

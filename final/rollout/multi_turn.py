@@ -333,8 +333,9 @@ class MultiTurnRollout:
             raise SamplingError("rollout.multi_turn.constrain_tool_calls already holds each turn to the row's tool "
                                 "calls: a call takes one constraint", given[0])
         names = tuple(s.function.name for s in req.tool_schemas)
-        if names not in self._constraints:
-            tools = [s.model_dump(exclude_none=True) for s in req.tool_schemas]
+        if names not in self._constraints:  # each tool's schema as tools.yaml wrote it (veRL's model drops keywords)
+            tools = [self.tools.written.get(s.function.name) or s.model_dump(exclude_none=True)
+                     for s in req.tool_schemas]
             self._constraints[names] = calls_constraint(self.parser.format, tools,
                                                         self.executor.max_parallel_calls > 1)
         return {**params, **self._constraints[names]}

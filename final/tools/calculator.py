@@ -26,13 +26,15 @@ from uuid import uuid4
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
+MAX_CHARS = 200  # an expression longer than this is refused
 CALCULATOR_SCHEMA = {"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression exactly (+ - * / and parentheses), e.g. 37 * 48",
     "parameters": {"type": "object", "properties": {
-        "expression": {"type": "string", "description": "the arithmetic expression, e.g. (12 + 7) * 3"}},
+        "expression": {"type": "string", "description": "the arithmetic expression, e.g. (12 + 7) * 3",
+                       # what calculate() reads (its ×/÷ aside): under a constraint a call holds only these
+                       "pattern": r"^[0-9 .+\-*/%()]+$", "maxLength": MAX_CHARS}},
         "required": ["expression"]}}}
-MAX_CHARS = 200  # an expression longer than this is refused
 MAX_DIGITS = 60  # a number (operand or result) with more digits is refused
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

@@ -17,6 +17,7 @@ supported: veRL's `mcp` type needs MCP servers this package does not start.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import math
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator, SchemaError
 from pydantic import ValidationError
 
 from final.compat import TOOL_MODULES
@@ -41,6 +43,9 @@ class ToolSet:
     tools: dict[str, Any] = field(default_factory=dict)
     timeouts: dict[str, float] = field(default_factory=dict)
     path: str | None = None
+    # each tool's tool_schema as tools.yaml writes it: veRL's schema model keeps only type, description and enum of a
+    # property (no pattern, bounds, nested items), and rollout.multi_turn.constrain_tool_calls holds calls to all of it
+    written: dict[str, dict] = field(default_factory=dict)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tools
@@ -79,7 +84,21 @@ def load_tools(path: str | Path) -> ToolSet:
                                   path=where)
         toolset.tools[tool.name] = tool
         toolset.timeouts[tool.name] = timeout
+        if isinstance(entry.get("tool_schema"), dict):
+            toolset.written[tool.name] = _written_schema(entry["tool_schema"], f"tools[{i}].tool_schema", where)
     return toolset
+
+
+def _written_schema(schema: dict, key: str, where: str) -> dict:
+    """A tool_schema as written, its parameters checked as a JSON Schema (2020-12)."""
+    parameters = (schema.get("function") or {}).get("parameters")
+    try:
+        Draft202012Validator.check_schema(parameters if isinstance(parameters, dict) else {})
+    except SchemaError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        raise ToolConfigError(f"is not a valid JSON Schema: {exc.message[:200]}", path=where,
+                              key=f"{key}.function.parameters" + (f".{path}" if path else "")) from None
+    return copy.deepcopy(schema)
 
 
 def _build_tool(entry: Any, key: str, where: str) -> tuple[Any, float]:
