@@ -59,8 +59,7 @@ import grpo_tools  # examples/ is the script's folder, first on sys.path
 
 Reward = Callable[[str, str], float]
 INSTRUCTION = ' Write the final answer on the last line as "#### <number>".'
-NAMES = ["Tom", "Ana", "Ben", "Mia", "Sam", "Lily", "Raj", "Zoe", "Omar", "Nina", "Leo", "Ivy"]
-ITEMS = ["apples", "books", "marbles", "pencils", "stickers", "cookies", "shells", "coins", "cards", "stamps"]
+NAMES, ITEMS = grpo_tools.NAMES, grpo_tools.ITEMS  # one list of each for both tasks' problems
 
 
 @dataclass(frozen=True)
@@ -159,6 +158,10 @@ class Group:
     rewards: list[float]
     masks: list[list[int]] | None = None  # 1 on the tokens the policy wrote (None: all; --tools: not tool results)
 
+    def tokens(self) -> int:
+        """The tokens that carry loss: the policy's own (masks), else every completion token."""
+        return sum(map(sum, self.masks)) if self.masks is not None else sum(map(len, self.completions))
+
     def advantages(self) -> list[float]:
         r = np.asarray(self.rewards, dtype=np.float64)
         return ((r - r.mean()) / (r.std() + 1e-6)).tolist()
@@ -175,8 +178,7 @@ def train_step(model, optimizer, groups: list[Group], args: argparse.Namespace, 
     """One optimizer step on GRPO's clipped objective over the groups that carry signal; returns the step's
     diagnostics (gap: mean |policy - engine| log-prob of the sampled tokens before the step)."""
     live = [g for g in groups if max(g.rewards) > min(g.rewards)]
-    tokens = sum(sum(m) for g in live for m in g.masks) if live and live[0].masks else \
-        sum(len(c) for g in live for c in g.completions)
+    tokens = sum(g.tokens() for g in live)
     gaps, loss_sum = [], 0.0
     for g in live:
         logp, mask = group_logprobs(model, g.prompt, g.completions, args.temperature)
@@ -408,7 +410,7 @@ def run_step(step: int, engine, policy, optimizer, tokenizer, train: Iterator[Pr
              args: argparse.Namespace, reference=None) -> dict:
     """Rollout through the engine, one optimizer step, the full weights into the engine; prints one line."""
     problems = [next(train) for _ in range(args.prompts)]
-    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    prompts = [] if args.tools else [prompt_ids(tokenizer, p) for p in problems]  # --tools: the loop renders them
     t0 = time.perf_counter()
     groups, version, cached, calls = rollout(engine, prompts, problems, reward, args,
                                              seed=args.seed * 1_000_003 + step * args.prompts * args.n)
