@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from final.bench import timing
+
 # SmolLM2-135M: hidden 576, intermediate 1536, 30 layers, 9 + 2x3 heads of 64, vocab 49152 (tied lm_head)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -35,10 +37,8 @@ def memory_rates(repeats: int) -> tuple[float, float]:
 
 
 def read_rate(repeats: int, big: torch.Tensor | None = None) -> float:
-    """The machine's read-only rate: GB/s of a sum over 128 MB (or `big`, kept by a caller that samples often), the
-    best of `repeats`: the roofline's yardstick."""
-    big = torch.ones(128 * 2**20 // 4) if big is None else big
-    return big.nbytes / min(_timed(lambda: big.sum()) for _ in range(repeats)) / 1e9
+    """GB/s of final.bench.timing.read_rate (a sum over 128 MB or `big`, the best of `repeats`)."""
+    return timing.read_rate(repeats, big) / 1e9
 
 
 def _timed(fn) -> float:

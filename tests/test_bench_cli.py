@@ -115,6 +115,8 @@ def test_multiturn_smoke():
         assert all(len(r["ttft_ms"]) == 2 for r in rows.values())
         assert rows["ours, prefix cache"]["cached_tokens"] >= b["batch"] * 500  # turn 2 reads turn 1's history
         assert rows["ours, no cache"]["cached_tokens"] == 0
+        assert all(0 < r["after_first_s"] < r["wall_s"] for r in rows.values())
+        assert 0 < b["ratios"]["cache_floor"] <= b["ratios"]["cache_over_no_cache"]
     samples = mt["samples"]
     assert samples["cached_tokens"] == [0] + [samples["prompt_tokens"]] * (samples["n"] - 1)
     assert samples["cached_tokens_without"] == [0] * samples["n"]

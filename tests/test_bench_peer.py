@@ -68,3 +68,33 @@ def test_f32_gguf_dequantizes_every_tensor_and_keeps_metadata(tmp_path, monkeypa
 def test_agreement_counts_identical_rows_and_common_prefix():
     a = agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
     assert a["rows_identical"] == "1/2" and a["mean_common_prefix"] == 2.0
+
+
+def test_step_bytes_counts_every_matrix_a_decode_step_reads_once(tiny_dir):
+    """The roofline's bytes: each layer's matrices and the lm_head (the embedding a step reads one row of is not
+    counted again), as the HF model holds them in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from final.bench.peer import step_bytes
+    from final.engine import EmbeddedEngine
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    want = hf.get_output_embeddings().weight.numel() + sum(
+        p.numel() for name, p in hf.named_parameters() if p.dim() == 2 and ".layers." in name)
+    engine = EmbeddedEngine(tiny_dir, dtype="float32")
+    try:
+        assert engine.call(lambda _r: step_bytes(engine.model)) == 4 * want
+    finally:
+        engine.shutdown()
+
+
+def test_the_decode_roofline_line_compares_both_sides_streamed_rates():
+    row = {"mode": "fp32", "batch": 1, "ours_tok_s": 35.8, "llama_cpp_tok_s": 26.9, "llama_cpp_decode_tok_s": 28.7,
+           "ours_decode_tok_s": 38.2, "ratio": 1.33, "agreement": {"rows_identical": "1/1", "mean_common_prefix": 64},
+           "roofline": {"weight_mb_per_step": 513.0, "ours_gb_s": 20.56, "llama_cpp_gb_s": 15.46, "sum_gb_s": 20.68}}
+    lines = describe({"engine": "llama.cpp", "threads": 2, "new_tokens": 64, "batched": "-", "timing": "-",
+                      "rows": [row]})
+    line = next(x for x in lines if "decode steps only" in x)
+    assert "ours 38.2 tok/s, llama.cpp 28.7" in line and "llama.cpp 15.46 GB/s (75% of ours)" in line
+    assert "sum reads 20.68 GB/s" in line

@@ -27,7 +27,7 @@ import numpy as np
 
 from final.bench.isolate import isolated
 from final.bench.throughput import chat_prompts
-from final.bench.timing import side_by_side
+from final.bench.timing import on_own_thread, read_rate, side_by_side, timed
 from final.engine import EmbeddedEngine
 from final.models import cache_dir, smollm2_gguf_path
 
@@ -249,7 +249,8 @@ def run_peer(model_name: str, model_dir: str, batches: list[int], new_tokens: in
                      "new_tokens": new_tokens, "source_gguf": src.name, "rows": rows,
                      "batched": "batch B: B parallel sequences, one llama_decode per step (low-level llama_batch)",
                      "timing": "whole call (prefill + all new tokens) on both sides, medians of alternating runs; "
-                               "llama_cpp_decode_tok_s counts decode steps only"}}
+                               "(decode) and the decode lines count decode steps only (ours: the whole "
+                               "call less a one-token call of the same prompts)"}}
 
 
 def measure_row(model_dir: str, f32: str, mode: str, prompts: list[list[int]], new_tokens: int, repeats: int,
@@ -285,15 +286,38 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
         def ours() -> None:
             got["ours"] = [o["output_ids"] for o in engine.generate(prompts, params)]
 
+        reads = [on_own_thread(read_rate)]
         pair = side_by_side(theirs, ours, repeats, warmup=1)
+        reads.append(on_own_thread(read_rate))
+        # our prefill and first token alone, so our decode steps can be counted as llama.cpp's are
+        first = statistics.median(timed(lambda: engine.generate(prompts, {**params, "max_new_tokens": 1}))[0]
+                                 for _ in range(repeats))
+        reads.append(on_own_thread(read_rate))
+        weight_bytes = engine.call(lambda _r: step_bytes(engine.model))
         engine.call(lambda _r: peer.close())
     finally:
         engine.shutdown()
     tokens = B * new_tokens
-    return {"ours_tok_s": round(tokens / pair.ours_s, 2), "llama_cpp_tok_s": round(tokens / pair.reference_s, 2),
-            "ratio": round(pair.reference_s / pair.ours_s, 3),
-            "llama_cpp_decode_tok_s": round(B * (new_tokens - 1) / statistics.median(got["decode"][1:]), 2),
-            "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"], "_theirs": got["theirs"]}
+    ours_decode = B * (new_tokens - 1) / max(pair.ours_s - first, 1e-9)
+    theirs_decode = B * (new_tokens - 1) / statistics.median(got["decode"][1:])
+    row = {"ours_tok_s": round(tokens / pair.ours_s, 2), "llama_cpp_tok_s": round(tokens / pair.reference_s, 2),
+           "ratio": round(pair.reference_s / pair.ours_s, 3),
+           "ours_decode_tok_s": round(ours_decode, 2), "llama_cpp_decode_tok_s": round(theirs_decode, 2),
+           "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"], "_theirs": got["theirs"]}
+    if quantization is None:  # both sides read the same fp32 matrices a step: their streamed rates compare
+        row["roofline"] = {"weight_mb_per_step": round(weight_bytes / 2**20, 1),
+                           "ours_gb_s": round(weight_bytes * ours_decode / B / 1e9, 2),
+                           "llama_cpp_gb_s": round(weight_bytes * theirs_decode / B / 1e9, 2),
+                           "sum_gb_s": round(statistics.median(reads) / 1e9, 2)}
+    return row
+
+
+def step_bytes(model: Any) -> int:
+    """The weight bytes one decode step streams: every layer's matrices and the lm_head (the tied embedding) once;
+    norms are noise, and the K/V of these short rows adds under 1%."""
+    linears = [model.lm_head] + [lin for layer in model.layers
+                                 for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    return sum(lin.nbytes for lin in linears)
 
 
 def describe(peer: dict) -> list[str]:
@@ -312,6 +336,13 @@ def describe(peer: dict) -> list[str]:
         lines.append(f"  {r['mode']:5} {r['batch']:>5} {r['ours_tok_s']:>8.1f} {r['llama_cpp_tok_s']:>10.1f} "
                      f"{r['llama_cpp_decode_tok_s']:>9.1f} {r['ratio']:>6.2f}x {a['rows_identical']:>15} "
                      f"{a['mean_common_prefix']:>14}")
+        if "roofline" in r:
+            f = r["roofline"]
+            lines.append(f"        decode steps only: ours {r['ours_decode_tok_s']:.1f} tok/s, llama.cpp "
+                         f"{r['llama_cpp_decode_tok_s']:.1f}; each streams {f['weight_mb_per_step']} MB of weights a "
+                         f"step: ours {f['ours_gb_s']} GB/s, llama.cpp {f['llama_cpp_gb_s']} GB/s "
+                         f"({f['llama_cpp_gb_s'] / f['ours_gb_s']:.0%} of ours); a 128 MB sum reads "
+                         f"{f['sum_gb_s']} GB/s beside them")
         if "ours_vs_our_fp32" in r:
             b = r["ours_vs_our_fp32"]
             c = r["llama_cpp_vs_its_f32"]

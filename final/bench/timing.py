@@ -78,6 +78,13 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
     return 2 * n / best
 
 
+def read_rate(repeats: int = 3, big: torch.Tensor | None = None) -> float:
+    """The machine's read-only rate in bytes per second: a sum over 128 MB (or `big`, kept by a caller that samples
+    often), the best of `repeats`: the roofline's yardstick (a decode step streams its weights once)."""
+    big = torch.ones(128 * 2**20 // 4) if big is None else big
+    return big.nbytes / min(timed(lambda: big.sum())[0] for _ in range(repeats))
+
+
 def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3, budget_s: float = 0.25) -> float:
     """FLOP/s of one large square matmul: the compute ceiling the decode-step floor is also bounded by.
 
