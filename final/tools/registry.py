@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft202012Validator, SchemaError
 from pydantic import ValidationError
 
 from final.compat import TOOL_MODULES
 from final.config import read_yaml
 from final.errors import ToolConfigError
+from final.tools.schema_check import schema_problem
 
 DEFAULT_TIMEOUT_S = 60.0
 _ENTRY_KEYS = {"class_name", "config", "tool_schema", "timeout_s"}
@@ -92,12 +92,10 @@ def load_tools(path: str | Path) -> ToolSet:
 def _written_schema(schema: dict, key: str, where: str) -> dict:
     """A tool_schema as written, its parameters checked as a JSON Schema (2020-12)."""
     parameters = (schema.get("function") or {}).get("parameters")
-    try:
-        Draft202012Validator.check_schema(parameters if isinstance(parameters, dict) else {})
-    except SchemaError as exc:
-        path = ".".join(str(p) for p in exc.path)
-        raise ToolConfigError(f"is not a valid JSON Schema: {exc.message[:200]}", path=where,
-                              key=f"{key}.function.parameters" + (f".{path}" if path else "")) from None
+    problem = schema_problem(parameters if isinstance(parameters, dict) else {})
+    if problem is not None:
+        message, inner = problem
+        raise ToolConfigError(message, path=where, key=f"{key}.function.parameters" + (f".{inner}" if inner else ""))
     return copy.deepcopy(schema)
 
 

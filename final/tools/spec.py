@@ -19,13 +19,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from jsonschema import Draft202012Validator, SchemaError
 from transformers.utils import get_json_schema
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from final.errors import ToolsError
 from final.tools.registry import DEFAULT_TIMEOUT_S, ToolSet
+from final.tools.schema_check import schema_problem
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function and response-format names
 MAX_TOOLS = 128  # OpenAI's limit per request
@@ -122,14 +122,10 @@ def check_schema(schema: Any, where: str, must_be_object: bool = False) -> dict:
     if must_be_object and schema.get("type", "object") != "object":
         raise ToolsError(f"must describe an object (a call's arguments), got type {schema.get('type')!r:.40}",
                          f"{where}.type")
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        path = ".".join(str(p) for p in exc.path)
-        raise ToolsError(f"is not a valid JSON Schema: {exc.message[:200]}", f"{where}.{path}" if path else where) \
-            from None
-    except RecursionError:
-        raise ToolsError("is nested too deeply", where) from None
+    problem = schema_problem(schema)
+    if problem is not None:
+        message, inner = problem
+        raise ToolsError(message, f"{where}.{inner}" if inner else where)
     return schema
 
 
