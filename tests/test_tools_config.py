@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,16 @@ def test_verl_defaults_are_filled_in(tokenizer):
     assert rollout.sampling_params == {"n": 1, "max_new_tokens": 128, "presence_penalty": 0.0,
                                        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
                                        "top_k": -1, "top_p": 1.0, "ignore_eos": False}
+
+
+def test_a_schema_nested_too_deeply_is_a_typed_error(tmp_path):
+    """jsonschema's metaschema check recurses once per level: a deep schema is named, not a RecursionError."""
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "array", "items": deep}
+    doc = entry()
+    doc["tool_schema"]["function"]["parameters"] = {"type": "object", "properties": {"x": deep}, "required": []}
+    path = write(tmp_path, json.dumps({"tools": [doc]}))  # JSON is YAML; yaml.safe_dump recurses deeper
+    with pytest.raises(ToolConfigError, match="nested too deeply") as err:
+        load_tools(path)
+    assert err.value.key == "tools[0].tool_schema.function.parameters"
