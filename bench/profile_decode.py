@@ -9,6 +9,7 @@
                                                   # the same for gcc flags (gemv.c's #ifndef knobs) on one build
     python bench/profile_decode.py --batch 1 --quantization int8 --phases
                                                   # where the kernel's decode layers spend the step, per thread
+    python bench/profile_decode.py --batch 1 --prefill 113 --cached 1231   # a conversation turn's prefill
 
 Times are the engine thread's CPU time (time.thread_time), which other processes on a shared machine
 disturb far less than wall time; `--threads 1` makes them comparable across runs. `--no-gemm` swaps every
@@ -70,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                          "how much of it each thread waited in the team's barrier")
     ap.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
                     help="instead: ms to prefill --batch prompts of TOKENS tokens (best of --steps)")
+    ap.add_argument("--cached", type=int, default=0, metavar="TOKENS",
+                    help="with --prefill: each prompt's first TOKENS tokens come from the prefix cache (a turn of a "
+                         "conversation: one-token calls through engine.generate, a new tail each)")
     return ap.parse_args()
 
 
@@ -93,7 +97,7 @@ def remove_gemms() -> None:
 def main() -> None:
     args = parse_args()
     if args.prefill:
-        return prefill_times(args)
+        return cached_prefill_times(args) if args.cached else prefill_times(args)
     if args.phases:  # before the first engine loads the kernel: a build of its own (the flags are in its cache key)
         os.environ["FINAL_GEMV_CFLAGS"] = os.environ.get("FINAL_GEMV_CFLAGS", "") + " -DFINAL_PHASES"
     if args.other_team:
@@ -238,6 +242,36 @@ def fresh_rows(engine, runner, batch: int, params) -> tuple[list, callable]:
 
     append(runner.prefill(seqs))
     return seqs, append
+
+
+def cached_prefill_times(args) -> None:
+    """--prefill N --cached C: one-token calls whose first C tokens the prefix cache holds and whose N last are new
+    each time (what a conversation's turn prefills), timed whole through engine.generate; best and median."""
+    import random
+
+    from final.engine import EmbeddedEngine
+    from final.models import resolve_model_path
+
+    engine = EmbeddedEngine(resolve_model_path(args.model), dtype=args.dtype, quantization=args.quantization,
+                            max_model_len=args.cached + args.prefill + 8)
+    rng = random.Random(0)
+    head = [1] + [rng.randrange(100, 20_000) for _ in range(args.cached - 1)]
+    params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    times = []
+    try:
+        engine.generate(head, params)  # the cache now holds the head
+        for _ in range(args.steps + 1):
+            prompts = [head + [rng.randrange(100, 20_000) for _ in range(args.prefill)] for _ in range(args.batch)]
+            t = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            times.append(time.perf_counter() - t)
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    finally:
+        engine.shutdown()
+    times = times[1:]  # the first builds oneDNN's kernels for the shape
+    print(f"{args.dtype}: {args.batch} x {args.prefill} new tokens after {args.cached} cached (cached_tokens {cached}), "
+          f"{args.threads} thread(s): {min(times) * 1e3:.1f} ms (best of {len(times)}), median "
+          f"{statistics.median(times) * 1e3:.1f} ms")
 
 
 def prefill_times(args) -> None:

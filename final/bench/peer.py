@@ -304,7 +304,7 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
            "ratio": round(pair.reference_s / pair.ours_s, 3),
            "ours_decode_tok_s": round(ours_decode, 2), "llama_cpp_decode_tok_s": round(theirs_decode, 2),
            "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"], "_theirs": got["theirs"]}
-    if quantization is None:  # both sides read the same fp32 matrices a step: their streamed rates compare
+    if quantization is None and B == 1:  # both read the same fp32 matrices a step, at one row memory-bound
         row["roofline"] = {"weight_mb_per_step": round(weight_bytes / 2**20, 1),
                            "ours_gb_s": round(weight_bytes * ours_decode / B / 1e9, 2),
                            "llama_cpp_gb_s": round(weight_bytes * theirs_decode / B / 1e9, 2),
