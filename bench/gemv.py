@@ -16,7 +16,6 @@ all, so nothing is served from cache), alternating kernels within a repeat. Also
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
@@ -32,19 +31,13 @@ def memory_rates(repeats: int) -> tuple[float, float]:
     """GB/s of a 64 MB memcpy, (read + write) / time, and read_rate's; the best of `repeats` each."""
     a = torch.ones(16 * 2**20)
     b = torch.empty_like(a)
-    copy = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
+    copy = min(timing.timed(lambda: b.copy_(a))[0] for _ in range(repeats))
     return 2 * a.nbytes / copy / 1e9, read_rate(repeats)
 
 
 def read_rate(repeats: int, big: torch.Tensor | None = None) -> float:
     """GB/s of final.bench.timing.read_rate (a sum over 128 MB or `big`, the best of `repeats`)."""
     return timing.read_rate(repeats, big) / 1e9
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _fbgemm(w: torch.Tensor):
@@ -116,7 +109,7 @@ def main() -> None:
         best = dict.fromkeys(kernels, float("inf"))
         for _ in range(args.repeats):
             for name, (fn, _) in kernels.items():
-                best[name] = min(best[name], _timed(lambda: fn(xs)))
+                best[name] = min(best[name], timing.timed(lambda: fn(xs))[0])
         cells = [f"{kernels[name][1] / t / 1e9:.1f} ({1 / t:.0f}/s)" for name, t in best.items()]
         print(f"| {m} | " + " | ".join(cells) + " |")
 

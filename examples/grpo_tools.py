@@ -89,7 +89,7 @@ def call_counts(row: dict, parser: ToolCallParser) -> tuple[int, int]:
     """(malformed calls, calls) the policy wrote in a multi-turn row: the calls the loop read (its trace: an error
     means unreadable or no such tool; a read call's arguments must fit the calculator's schema), and those of a last
     turn the loop never ran, read from its text as the loop's parser reads it."""
-    traced = [c for c in row.get("tool_calls") or [] if "turn" in c]  # per-call entries, not finish errors
+    traced = _traced(row)
     calls = [(c.get("error"), c.get("name"), c.get("arguments")) for c in traced]
     last = max((i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"), default=None)
     if last is not None and last not in {c.get("message_index") for c in traced}:
@@ -110,8 +110,12 @@ def call_counts(row: dict, parser: ToolCallParser) -> tuple[int, int]:
 
 def calculated(row: dict) -> bool:
     """Whether the calculator computed something in this row (a call that ran and did not answer "error: ...")."""
-    return any("turn" in c and not c.get("error") and not str(c.get("response", "")).startswith("error:")
-               for c in row.get("tool_calls") or [])
+    return any(not c.get("error") and not str(c.get("response", "")).startswith("error:") for c in _traced(row))
+
+
+def _traced(row: dict) -> list[dict]:
+    """The loop's trace of the calls it read in a row: its per-call entries (they carry a turn), not finish errors."""
+    return [c for c in row.get("tool_calls") or [] if "turn" in c]
 
 
 def rollout(engine: Any, questions: list[str], answers: list[str], reward: Callable[[str, str], float], args: Any,

@@ -306,8 +306,8 @@ def _measure(model_dir: str, weights: Path, prompts: list[list[int]], new_tokens
            "agreement": agreement(got["ours"], got["theirs"]), "_ours": got["ours"], "_theirs": got["theirs"]}
     if quantization is None and B == 1:  # both read the same fp32 matrices a step, at one row memory-bound
         row["roofline"] = {"weight_mb_per_step": round(weight_bytes / 2**20, 1),
-                           "ours_gb_s": round(weight_bytes * ours_decode / B / 1e9, 2),
-                           "llama_cpp_gb_s": round(weight_bytes * theirs_decode / B / 1e9, 2),
+                           "ours_gb_s": round(weight_bytes * ours_decode / 1e9, 2),
+                           "llama_cpp_gb_s": round(weight_bytes * theirs_decode / 1e9, 2),
                            "sum_gb_s": round(statistics.median(reads) / 1e9, 2)}
     return row
 
